@@ -1,0 +1,33 @@
+# mlxcel developer tasks. `just --list` shows them; CI and the README need no `just`.
+
+venv := ".venv/bin/"
+
+# Install mlxcel and its development tools into .venv
+install:
+    python3 -m venv .venv
+    {{venv}}pip install -e '.[dev]'
+
+# Run the whole test suite (slow tests included, as in CI)
+test *args:
+    {{venv}}pytest {{args}}
+
+# Run only the fast tests
+test-fast *args:
+    {{venv}}pytest -m "not slow" {{args}}
+
+# Lint and type-check (ruff everywhere, mypy strict on mlxcel/policy)
+lint:
+    {{venv}}ruff check mlxcel tests
+    {{venv}}mypy
+
+# Regenerate the statechart diagram and its docs block from the DSL
+statechart:
+    {{venv}}mlxcel statechart --write
+
+# Check the generated docs are fresh (what CI does)
+docs:
+    {{venv}}mlxcel statechart --check
+
+# Serve the bundled default model on 127.0.0.1:8080
+serve *args:
+    {{venv}}mlxcel serve {{args}}

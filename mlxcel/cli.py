@@ -1,0 +1,113 @@
+"""The ``mlxcel`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+def _policy(args: argparse.Namespace) -> int:
+    from .client import PolicyFetchError, fetch, render
+
+    try:
+        body = fetch(args.url, api_key=args.api_key)
+    except PolicyFetchError as exc:
+        print(f"mlxcel policy: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    text = render(body)
+    if text is None:
+        version = body.get("schema_version") if isinstance(body, dict) else None
+        print(f"mlxcel policy: the server answered schema_version {version!r}, which this client "
+              "cannot read; showing nothing", file=sys.stderr)
+        return 1
+    print(text)
+    return 0
+
+
+def _statechart(args: argparse.Namespace) -> int:
+    from . import _docgen
+    from .policy.statechart import render_mermaid
+
+    root = Path(args.root)
+    if args.check:
+        stale = _docgen.stale(root)
+        for path in stale:
+            print(f"mlxcel statechart: {path} is stale; run `mlxcel statechart --write`",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    if args.write:
+        for path in _docgen.write(root):
+            print(f"wrote {path}")
+        return 0
+    sys.stdout.write(render_mermaid())
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_env
+
+    try:
+        env = load_env()
+    except ConfigError as exc:
+        print(f"mlxcel: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(json.dumps({
+        "adaptive": env.policy.adaptive,
+        "pin": env.policy.pin,
+        "allow_inexact": env.policy.allow_inexact,
+        "samples_required": env.policy.samples_required,
+        "draft_block_size": env.draft_block_size,
+        "cache_root": str(env.cache_root),
+    }, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    policy = commands.add_parser(
+        "policy", help="show a running server's adaptive MTP policy",
+        description="Fetch GET /v1/internal/mtp-policy and render it for a person.")
+    policy.add_argument("--url", default="http://127.0.0.1:8080",
+                        help="the server's base URL (default: %(default)s)")
+    policy.add_argument("--api-key", help="API key, sent as a bearer token")
+    policy.add_argument("--json", action="store_true", help="print the body as JSON instead")
+    policy.set_defaults(run=_policy)
+
+    chart = commands.add_parser(
+        "statechart", help="render the MTP policy statechart",
+        description="Print the policy statechart as mermaid, or regenerate the committed "
+                    "diagram and docs from it.")
+    mode = chart.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true",
+                      help="regenerate statecharts/ and the generated block of docs/statechart.md")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 if the committed diagram or docs are stale")
+    chart.add_argument("--root", default=".", help="the repository root (default: %(default)s)")
+    chart.set_defaults(run=_statechart)
+
+    config = commands.add_parser(
+        "config", help="show the settings the MLXCEL_* environment variables resolve to",
+        description="Parse the MLXCEL_* environment variables as `mlxcel serve` would and print "
+                    "the result; a malformed value exits with status 2.")
+    config.set_defaults(run=_config)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    status: int = args.run(args)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The consumer side of ``GET /v1/internal/mtp-policy``: fetch it, render it for a person.
+
+It follows the contract's consumer rules: unknown fields are ignored; an
+unknown ``state``, ``reason`` or ``verdict`` label is "no verdict I can
+render", never an error; a body whose ``schema_version`` this client does not
+know renders nothing; an operator pin renders as a pin, never as a measurement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+ENDPOINT = "/v1/internal/mtp-policy"
+SUPPORTED_SCHEMA_VERSION = 1
+NO_VERDICT = "no verdict I can render"
+
+
+class PolicyFetchError(Exception):
+    """The endpoint could not be read; ``str()`` says why in one line."""
+
+
+def fetch(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Any:
+    """The decoded JSON body of the policy endpoint of the server at *base_url*."""
+    url = base_url.rstrip("/") + ENDPOINT
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url, headers=headers, timeout=timeout)
+    except httpx.HTTPError as exc:
+        raise PolicyFetchError(f"cannot reach {url}: {exc}") from exc
+    if response.status_code != 200:
+        raise PolicyFetchError(f"{url} answered {response.status_code}: {_error_message(response)}")
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise PolicyFetchError(f"{url} did not answer JSON") from exc
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200] or response.reason_phrase
+
+
+def _str(body: dict[str, Any], field: str) -> str | None:
+    value = body.get(field)
+    return value if isinstance(value, str) else None
+
+
+def _int(body: dict[str, Any], field: str) -> int | None:
+    value = body.get(field)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _rate(body: dict[str, Any]) -> str:
+    value = body.get("acceptance_rate")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return f"acceptance {value:.2f}"
+    return "acceptance not measured"
+
+
+def _pairing(body: dict[str, Any]) -> str | None:
+    target, drafter, hardware = _str(body, "target"), _str(body, "drafter"), _str(body, "hardware")
+    block = _int(body, "block_size")
+    if target is None:
+        return None
+    text = f"pairing: {target}"
+    if drafter:
+        text += f" + {drafter}"
+    if hardware:
+        text += f" on {hardware}"
+    if block is not None:
+        text += f", K={block}"
+    return text
+
+
+def _headline(body: dict[str, Any]) -> list[str]:
+    state = body.get("state")
+    if state == "profiling":
+        done, required = _int(body, "samples"), _int(body, "samples_required")
+        if done is None or required is None:
+            return [NO_VERDICT]
+        return [f"measuring: {done} of {required} single-request generations done ({_rate(body)} so far)"]
+    if state == "settled":
+        verdict = body.get("verdict")
+        if verdict not in ("enable", "decline"):
+            return [NO_VERDICT]
+        what = "MTP enabled" if verdict == "enable" else "MTP declined"
+        samples = _int(body, "samples")
+        line = f"{what}: measured on this machine ({_rate(body)}"
+        return [line + (f" over {samples} samples)" if samples is not None else ")")]
+    if state == "forced":
+        enabled = body.get("mtp_enabled")
+        if not isinstance(enabled, bool):
+            return [NO_VERDICT]
+        return [f"MTP pinned {'on' if enabled else 'off'} by the operator "
+                "(MLXCEL_ENABLE_MTP_B1); nothing measured"]
+    if state == "exactness_declined":
+        lines = ["MTP configured but vetoed; running classic decode"]
+        detail = _str(body, "decline_detail")
+        return lines + ([f"reason: {detail}"] if detail else [])
+    if state == "unavailable":
+        reason = body.get("reason")
+        if reason == "worker_not_ready":
+            return ["MTP policy not known yet: the model is still loading"]
+        if reason == "no_mtp_dispatch":
+            return ["MTP not available: this server has no MTP drafter"]
+        if reason == "adaptive_disabled":
+            enabled = body.get("mtp_enabled")
+            state_text = {True: "on", False: "off"}.get(enabled) if isinstance(enabled, bool) else None
+            return ["adaptive MTP policy disabled (MLXCEL_MTP_ADAPTIVE); nothing measured"
+                    + (f"; MTP is {state_text} by pin or static default" if state_text else "")]
+    return [NO_VERDICT]
+
+
+def render(body: Any) -> str | None:
+    """A few lines for a person, or None when the body is not readable at all."""
+    if not isinstance(body, dict) or _int(body, "schema_version") != SUPPORTED_SCHEMA_VERSION:
+        return None
+    lines = _headline(body)
+    pairing = _pairing(body)
+    if pairing and lines != [NO_VERDICT]:
+        lines.append(pairing)
+    return "\n".join(lines)

@@ -1,0 +1,106 @@
+"""From measured bursts to a verdict: the speedup estimator and its decision zones."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Literal
+
+Verdict = Literal["enable", "decline"]
+ENABLE: Verdict = "enable"
+DECLINE: Verdict = "decline"
+
+# Decision zones for the estimated speedup of the B=1 burst over classic decode.
+# Starting points taken from the upstream system (architecture section 4): at or
+# below 1.0 the burst cannot pay for itself, at or above 1.5 it clearly does, and
+# in between the estimate is too close to call from a handful of samples, so the
+# static per-hardware gate decides. The verdict-accuracy benchmark re-tunes them.
+DECLINE_AT_OR_BELOW = 1.0
+ENABLE_AT_OR_ABOVE = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class BurstSample:
+    """What one request's B=1 MTP burst measured. No prompt data, no token ids.
+
+    *rounds* speculative rounds proposed *proposed* draft tokens, of which the
+    target accepted *accepted*. *round_seconds* is the wall time of all rounds
+    (drafter + verify + overhead); *drafter_seconds* and *verify_seconds* are
+    its two main parts, kept for diagnostics. *classic_steps* drafterless
+    single-token target steps, run inside the same burst while profiling, took
+    *classic_seconds* in all: the cost of classic decode on this machine, in the
+    same state.
+    """
+
+    rounds: int
+    proposed: int
+    accepted: int
+    round_seconds: float
+    drafter_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    classic_steps: int = 0
+    classic_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.rounds < 1:
+            raise ValueError("a qualifying sample ran at least one speculative round")
+        if not 0 <= self.accepted <= self.proposed:
+            raise ValueError("accepted drafts must be between 0 and the proposed count")
+        if self.proposed < 1:
+            raise ValueError("a speculative round proposes at least one draft")
+        if self.classic_steps < 0:
+            raise ValueError("classic_steps cannot be negative")
+        for name in ("round_seconds", "drafter_seconds", "verify_seconds", "classic_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite, non-negative number of seconds")
+
+    @property
+    def classic_step_seconds(self) -> float | None:
+        """Mean time of one classic decode step, if any were probed."""
+        if self.classic_steps == 0 or self.classic_seconds <= 0:
+            return None
+        return self.classic_seconds / self.classic_steps
+
+    @property
+    def mean_round_seconds(self) -> float:
+        return self.round_seconds / self.rounds
+
+
+def acceptance_rate(samples: list[BurstSample]) -> float | None:
+    """Accepted over proposed draft tokens across *samples*; None with nothing proposed."""
+    proposed = sum(s.proposed for s in samples)
+    if proposed == 0:
+        return None
+    return sum(s.accepted for s in samples) / proposed
+
+
+def estimate_speedup(samples: list[BurstSample]) -> float | None:
+    """Estimated B=1 speedup of the burst over classic decode.
+
+    (mean accepted drafts per round + 1) x classic step time / mean round time.
+    Acceptance is pooled over every round; the two times are medians across
+    samples, because the first burst of a process carries one-off compile cost
+    that a mean would smear over the whole window. None when no sample probed a
+    classic step or no round took measurable time.
+    """
+    if not samples:
+        return None
+    classic = [t for s in samples if (t := s.classic_step_seconds) is not None]
+    rounds = [s.mean_round_seconds for s in samples]
+    round_time = statistics.median(rounds)
+    if not classic or round_time <= 0:
+        return None
+    tokens_per_round = 1 + sum(s.accepted for s in samples) / sum(s.rounds for s in samples)
+    return tokens_per_round * statistics.median(classic) / round_time
+
+
+def decide(speedup: float | None, static_gate: bool) -> Verdict:
+    """The verdict for an estimated *speedup*: clear zones first, then the static gate."""
+    if speedup is not None:
+        if speedup <= DECLINE_AT_OR_BELOW:
+            return DECLINE
+        if speedup >= ENABLE_AT_OR_ABOVE:
+            return ENABLE
+    return ENABLE if static_gate else DECLINE

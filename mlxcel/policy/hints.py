@@ -1,0 +1,185 @@
+"""The persisted hint: a settled verdict on disk, so a restart does not re-profile.
+
+The files are private (the endpoint is the interface): their layout and
+:data:`HINT_VERSION` may change in any release. Every failure here degrades to
+"no hint" or "kept in memory" with one warning; none of them stops the server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .estimator import DECLINE, ENABLE, Verdict
+
+logger = logging.getLogger(__name__)
+
+#: On-disk format and verdict semantics. Bump it whenever stored verdicts must
+#: be discarded and re-profiled. Unrelated to the wire ``schema_version``.
+HINT_VERSION = 1
+
+#: Subdirectory of the cache root that holds the hints.
+HINT_DIR = "mtp-policy"
+
+# A hint is a few hundred bytes; anything much larger is not one of ours, and
+# is not worth reading into memory to find that out.
+_MAX_HINT_BYTES = 64 * 1024
+
+_FIELDS = ("version", "target", "drafter", "hardware", "block_size",
+           "verdict", "acceptance_rate", "samples", "estimated_speedup")
+
+
+@dataclass(frozen=True, slots=True)
+class PairingKey:
+    """What a verdict is about: (target, drafter, hardware, block size)."""
+
+    target: str
+    drafter: str
+    hardware: str
+    block_size: int
+
+    def digest(self) -> str:
+        """First 16 hex digits of SHA-256 of ``target|drafter|hardware|K<block_size>``."""
+        text = f"{self.target}|{self.drafter}|{self.hardware}|K{self.block_size}"
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """A settled verdict as stored. ``acceptance_rate`` has two decimals."""
+
+    key: PairingKey
+    verdict: Verdict
+    acceptance_rate: float
+    samples: int
+    estimated_speedup: float | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": HINT_VERSION,
+            "target": self.key.target,
+            "drafter": self.key.drafter,
+            "hardware": self.key.hardware,
+            "block_size": self.key.block_size,
+            "verdict": self.verdict,
+            "acceptance_rate": self.acceptance_rate,
+            "samples": self.samples,
+            "estimated_speedup": self.estimated_speedup,
+        }
+
+
+class HintStore:
+    """Hints under ``<cache root>/mtp-policy/<key digest>.json``."""
+
+    def __init__(self, cache_root: Path) -> None:
+        self.directory = Path(cache_root) / HINT_DIR
+        self._warned: set[str] = set()
+
+    def path_for(self, key: PairingKey) -> Path:
+        return self.directory / f"{key.digest()}.json"
+
+    def load(self, key: PairingKey) -> Hint | None:
+        """The stored hint for exactly *key*, or None (missing, unreadable, or foreign)."""
+        path = self.path_for(key)
+        try:
+            with path.open("rb") as f:
+                raw = f.read(_MAX_HINT_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None  # nothing stored; a cache root that cannot hold files warns on save
+        except OSError as exc:
+            self._warn(path, f"cannot read it ({exc.strerror or exc})")
+            return None
+        if len(raw) > _MAX_HINT_BYTES:
+            self._warn(path, "it is too large to be a hint")
+            return None
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            self._warn(path, "it is not valid JSON (corrupt or truncated)")
+            return None
+        problem = _validate(body, key)
+        if problem:
+            self._warn(path, problem)
+            return None
+        return Hint(key=key, verdict=body["verdict"], acceptance_rate=float(body["acceptance_rate"]),
+                    samples=body["samples"], estimated_speedup=_opt_float(body["estimated_speedup"]))
+
+    def save(self, hint: Hint) -> Path | None:
+        """Write *hint* atomically; the path written, or None if the cache is unwritable.
+
+        The body goes to a temporary file in the same directory, is flushed to
+        disk, and is renamed over the final name, so a reader (or a second
+        process settling the same pairing) sees an old whole file or a new whole
+        file, never a torn one.
+        """
+        path = self.path_for(hint.key)
+        data = (json.dumps(hint.to_json(), indent=2) + "\n").encode("utf-8")
+        tmp: str | None = None
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.stem}.", suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+        except OSError as exc:
+            self._warn(path, f"cannot write it ({exc.strerror or exc}); "
+                       "the verdict stays in memory and this pairing re-profiles after a restart",
+                       action="not persisting the MTP verdict to")
+            return None
+        finally:
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        return path
+
+    def _warn(self, path: Path, problem: str, action: str = "ignoring the MTP policy hint") -> None:
+        message = f"{action} {path}: {problem}"
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("%s", message)
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _validate(body: Any, key: PairingKey) -> str | None:
+    """Why *body* is not a valid hint for *key*, or None if it is."""
+    if not isinstance(body, dict):
+        return "it is not a JSON object"
+    if body.get("version") != HINT_VERSION:
+        return f"its version is {body.get('version')!r}, this server writes {HINT_VERSION}"
+    if set(body) != set(_FIELDS):
+        return "its fields are not those of a hint"
+    stored = (body["target"], body["drafter"], body["hardware"], body["block_size"])
+    if type(body["block_size"]) is not int or stored != (
+            key.target, key.drafter, key.hardware, key.block_size):
+        return "it belongs to another pairing"
+    if body["verdict"] not in (ENABLE, DECLINE):
+        return f"its verdict {body['verdict']!r} is not enable or decline"
+    rate = body["acceptance_rate"]
+    if not (_is_number(rate) and 0 <= rate <= 1):
+        return "its acceptance_rate is not a number between 0 and 1"
+    samples = body["samples"]
+    if not (isinstance(samples, int) and not isinstance(samples, bool) and samples >= 1):
+        return "its samples is not a positive integer"
+    speedup = body["estimated_speedup"]
+    if not (speedup is None or (_is_number(speedup) and speedup >= 0)):
+        return "its estimated_speedup is not a non-negative number"
+    return None

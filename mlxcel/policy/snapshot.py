@@ -1,0 +1,56 @@
+"""The published policy state: one frozen snapshot, two renderings."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: Wire schema version of the ``/v1/internal/mtp-policy`` body. Independent of
+#: the persisted hint's ``HINT_VERSION``. Bump only for breaking changes.
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class MtpPolicySnapshot:
+    """The policy's state as published after a transition.
+
+    Fields are declared in the contract's documented order, which is the order
+    of the wire body. The null rules (``reason`` only when unavailable,
+    ``samples_remaining`` only while profiling, ...) are the policy's to
+    uphold when it builds a snapshot; the renderings only lay it out.
+    """
+
+    state: str
+    reason: str | None
+    decline_detail: str | None
+    verdict: str | None
+    mtp_enabled: bool | None
+    target: str | None
+    drafter: str | None
+    hardware: str | None
+    gpu_vendor: str
+    gpu_device: str | None
+    gpu_architecture: str | None
+    block_size: int | None
+    acceptance_rate: float | None
+    samples: int
+    samples_required: int
+    samples_remaining: int | None
+    # Added to schema 1 (new fields are allowed within a version): the speedup
+    # the verdict was computed from; running while profiling, two decimals once
+    # settled, null when nothing was measured.
+    estimated_speedup: float | None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The schema-v1 body of ``GET /v1/internal/mtp-policy``."""
+        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+
+    def to_health(self) -> dict[str, Any]:
+        """The unversioned ``observability.mtp_policy`` shape of ``/health``.
+
+        ``state`` is spelled ``status``; there is no ``schema_version`` and no
+        ``samples_remaining``. An operator surface with no stability promise.
+        """
+        body = asdict(self)
+        del body["samples_remaining"]
+        return {"status": body.pop("state"), **body}

@@ -1,0 +1,40 @@
+"""Shared fixtures: hosts, pairings, a cache root, and the published v1 JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from mlxcel.policy import HintStore, HostInfo, PairingKey
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = json.loads((ROOT / "docs" / "mtp-policy-v1.schema.json").read_text())
+
+APPLE_M5 = HostInfo(label="M5-16c", gpu_vendor="Apple", gpu_device="Apple M5",
+                    gpu_architecture="applegpu_g17p", static_mtp_gate=True)
+LINUX_CPU = HostInfo(label="cpu-x86_64-Unknown-0c", gpu_vendor="Unknown", gpu_device=None,
+                     gpu_architecture=None, static_mtp_gate=False)
+
+
+def validate_wire(body: dict[str, Any]) -> None:
+    """Fail unless *body* conforms to the published schema-v1 JSON Schema."""
+    jsonschema.validate(body, SCHEMA, cls=jsonschema.Draft202012Validator)
+
+
+@pytest.fixture
+def cache_root(tmp_path: Path) -> Path:
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def hints(cache_root: Path) -> HintStore:
+    return HintStore(cache_root)
+
+
+@pytest.fixture
+def pairing() -> PairingKey:
+    return PairingKey(target="Gemma4-12B", drafter="Gemma4-12B-MTP", hardware=APPLE_M5.label, block_size=4)

@@ -1,0 +1,119 @@
+"""The persisted hint: atomic, versioned, strictly validated, and never fatal."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from mlxcel.policy import HINT_VERSION, Hint, HintStore, PairingKey
+
+
+def _hint(key: PairingKey, verdict: str = "enable", rate: float = 0.62) -> Hint:
+    return Hint(key=key, verdict=verdict, acceptance_rate=rate, samples=4,  # type: ignore[arg-type]
+                estimated_speedup=1.7)
+
+
+def test_path_is_the_documented_key_hash(hints: HintStore, cache_root: Path, pairing: PairingKey) -> None:
+    import hashlib
+
+    digest = hashlib.sha256(b"Gemma4-12B|Gemma4-12B-MTP|M5-16c|K4").hexdigest()[:16]
+    assert hints.path_for(pairing) == cache_root / "mtp-policy" / f"{digest}.json"
+
+
+def test_round_trip(hints: HintStore, pairing: PairingKey) -> None:
+    assert hints.load(pairing) is None
+    written = hints.save(_hint(pairing))
+    assert written == hints.path_for(pairing)
+    assert hints.load(pairing) == _hint(pairing)
+    # No temporary files are left beside the hint.
+    assert [p.name for p in written.parent.iterdir()] == [written.name]
+
+
+def _corrupt_cases(key: PairingKey) -> dict[str, bytes]:
+    good = _hint(key).to_json()
+    return {
+        "truncated": json.dumps(good).encode()[:40],
+        "not json": b"\x00\xff garbage",
+        "not an object": b"[1, 2, 3]",
+        "wrong version": json.dumps({**good, "version": HINT_VERSION + 1}).encode(),
+        "no version": json.dumps({k: v for k, v in good.items() if k != "version"}).encode(),
+        "wrong target": json.dumps({**good, "target": "other"}).encode(),
+        "wrong hardware": json.dumps({**good, "hardware": "M4-10c"}).encode(),
+        "wrong block size": json.dumps({**good, "block_size": 3}).encode(),
+        "float block size": json.dumps({**good, "block_size": 4.0}).encode(),
+        "bad verdict": json.dumps({**good, "verdict": "maybe"}).encode(),
+        "rate above one": json.dumps({**good, "acceptance_rate": 1.5}).encode(),
+        "rate is text": json.dumps({**good, "acceptance_rate": "0.6"}).encode(),
+        "samples zero": json.dumps({**good, "samples": 0}).encode(),
+        "samples bool": json.dumps({**good, "samples": True}).encode(),
+        "extra field": json.dumps({**good, "prompt": "secret"}).encode(),
+        "huge": b" " * (1024 * 1024),
+    }
+
+
+@pytest.mark.parametrize("case", list(_corrupt_cases(PairingKey("t", "d", "h", 4))))
+def test_bad_files_are_ignored_with_one_warning(hints: HintStore, case: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    key = PairingKey("t", "d", "h", 4)
+    path = hints.path_for(key)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(_corrupt_cases(key)[case])
+    with caplog.at_level(logging.WARNING):
+        assert hints.load(key) is None
+        assert hints.load(key) is None
+    assert len(caplog.records) == 1
+    assert str(path) in caplog.records[0].getMessage()
+    # Re-profiling then overwrites the bad file with a good one.
+    hints.save(_hint(key))
+    assert hints.load(key) == _hint(key)
+
+
+def test_foreign_key_in_our_file_name_is_ignored(hints: HintStore, pairing: PairingKey) -> None:
+    other = PairingKey("x", "y", "z", 2)
+    hints.save(_hint(other))
+    os.replace(hints.path_for(other), hints.path_for(pairing))
+    assert hints.load(pairing) is None
+
+
+def test_unwritable_directory_warns_once_and_returns_none(tmp_path: Path, pairing: PairingKey,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    store = HintStore(blocker)
+    with caplog.at_level(logging.WARNING):
+        assert store.save(_hint(pairing)) is None
+        assert store.save(_hint(pairing)) is None
+    assert len(caplog.records) == 1
+
+
+def _writer(root: str, verdict: str, rounds: int) -> None:
+    store = HintStore(Path(root))
+    key = PairingKey("t", "d", "h", 4)
+    for i in range(rounds):
+        store.save(_hint(key, verdict=verdict, rate=round((i % 100) / 100, 2)))
+
+
+@pytest.mark.slow
+def test_concurrent_writers_never_leave_a_torn_file(cache_root: Path) -> None:
+    key = PairingKey("t", "d", "h", 4)
+    store = HintStore(cache_root)
+    store.save(_hint(key))
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_writer, args=(str(cache_root), verdict, 300))
+               for verdict in ("enable", "decline", "enable")]
+    for process in writers:
+        process.start()
+    reads = 0
+    while any(p.is_alive() for p in writers) or reads < 50:
+        reader = HintStore(cache_root)  # fresh store: no warn-once memory
+        assert reader.load(key) is not None, "a reader saw a missing or torn hint"
+        reads += 1
+    for process in writers:
+        process.join(timeout=60)
+        assert process.exitcode == 0
+    assert [p.name for p in store.directory.iterdir()] == [store.path_for(key).name]

@@ -1,0 +1,138 @@
+"""Profiling counts down, settles on the last sample, persists, and restores after a restart."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from mlxcel.policy import BootFacts, HintStore, MtpPolicy, MtpPolicySnapshot, PairingKey, PolicySettings
+from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
+from tests.policy.helpers import sample
+
+
+def _profiling(cache: Path, key: PairingKey, published: list[MtpPolicySnapshot] | None = None,
+               samples_required: int = 4) -> MtpPolicy:
+    policy = MtpPolicy(PolicySettings(samples_required=samples_required), HintStore(cache),
+                       publish=None if published is None else published.append)
+    policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=key))
+    return policy
+
+
+def test_profiling_counts_down_and_settles_on_the_last_sample(cache_root: Path, pairing: PairingKey) -> None:
+    published: list[MtpPolicySnapshot] = []
+    policy = _profiling(cache_root, pairing, published)
+    remaining = [policy.snapshot.samples_remaining]
+    for _ in range(3):
+        policy.on_sample(sample(accepted=2, proposed=3, speedup=2.0))
+        remaining.append(policy.snapshot.samples_remaining)
+        assert policy.snapshot.state == "profiling" and policy.mtp_enabled is True
+    assert remaining == [4, 3, 2, 1]
+    assert policy.snapshot.acceptance_rate == pytest.approx(2 / 3)  # raw running quotient
+
+    policy.on_sample(sample(accepted=2, proposed=3, speedup=2.0))
+    body = policy.snapshot.to_wire()
+    validate_wire(body)
+    assert (body["state"], body["verdict"], body["mtp_enabled"]) == ("settled", "enable", True)
+    assert (body["acceptance_rate"], body["samples"], body["samples_remaining"]) == (0.67, 4, None)
+    assert body["estimated_speedup"] == 2.0
+    # Every event published a snapshot, the last one the settled state.
+    assert [s.state for s in published] == ["profiling"] * 4 + ["settled"]
+    assert published[-1] is policy.snapshot
+
+    stored = json.loads(HintStore(cache_root).path_for(pairing).read_text())
+    assert stored == {"version": 1, "target": "Gemma4-12B", "drafter": "Gemma4-12B-MTP",
+                      "hardware": "M5-16c", "block_size": 4, "verdict": "enable",
+                      "acceptance_rate": 0.67, "samples": 4, "estimated_speedup": 2.0}
+
+
+def test_restart_restores_settled_without_profiling(cache_root: Path, pairing: PairingKey) -> None:
+    first = _profiling(cache_root, pairing)
+    for _ in range(4):
+        first.on_sample(sample(accepted=1, proposed=3, speedup=0.8))
+    settled = first.snapshot
+    assert settled.verdict == "decline" and settled.mtp_enabled is False
+
+    restarted = _profiling(cache_root, pairing)
+    assert restarted.snapshot == settled
+    # Settled policies take no more samples.
+    restarted.on_sample(sample())
+    assert restarted.snapshot == settled
+
+
+@pytest.mark.parametrize("change", ["block_size", "hardware", "target", "drafter"])
+def test_any_other_pairing_key_profiles_afresh(cache_root: Path, pairing: PairingKey, change: str) -> None:
+    first = _profiling(cache_root, pairing)
+    for _ in range(4):
+        first.on_sample(sample())
+    assert first.snapshot.state == "settled"
+
+    other = {"block_size": 3, "hardware": "M4-10c", "target": "Other", "drafter": "Other-MTP"}[change]
+    changed = PairingKey(**{**{f: getattr(pairing, f) for f in
+                               ("target", "drafter", "hardware", "block_size")}, change: other})
+    again = _profiling(cache_root, changed)
+    assert (again.snapshot.state, again.snapshot.samples_remaining) == ("profiling", 4)
+
+
+def test_verdict_comes_from_measurements(cache_root: Path, pairing: PairingKey) -> None:
+    cpu_key = PairingKey("t", "d", LINUX_CPU.label, 4)
+    verdicts = {}
+    for speedup in (0.9, 1.2, 1.6):
+        policy = MtpPolicy(PolicySettings(samples_required=2), None)
+        policy.on_worker_ready(BootFacts(host=LINUX_CPU, pairing=cpu_key))
+        for _ in range(2):
+            policy.on_sample(sample(speedup=speedup))
+        verdicts[speedup] = policy.snapshot.verdict
+    # Below the decline line, in the ambiguous zone (static gate off on CPU), above the enable line.
+    assert verdicts == {0.9: "decline", 1.2: "decline", 1.6: "enable"}
+
+
+def test_ambiguous_zone_follows_the_static_gate_on_apple(pairing: PairingKey) -> None:
+    policy = MtpPolicy(PolicySettings(samples_required=1), None)
+    policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=pairing))
+    policy.on_sample(sample(speedup=1.2))
+    assert policy.snapshot.verdict == "enable"
+
+
+def test_worker_loss_returns_to_not_ready_and_resolves_again(cache_root: Path, pairing: PairingKey) -> None:
+    policy = _profiling(cache_root, pairing)
+    policy.on_sample(sample())
+    lost = policy.on_worker_lost()
+    validate_wire(lost.to_wire())
+    assert (lost.state, lost.reason, lost.mtp_enabled, lost.samples, lost.target) == (
+        "unavailable", "worker_not_ready", None, 0, None)
+    # The half-full window is gone with the worker: a new one starts from zero.
+    policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=pairing))
+    assert (policy.snapshot.state, policy.snapshot.samples) == ("profiling", 0)
+    # Losing a worker that was never ready changes nothing.
+    policy.on_worker_lost()
+    assert policy.on_worker_lost() == policy.snapshot
+
+
+def test_unwritable_cache_keeps_the_verdict_in_memory(tmp_path: Path, pairing: PairingKey,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the cache directory should be")
+    policy = _profiling(blocker / "cache", pairing)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            policy.on_sample(sample())
+    assert (policy.snapshot.state, policy.snapshot.verdict) == ("settled", "enable")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "not persisting the MTP verdict" in warnings[0].getMessage()
+
+
+def test_settling_logs_verdict_acceptance_speedup_and_hint_path(
+        cache_root: Path, pairing: PairingKey, caplog: pytest.LogCaptureFixture) -> None:
+    policy = _profiling(cache_root, pairing)
+    with caplog.at_level(logging.INFO, logger="mlxcel.policy"):
+        for _ in range(4):
+            policy.on_sample(sample(speedup=1.75))
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("mlxcel")]
+    assert "MTP policy sample 1/4: acceptance 0.67 so far, estimated speedup 1.75x" in messages
+    settled = [m for m in messages if m.startswith("MTP policy settled")]
+    assert settled == [
+        "MTP policy settled: enable (acceptance 0.67, estimated speedup 1.75x over 4 samples); "
+        f"hint written to {HintStore(cache_root).path_for(pairing)}"]
