@@ -11,6 +11,10 @@ from pathlib import Path
 EXIT_USAGE = 2
 
 
+class UsageError(ValueError):
+    """A setting stops startup; ``str()`` is the one line printed before exit status 2."""
+
+
 def _policy(args: argparse.Namespace) -> int:
     from .client import PolicyFetchError, fetch, render
 
@@ -70,9 +74,51 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The statechart library narrates every callback at INFO; our policy logs what matters.
+    logging.getLogger("transitions").setLevel(logging.WARNING)
+    from .serve_cli import build_serve_config
+
+    try:
+        config = build_serve_config(args)
+    except UsageError as exc:
+        print(f"mlxcel serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    import trio
+
+    from .serve import main as serve_main
+
+    try:
+        trio.run(serve_main, config)
+    except KeyboardInterrupt:
+        return 0
+    except BaseException as exc:  # the engine failed after the port was bound
+        print(f"mlxcel serve: stopped: {_first_error(exc)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _first_error(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a Hugging Face-layout model directory with continuous batching.")
+    from .serve_cli import add_serve_arguments
+
+    add_serve_arguments(serve)
+    serve.set_defaults(run=_serve)
 
     policy = commands.add_parser(
         "policy", help="show a running server's adaptive MTP policy",

@@ -9,7 +9,12 @@ from typing import Any
 import jsonschema
 import pytest
 
-from mlxcel.policy import HintStore, HostInfo, PairingKey
+from mlxcel.blas import load_fast_blas
+
+# Before anything imports mlx: the fast BLAS, as `mlxcel serve` does.
+load_fast_blas()
+
+from mlxcel.policy import HintStore, HostInfo, PairingKey  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "mtp-policy-v1.schema.json").read_text())
@@ -38,3 +43,12 @@ def hints(cache_root: Path) -> HintStore:
 @pytest.fixture
 def pairing() -> PairingKey:
     return PairingKey(target="Gemma4-12B", drafter="Gemma4-12B-MTP", hardware=APPLE_M5.label, block_size=4)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets its own cache root, so no test reads or writes ~/.cache."""
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path / "mlxcel-cache"))
+    for name in ("MLXCEL_MTP_ADAPTIVE", "MLXCEL_ENABLE_MTP_B1", "MLXCEL_DRAFT_BLOCK_SIZE",
+                 "MLXCEL_MTP_ALLOW_INEXACT", "MLXCEL_MTP_PROFILE_SAMPLES"):
+        monkeypatch.delenv(name, raising=False)

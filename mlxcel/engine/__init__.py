@@ -1,0 +1,21 @@
+"""The engine: the model, continuous batching and the MTP policy, on one worker thread.
+
+Importing this package does not import mlx; the worker imports it on its own thread.
+"""
+
+from .engine import Engine, EngineUnavailable, QueueFull
+from .requests import Event, Finish, GenerationRequest, SamplingParams, TextDelta, Timings
+from .worker import WorkerSettings
+
+__all__ = [
+    "Engine",
+    "EngineUnavailable",
+    "Event",
+    "Finish",
+    "GenerationRequest",
+    "QueueFull",
+    "SamplingParams",
+    "TextDelta",
+    "Timings",
+    "WorkerSettings",
+]

@@ -1,0 +1,68 @@
+"""What goes into the engine and what comes back. Plain data: no mlx, no trio."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """0 is greedy decoding."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    id: str
+    prompt_tokens: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    """Stop strings: generation ends before the first occurrence, which is not returned."""
+    logprobs: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    """New output of one request: text and the tokens behind it."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Per-request timings and draft statistics, in llama.cpp's names."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cached_n: int = 0
+    """Prompt tokens reused from the prefix cache."""
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    draft_rounds: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """The last event of every request."""
+
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings = field(default_factory=Timings)
+    error: str | None = None
+    """Why the request ended early (reason ``error`` or ``cancelled``)."""
+
+
+Event = TextDelta | Finish

@@ -1,0 +1,365 @@
+"""The engine's worker: one OS thread that makes every MLX call of the server.
+
+MLX streams are bound to the thread that creates them, so the worker loads the
+model, owns the caches, the continuous-batching generator and the MTP policy,
+and runs the decode loop, all on this one thread for the life of the server.
+It talks to the trio side through a thread-safe inbox (requests, cancellations,
+stop) and hands events back with ``TrioToken.run_sync_soon``, which never
+blocks: the decode loop never waits on the HTTP side.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from ..hardware import detect_host
+from ..models.loader import CheckpointInfo, load_checkpoint
+from ..observability import CacheStats, Observability, SlotState
+from ..policy import BootFacts, HintStore, MtpPolicy, PolicySettings
+from .requests import Event, Finish, FinishReason, GenerationRequest, TextDelta, Timings
+from .text import StopStringFilter
+
+logger = logging.getLogger(__name__)
+
+#: How long an idle worker waits for work before checking for cancellation.
+IDLE_POLL_SECONDS = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    parallel: int = 4
+    """Sequences that decode together (1 with ``--no-batch``)."""
+    batch: bool = True
+    """False: the legacy single-sequence worker, which has no MTP path."""
+    prefix_cache_entries: int = 8
+    prefill_step_size: int = 512
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    cache_root: Any = None
+    """Where persisted policy hints live (a Path), or None to keep verdicts in memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str = "server shutting down"
+
+
+Message = Submit | Cancel | Stop
+
+
+@dataclass
+class _Sequence:
+    """A request the worker is serving."""
+
+    request: GenerationRequest
+    uid: int
+    detokenizer: Any
+    stop: StopStringFilter
+    admitted: float
+    cached: int
+    first_token_at: float | None = None
+    generated: int = 0
+    pending_tokens: list[int] = field(default_factory=list)
+    pending_logprobs: list[float] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    final_cache: tuple[Any, Any] = (None, None)
+    """(prompt cache, tokens in it) the generator handed back when it finished the sequence."""
+
+
+class _PrefixCache:
+    """mlx-lm's LRU prompt cache, with the statistics ``/v1/cache/stats`` shows."""
+
+    def __init__(self, key: str, entries: int) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self._key = key
+        self._lru = LRUPromptCache(max_size=entries)
+        self._entries = entries
+        self._lookups = self._hits = self._prompt_tokens = self._reused = 0
+
+    def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
+        """A cache covering a prefix of *tokens*, and the tokens still to prefill (never empty)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        cache, rest = self._lru.fetch_nearest_cache(self._key, tokens)
+        if cache is not None and not rest:
+            # An exact hit still needs the last token's logits: step back one.
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = tokens[-1:]
+            else:
+                cache, rest = None, tokens
+        self._lookups += 1
+        self._prompt_tokens += len(tokens)
+        if cache is not None:
+            self._hits += 1
+            self._reused += len(tokens) - len(rest)
+        return cache, list(rest)
+
+    def store(self, tokens: list[int], cache: list[Any]) -> None:
+        self._lru.insert_cache(self._key, list(tokens), cache)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(entries=len(self._lru), bytes=self._lru.nbytes, max_entries=self._entries,
+                          lookups=self._lookups, hits=self._hits, prompt_tokens=self._prompt_tokens,
+                          reused_tokens=self._reused)
+
+
+def _make_sampler(request: GenerationRequest) -> Callable[[Any], Any] | None:
+    """None for greedy (the batch then samples in one call); else a per-request sampler."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
+
+    params = request.sampling
+    if params.temperature == 0:
+        return None
+    if params.seed is None:
+        sampler: Callable[[Any], Any] = make_sampler(temp=params.temperature, top_p=params.top_p,
+                                                     top_k=params.top_k)
+        return sampler
+    key = mx.random.key(params.seed)
+
+    def seeded(logprobs: Any) -> Any:
+        nonlocal key
+        key, step_key = mx.random.split(key)
+        if 0 < params.top_p < 1:
+            logprobs = apply_top_p(logprobs, params.top_p)
+        if params.top_k > 0:
+            logprobs = apply_top_k(logprobs, params.top_k)
+        return mx.random.categorical(logprobs * (1 / params.temperature), key=step_key)
+
+    return seeded
+
+
+class Worker:
+    """Owns MLX for the server. :meth:`run` is the thread's whole life."""
+
+    generator: Any  # mlx-lm's BatchGenerator: continuous batching of classic decode
+
+    def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
+                 inbox: queue.SimpleQueue[Message], deliver: Callable[[list[tuple[str, Event]]], None],
+                 on_ready: Callable[[Any], None], before_load: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.checkpoint = checkpoint
+        self.observability = observability
+        self.inbox = inbox
+        self._deliver = deliver
+        self._on_ready = on_ready
+        self._before_load = before_load
+        hints = HintStore(settings.cache_root) if settings.cache_root is not None else None
+        self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
+        self._sequences: dict[str, _Sequence] = {}
+        self._by_uid: dict[int, _Sequence] = {}
+
+    # -- the thread -------------------------------------------------------------
+
+    def run(self) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        try:
+            if self._before_load is not None:
+                self._before_load()
+            model, tokenizer = load_checkpoint(self.checkpoint)
+            host = detect_host()
+        except BaseException:
+            self.observability.state = "failed"
+            raise
+        self.tokenizer = tokenizer
+        self.stream = mx.new_stream(mx.default_device())
+        parallel = self.settings.parallel if self.settings.batch else 1
+        self.generator = BatchGenerator(
+            model,
+            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
+            completion_batch_size=parallel,
+            prefill_batch_size=parallel,
+            prefill_step_size=self.settings.prefill_step_size,
+            stream=self.stream,
+        )
+        self.prefix = _PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
+        self._parallel = parallel
+        self._publish_load()
+        # No drafter yet: the policy reports that there is no MTP dispatch.
+        self.policy.on_worker_ready(BootFacts(host=host, pairing=None))
+        self.observability.state = "ready"
+        self._on_ready(tokenizer)
+        try:
+            self._loop()
+        finally:
+            self.policy.on_worker_lost()
+            self.generator.close()
+
+    def _loop(self) -> None:
+        while True:
+            if not self._take_messages(block=not self._sequences):
+                return
+            trio.from_thread.check_cancelled()
+            if not self._sequences:
+                continue
+            _, responses = self.generator.next()
+            events: list[tuple[str, Event]] = []
+            finished: list[_Sequence] = []
+            for response in responses:
+                sequence = self._by_uid.get(response.uid)
+                if sequence is not None:
+                    self._on_token(sequence, response, events, finished)
+            if finished:
+                self._retire(finished, events)
+            self._publish_load()
+            if events:
+                self._deliver(events)
+
+    def _take_messages(self, block: bool) -> bool:
+        """Handle every message waiting (waiting a little if *block*); False on Stop."""
+        events: list[tuple[str, Event]] = []
+        try:
+            message = self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        try:
+            while True:
+                if isinstance(message, Stop):
+                    self._end_all("error", message.reason, events)
+                    self._deliver(events)
+                    return False
+                if isinstance(message, Submit):
+                    self._admit(message.request, events)
+                elif isinstance(message, Cancel):
+                    self._cancel(message.request_id, events)
+                message = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        self._publish_load()
+        if events:
+            self._deliver(events)
+        return True
+
+    # -- requests ---------------------------------------------------------------
+
+    def _admit(self, request: GenerationRequest, events: list[tuple[str, Event]]) -> None:
+        tokens = list(request.prompt_tokens)
+        try:
+            cache, rest = self.prefix.fetch(tokens)
+            (uid,) = self.generator.insert(
+                [rest], max_tokens=[request.max_tokens], caches=[cache] if cache is not None else None,
+                all_tokens=[tokens[:len(tokens) - len(rest)]], samplers=[_make_sampler(request)])
+        except Exception as exc:  # a request the model cannot take must not stop the worker
+            logger.exception("request %s could not be admitted", request.id)
+            events.append((request.id, Finish("error", len(tokens), 0,
+                                              error=f"cannot start generation: {exc}")))
+            return
+        sequence = _Sequence(request=request, uid=uid, detokenizer=self.tokenizer.detokenizer,
+                             stop=StopStringFilter(request.stop), admitted=time.perf_counter(),
+                             cached=len(tokens) - len(rest))
+        self._sequences[request.id] = sequence
+        self._by_uid[uid] = sequence
+        self.observability.prompt_tokens.inc(len(tokens))
+        self.observability.cache = self.prefix.stats()
+
+    def _cancel(self, request_id: str, events: list[tuple[str, Event]]) -> None:
+        sequence = self._sequences.get(request_id)
+        if sequence is None:
+            return
+        self.generator.remove([sequence.uid])
+        self._forget(sequence)
+        events.append((request_id, self._finish(sequence, "cancelled", "the client went away")))
+
+    def _end_all(self, reason: FinishReason, error: str, events: list[tuple[str, Event]]) -> None:
+        for sequence in list(self._sequences.values()):
+            self.generator.remove([sequence.uid])
+            self._forget(sequence)
+            events.append((sequence.request.id, self._finish(sequence, reason, error)))
+
+    def _on_token(self, sequence: _Sequence, response: Any, events: list[tuple[str, Event]],
+                  finished: list[_Sequence]) -> None:
+        now = time.perf_counter()
+        if sequence.first_token_at is None:
+            sequence.first_token_at = now
+        text = ""
+        # A "stop" finish is an end-of-sequence token: it ends the text, it is not part of it.
+        if response.finish_reason != "stop":
+            sequence.generated += 1
+            sequence.detokenizer.add_token(response.token)
+            text = sequence.stop.feed(sequence.detokenizer.last_segment)
+            sequence.pending_tokens.append(response.token)
+            if sequence.request.logprobs:
+                sequence.pending_logprobs.append(response.logprobs[response.token].item())
+        reason: FinishReason | None = response.finish_reason
+        if sequence.stop.stopped:
+            reason = "stop"
+        if reason is not None:
+            sequence.detokenizer.finalize()
+            if not sequence.stop.stopped:
+                text += sequence.stop.feed(sequence.detokenizer.last_segment) + sequence.stop.flush()
+            sequence.finish_reason = reason
+            sequence.final_cache = (response.prompt_cache, response.all_tokens)
+            finished.append(sequence)
+        if text or (reason is not None and sequence.pending_tokens):
+            events.append((sequence.request.id, TextDelta(
+                text, tuple(sequence.pending_tokens),
+                tuple(sequence.pending_logprobs) if sequence.request.logprobs else None)))
+            sequence.pending_tokens.clear()
+            sequence.pending_logprobs.clear()
+        self.observability.generated_tokens.inc()
+
+    def _retire(self, finished: list[_Sequence], events: list[tuple[str, Event]]) -> None:
+        # Sequences stopped by a stop string are still in the batch: take them out with their caches.
+        still_batched = [s.uid for s in finished if s.final_cache[0] is None]
+        caches = self.generator.remove(still_batched, return_prompt_caches=True) if still_batched else {}
+        for sequence in finished:
+            cache, tokens = caches.get(sequence.uid, sequence.final_cache)
+            if cache is not None and tokens:
+                self.prefix.store(tokens, cache)
+            self._forget(sequence)
+            assert sequence.finish_reason is not None
+            events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
+        self.observability.cache = self.prefix.stats()
+
+    def _forget(self, sequence: _Sequence) -> None:
+        self._sequences.pop(sequence.request.id, None)
+        self._by_uid.pop(sequence.uid, None)
+
+    def _finish(self, sequence: _Sequence, reason: FinishReason, error: str | None = None) -> Finish:
+        now = time.perf_counter()
+        first = sequence.first_token_at or now
+        return Finish(
+            reason=reason,
+            prompt_tokens=len(sequence.request.prompt_tokens),
+            completion_tokens=sequence.generated,
+            timings=Timings(
+                prompt_n=len(sequence.request.prompt_tokens) - sequence.cached,
+                prompt_ms=(first - sequence.admitted) * 1000,
+                predicted_n=sequence.generated,
+                predicted_ms=(now - first) * 1000,
+                cached_n=sequence.cached,
+            ),
+            error=error,
+        )
+
+    def _publish_load(self) -> None:
+        """Slots, batch size and queue depth. Sequences are served in admission order, so
+        the first ``parallel`` of them hold the slots and the rest wait."""
+        serving = list(self._sequences.values())[:self._parallel]
+        self.observability.slots = tuple(
+            SlotState(id=i, is_processing=i < len(serving),
+                      n_prompt_tokens=len(serving[i].request.prompt_tokens) if i < len(serving) else 0,
+                      n_decoded=serving[i].generated if i < len(serving) else 0)
+            for i in range(self._parallel))
+        self.observability.batch_size.set(len(serving))
+        self.observability.queue_depth.set(len(self._sequences) - len(serving))

@@ -1,0 +1,1 @@
+"""Model checkpoints: validation before the server binds, and loading on the worker thread."""

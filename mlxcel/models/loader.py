@@ -1,0 +1,138 @@
+"""Hugging Face-layout checkpoints: check one cheaply up front, load it on the worker.
+
+:func:`inspect_checkpoint` runs before the HTTP port is bound, so that a
+directory that is missing, has no ``config.json``, names an unsupported
+``model_type`` or holds broken weights stops startup with one clear line. It
+reads only JSON and safetensors headers. :func:`load_checkpoint` does the real
+load through mlx-lm, on the engine's worker thread, with progress logged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint cannot be served; ``str()`` is one line saying why."""
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointInfo:
+    path: Path
+    name: str
+    """Directory basename: the model id and the policy's ``target``."""
+    model_type: str
+    context_length: int
+    weight_files: tuple[Path, ...]
+    weight_bytes: int
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
+def _supported(model_type: str) -> bool:
+    from mlx_lm.utils import MODEL_REMAPPING
+
+    module = MODEL_REMAPPING.get(model_type, model_type)
+    return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
+
+
+def _context_length(config: dict[str, Any]) -> int:
+    for source in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return 4096
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header parses and the data it describes fits the file exactly."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > min(size - 8, 100 * 1024 * 1024):
+            raise CheckpointError(f"{path} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError as exc:
+            raise CheckpointError(f"{path} has a corrupt safetensors header") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header")
+    end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    if 8 + header_len + end != size:
+        raise CheckpointError(f"{path} is truncated or corrupt: its header describes "
+                              f"{8 + header_len + end} bytes, the file has {size}")
+
+
+def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
+    """Check *path* is a servable checkpoint without loading it."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"model directory {directory} does not exist")
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckpointError(f"{directory} has no config.json; expected a Hugging Face-layout checkpoint")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError(f"{config_path} names no model_type")
+    if not _supported(model_type):
+        raise CheckpointError(f"model_type {model_type!r} in {config_path} is not supported")
+    weights = tuple(sorted(directory.glob("model*.safetensors")))
+    if not weights:
+        raise CheckpointError(f"{directory} has no model*.safetensors weights")
+    for file in weights:
+        _check_safetensors(file)
+    if not any((directory / name).exists() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"{directory} has no tokenizer (tokenizer.json or tokenizer.model)")
+    return CheckpointInfo(path=directory, name=directory.resolve().name, model_type=model_type,
+                          context_length=_context_length(config), weight_files=weights,
+                          weight_bytes=sum(f.stat().st_size for f in weights))
+
+
+def load_checkpoint(info: CheckpointInfo) -> tuple[Any, Any]:
+    """(model, tokenizer) through mlx-lm, materialising weights with progress logs.
+
+    Must run on the thread that will use the model (MLX streams are thread-bound).
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
+
+    started = time.perf_counter()
+    logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
+    try:
+        loaded: Any = load(str(info.path), lazy=True)
+        model, tokenizer = loaded
+    except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
+        raise CheckpointError(f"cannot load {info.path}: {exc}") from exc
+    flat: Any = tree_flatten(model.parameters())
+    parameters = [array for _, array in flat]
+    step = max(1, len(parameters) // 20)
+    last_report = time.perf_counter()
+    for start in range(0, len(parameters), step):
+        mx.eval(parameters[start:start + step])
+        # Report at most once a second: silent for small models, steady for large ones.
+        if time.perf_counter() - last_report >= 1.0:
+            last_report = time.perf_counter()
+            done = min(len(parameters), start + step)
+            logger.info("loading %s: %d%% of tensors", info.name, round(100 * done / len(parameters)))
+    model.eval()
+    logger.info("loaded %s in %.1fs", info.name, time.perf_counter() - started)
+    return model, tokenizer

@@ -1,0 +1,102 @@
+"""What the engine publishes and the HTTP layer reads: no mlx, no trio.
+
+The engine's worker thread writes whole immutable values (the policy snapshot,
+cache statistics, slot states) with single attribute assignments; request
+handlers only read them, so nothing here needs a lock and no handler ever
+waits on the decode loop. Counters are prometheus_client metrics, which are
+thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .policy import MtpPolicySnapshot
+from .policy.statechart import LEAF_STATES
+
+EngineState = Literal["loading", "ready", "failed", "stopping"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    entries: int = 0
+    bytes: int = 0
+    max_entries: int = 0
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "entries": self.entries,
+            "bytes": self.bytes,
+            "max_entries": self.max_entries,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "misses": self.lookups - self.hits,
+            "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else None,
+            "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SlotState:
+    id: int
+    is_processing: bool
+    n_prompt_tokens: int = 0
+    n_decoded: int = 0
+
+
+class _PolicyStateCollector(Collector):
+    """``mlxcel_mtp_policy_state{state=...}``: 1 for the current state, read at scrape time."""
+
+    def __init__(self, observability: Observability) -> None:
+        self._observability = observability
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        snap = self._observability.policy
+        current = f"{snap.state}/{snap.reason}" if snap.reason else snap.state
+        family = GaugeMetricFamily("mlxcel_mtp_policy_state", "Adaptive MTP policy state (1 = current)",
+                                   labels=["state"])
+        for state in LEAF_STATES:
+            family.add_metric([state], 1.0 if state == current else 0.0)
+        yield family
+        enabled = GaugeMetricFamily("mlxcel_mtp_enabled", "The policy's live MTP gate (1 on, 0 off or unknown)")
+        enabled.add_metric([], 1.0 if snap.mtp_enabled else 0.0)
+        yield enabled
+
+
+class Observability:
+    """The last published state of the engine, and the server's metrics."""
+
+    def __init__(self, policy: MtpPolicySnapshot, model: str | None = None) -> None:
+        self.policy = policy
+        self.model = model
+        self.state: EngineState = "loading"
+        self.error: str | None = None
+        self.cache = CacheStats()
+        self.slots: tuple[SlotState, ...] = ()
+        self.blas: str | None = None
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("mlxcel_requests", "HTTP requests answered", ["route", "status"], registry=r)
+        self.prompt_tokens = Counter("mlxcel_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generated_tokens = Counter("mlxcel_generated_tokens", "Tokens generated", registry=r)
+        self.draft_tokens = Counter("mlxcel_draft_tokens", "Draft tokens proposed", registry=r)
+        self.draft_accepted = Counter("mlxcel_draft_tokens_accepted", "Draft tokens accepted", registry=r)
+        self.queue_depth = Gauge("mlxcel_queue_depth", "Requests waiting for a decode slot", registry=r)
+        self.batch_size = Gauge("mlxcel_batch_size", "Sequences decoding together", registry=r)
+        self.request_seconds = Histogram("mlxcel_request_seconds", "Generation request duration",
+                                         registry=r)
+        r.register(_PolicyStateCollector(self))
+
+    def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
+        self.policy = snapshot

@@ -1,0 +1,95 @@
+"""``mlxcel serve``: one trio nursery that owns the engine and the HTTP server.
+
+    trio.run(main)
+    └── nursery
+        ├── engine.run()  ── trio.to_thread.run_sync(worker.run): every MLX call, one OS thread
+        └── hypercorn.trio.serve(app)  ── routes read Observability, submit to the engine
+
+The port is bound before the model loads, so ``/health`` (503) and the policy
+endpoint (``unavailable/worker_not_ready``) answer from the first moment.
+SIGINT/SIGTERM stop it gracefully: open streams end with an error event, the
+worker returns, the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve as hypercorn_serve
+
+from .engine import Engine, WorkerSettings
+from .models.loader import CheckpointInfo
+from .observability import Observability
+from .policy import MtpPolicy
+from .server import ServerOptions, create_app
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    checkpoint: CheckpointInfo
+    worker: WorkerSettings
+    options: ServerOptions
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_queue_depth: int = 16
+    blas: str | None = None
+    before_load: Callable[[], None] | None = field(default=None, compare=False)
+    """Runs on the worker thread before the model loads (tests hold a load here)."""
+
+
+async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until *shutdown* is set (or the task is cancelled). Reports the bound URLs when listening."""
+    if shutdown is None:
+        shutdown = trio.Event()
+    initial = MtpPolicy(config.worker.policy).snapshot
+    observability = Observability(initial, model=config.checkpoint.name)
+    observability.blas = config.blas
+    engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
+                    before_load=config.before_load)
+    app = create_app(engine, observability, config.options)
+    hypercorn = HypercornConfig()
+    hypercorn.bind = [f"{config.host}:{config.port}"]
+    hypercorn.accesslog = None
+    hypercorn.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
+    hypercorn.graceful_timeout = 5.0
+
+    async def stopped() -> None:
+        await shutdown.wait()
+        observability.state = "stopping"
+        engine.stop()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(engine.run)
+        urls = await nursery.start(lambda task_status: hypercorn_serve(
+            app, hypercorn, shutdown_trigger=stopped, task_status=task_status))
+        logger.info("listening on %s", ", ".join(urls))
+        task_status.started(urls)
+        # The engine ends when the worker returns (after a stop) or fails; the
+        # HTTP server ends after its graceful shutdown. Either ends the other.
+        await engine.finished.wait()
+        shutdown.set()
+        nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1
+
+
+async def main(config: ServeConfig) -> None:
+    """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async def on_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("received %s: shutting down", signal.Signals(signum).name)
+                    shutdown.set()
+                    return
+
+        nursery.start_soon(on_signals)
+        await run_server(config, shutdown=shutdown)
+        nursery.cancel_scope.cancel()

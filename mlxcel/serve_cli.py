@@ -1,0 +1,114 @@
+"""The ``mlxcel serve`` options, and turning them into a :class:`~mlxcel.serve.ServeConfig`.
+
+Everything that can be wrong with the settings is found here, before the port
+is bound: a bad environment value, a missing or broken model directory, an
+unreadable key file. Each is one line and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .cli import UsageError
+from .config import ConfigError, load_env, parse_draft_block_size
+
+if TYPE_CHECKING:
+    from .serve import ServeConfig
+
+logger = logging.getLogger(__name__)
+
+#: The pairing ``mlxcel serve`` serves when no ``--model`` is given.
+BUNDLED_MODEL = Path(__file__).parent / "models" / "default"
+
+
+def _positive(name: str, low: int = 1) -> Callable[[str], int]:
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = low - 1
+        if number < low:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, not {value!r}")
+        return number
+    return parse
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, help="model directory (default: the bundled model)")
+    parser.add_argument("--draft-block-size", type=str, default=None, metavar="K",
+                        help="MTP verify width K (K-1 drafts per round; default 4, or MLXCEL_DRAFT_BLOCK_SIZE)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=_positive("--port", 0), default=8080,
+                        help="port to bind; 0 picks a free one (default: %(default)s)")
+    parser.add_argument("--parallel", type=_positive("--parallel"), default=4,
+                        help="sequences decoded together (default: %(default)s)")
+    parser.add_argument("--max-queue-depth", type=_positive("--max-queue-depth", 0), default=16,
+                        help="requests that may wait for a slot before 503 (default: %(default)s)")
+    parser.add_argument("--no-batch", action="store_true",
+                        help="the legacy single-sequence worker: one request at a time, no MTP")
+    parser.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512,
+                        help="completion length when a request names none (default: %(default)s)")
+    parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=8,
+                        help="prompt prefix caches kept (default: %(default)s)")
+    parser.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=4 * 1024 * 1024,
+                        help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--api-key", action="append", default=[], metavar="KEYS",
+                        help="accepted API key(s), comma-separated; may repeat")
+    parser.add_argument("--api-key-file", type=Path, help="file of accepted API keys, one per line")
+    parser.add_argument("--props", action="store_true", help="mount GET /props")
+    parser.add_argument("--slots", action="store_true", help="mount GET /slots")
+    parser.add_argument("--metrics", action="store_true", help="mount GET /metrics (Prometheus)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def build_serve_config(args: argparse.Namespace) -> ServeConfig:
+    """Validate everything and build the config; :class:`UsageError` for the first problem."""
+    from .blas import BlasError, load_fast_blas
+
+    try:
+        env = load_env()
+        block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
+                      if args.draft_block_size is not None else env.draft_block_size or 4)
+        blas = load_fast_blas()  # before anything imports mlx
+    except (ConfigError, BlasError) as exc:
+        raise UsageError(str(exc)) from exc
+    logger.info("BLAS: %s", blas)
+
+    from .engine import WorkerSettings
+    from .models.loader import CheckpointError, inspect_checkpoint
+    from .serve import ServeConfig
+    from .server import ServerOptions
+    from .server.auth import read_keys
+
+    model = args.model
+    if model is None:
+        if not BUNDLED_MODEL.is_dir():
+            raise UsageError("no --model given, and this installation has no bundled default model")
+        model = BUNDLED_MODEL
+        logger.info("serving the bundled default model (%s)", model)
+    try:
+        checkpoint = inspect_checkpoint(model)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from exc
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except OSError as exc:
+        raise UsageError(f"cannot read --api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+    if (args.api_key or args.api_key_file) and not keys:
+        raise UsageError("--api-key/--api-key-file given, but no key in them")
+    parallel = 1 if args.no_batch else args.parallel
+    worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
+                            prefix_cache_entries=args.prompt_cache_size, policy=env.policy,
+                            cache_root=env.cache_root)
+    options = ServerOptions(
+        model_name=checkpoint.name, model_path=checkpoint.path, context_length=checkpoint.context_length,
+        parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
+        max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
+        extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
+    return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
+                       max_queue_depth=args.max_queue_depth, blas=blas)

@@ -1,0 +1,6 @@
+"""The HTTP layer: a quart-trio app over the engine's public API. Never imports mlx."""
+
+from .app import create_app
+from .context import ServerOptions
+
+__all__ = ["ServerOptions", "create_app"]

@@ -1,0 +1,65 @@
+"""Routes that report state: health, the MTP policy, cache statistics, props, slots, metrics.
+
+All of them read the last values the engine published; none waits on the decode loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from quart import Quart, Response, jsonify
+
+from .. import __version__
+from .context import ServerContext
+
+
+def register(app: Quart, ctx: ServerContext) -> None:
+    observability, options = ctx.observability, ctx.options
+
+    @app.get("/")
+    async def index() -> Any:
+        return {"name": "mlxcel", "version": __version__, "model": options.model_name,
+                "endpoints": ["/health", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                              "/v1/internal/mtp-policy", "/v1/cache/stats"]}
+
+    async def health() -> Any:
+        state = observability.state
+        body: dict[str, Any] = {"status": "ok" if state == "ready" else state,
+                                "model": options.model_name}
+        if observability.error:
+            body["error"] = observability.error
+        body["observability"] = {"mtp_policy": observability.policy.to_health(), "blas": observability.blas}
+        return body, 200 if state == "ready" else 503
+
+    app.add_url_rule("/health", "health", health, methods=["GET"])
+    app.add_url_rule("/v1/health", "v1_health", health, methods=["GET"])
+
+    @app.get("/v1/internal/mtp-policy")
+    async def mtp_policy() -> Any:
+        return observability.policy.to_wire()
+
+    @app.get("/v1/cache/stats")
+    async def cache_stats() -> Any:
+        return observability.cache.to_json()
+
+    if options.props:
+        @app.get("/props")
+        async def props() -> Any:
+            return {"model": options.model_name, "model_path": str(options.model_path),
+                    "n_ctx": options.context_length, "total_slots": options.parallel,
+                    "default_generation_settings": {"max_tokens": options.default_max_tokens,
+                                                    "temperature": 1.0, "top_p": 1.0, "top_k": 0},
+                    **options.extra_props}
+
+    if options.slots:
+        @app.get("/slots")
+        async def slots() -> Any:
+            return jsonify([{"id": s.id, "is_processing": s.is_processing, "n_ctx": options.context_length,
+                             "n_prompt_tokens": s.n_prompt_tokens, "n_decoded": s.n_decoded}
+                            for s in observability.slots])
+
+    if options.metrics:
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(generate_latest(observability.registry), content_type=CONTENT_TYPE_LATEST)

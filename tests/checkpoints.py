@@ -1,0 +1,133 @@
+"""Tiny checkpoints in the real Hugging Face layout, built by the tests themselves.
+
+No model hub is reachable, so each family gets a few-layer model with random
+weights (fixed seed) and a real byte-level BPE tokenizer trained with the
+`tokenizers` library on a few files of the Python standard library. The files
+are what a user's download would hold: ``config.json``, ``model.safetensors``
+(tensor names and layouts as Hugging Face stores them), ``tokenizer.json``,
+``tokenizer_config.json`` with a ChatML chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VOCAB_SIZE = 512
+
+_COMMON = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-6,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": {**_COMMON, "model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+    "qwen3": {**_COMMON, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+    "qwen3_5": {
+        "model_type": "qwen3_5",
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "tie_word_embeddings": False,
+        "text_config": {
+            **_COMMON,
+            "model_type": "qwen3_5_text",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "linear_conv_kernel_dim": 4,
+            "rope_parameters": {"type": "default", "rope_theta": 10000.0,
+                                "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0]},
+        },
+    },
+}
+FAMILIES = tuple(CONFIGS)
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [(stdlib / name).read_text(encoding="utf-8") for name in ("textwrap.py", "string.py", "glob.py")]
+
+
+def write_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "bos_token": None,
+        "chat_template": CHATML,
+        "model_max_length": 4096,
+    }, indent=2))
+
+
+def _to_hf_qwen3_5(weights: dict[str, Any]) -> dict[str, Any]:
+    """Undo mlx-lm's qwen3_5 sanitize: HF names, conv1d as (C, 1, K), zero-centred norms."""
+    import mlx.core as mx
+
+    out: dict[str, mx.array] = {}
+    for name, value in weights.items():
+        hf = name.replace("language_model.model.", "model.language_model.").replace(
+            "language_model.lm_head", "lm_head")
+        if "conv1d.weight" in name:
+            value = value.moveaxis(2, 1)
+        elif value.ndim == 1 and name.endswith((".input_layernorm.weight", ".post_attention_layernorm.weight",
+                                                "model.norm.weight", ".q_norm.weight", ".k_norm.weight")):
+            value = value - 1.0
+        out[hf] = value
+    return out
+
+
+_TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _to_hf_qwen3_5}
+
+
+def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float = 1.0) -> Path:
+    """Write a tiny *family* checkpoint into *directory* (created) and return it.
+
+    *scale* multiplies the random weights: larger values give peakier output
+    distributions, so greedy decoding has no near-ties.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = CONFIGS[family]
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(directory)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {name: (v * scale if v.ndim > 1 else v) for name, v in weights.items()}
+    weights = _TO_HF.get(family, lambda w: w)(weights)
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
+    return directory

@@ -1,0 +1,95 @@
+"""Real servers for the HTTP tests: `mlxcel serve`'s own config path, hypercorn on port 0."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mlxcel.cli import build_parser
+from mlxcel.serve import ServeConfig, run_server
+from mlxcel.serve_cli import build_serve_config
+from tests.checkpoints import FAMILIES, build_checkpoint
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One tiny checkpoint per family. Weights are scaled up so greedy decoding has no near-ties."""
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: build_checkpoint(root / f"{family}-tiny", family, scale=2.0) for family in FAMILIES}
+
+
+@pytest.fixture
+def llama(checkpoints: dict[str, Path]) -> Path:
+    return checkpoints["llama"]
+
+
+def serve_config(argv: Sequence[str], before_load: Callable[[], None] | None = None) -> ServeConfig:
+    args = build_parser().parse_args(["serve", "--port", "0", *argv])
+    config = build_serve_config(args)
+    assert isinstance(config, ServeConfig)
+    if before_load is not None:
+        config = ServeConfig(**{**config.__dict__, "before_load": before_load})
+    return config
+
+
+@asynccontextmanager
+async def running_server(argv: Sequence[str], *, ready: bool = True,
+                         before_load: Callable[[], None] | None = None) -> AsyncIterator[str]:
+    """A real `mlxcel serve` in this process; yields its base URL, stops it on exit."""
+    config = serve_config(argv, before_load)
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(run_server, config)
+        if ready:
+            await wait_ready(url)
+        yield url
+        nursery.cancel_scope.cancel()
+
+
+async def wait_ready(url: str, timeout: float = 60) -> None:
+    async with httpx.AsyncClient() as client:
+        with trio.fail_after(timeout):
+            while (await client.get(f"{url}/health")).status_code != 200:
+                await trio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the `mlxcel` command line to completion."""
+    return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout, check=False)
+
+
+async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.SocketStream:
+    """POST a streaming request over a raw socket and return once the first event arrived.
+
+    The caller holds the connection and can drop it mid-stream, as a client
+    that goes away does.
+    """
+    import json
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1", parts.port or 80)
+    payload = json.dumps(body).encode()
+    await stream.send_all(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: test\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: "
+                          + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+    received = b""
+    while b"data: " not in received:
+        chunk = await stream.receive_some()
+        assert chunk, "the server closed the connection before the first event"
+        received += chunk
+    return stream

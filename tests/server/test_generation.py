@@ -1,0 +1,182 @@
+"""Generation through real HTTP: the openai client, streaming, batching, the prefix cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from tests.server.conftest import open_stream, running_server
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "    return"]
+
+
+def _greedy_reference(checkpoint: Path, prompt_tokens: list[int], max_tokens: int) -> list[int]:
+    """mlx-lm's own greedy generation, for the same checkpoint and prompt."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = load(str(checkpoint))
+    out: list[int] = []
+    for token, _ in generate_step(mx.array(prompt_tokens), model, max_tokens=max_tokens):
+        token = int(token)
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+async def test_greedy_output_equals_mlx_lm(checkpoints: dict[str, Path], family: str) -> None:
+    checkpoint = checkpoints[family]
+    async with running_server(["--model", str(checkpoint)]) as url, httpx.AsyncClient(timeout=60) as client:
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        tokenizer = load_tokenizer(checkpoint)
+        for prompt in PROMPTS[:2]:
+            tokens = tokenizer.encode(prompt)
+            body = (await client.post(f"{url}/v1/completions", json={
+                "prompt": tokens, "max_tokens": 24, "temperature": 0, "logprobs": 1})).json()
+            expected = _greedy_reference(checkpoint, tokens, 24)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected), family
+            assert body["usage"]["completion_tokens"] == len(expected)
+            assert all(v <= 0 for v in body["choices"][0]["logprobs"]["token_logprobs"])
+
+
+def _openai_session(url: str, model: str) -> dict[str, object]:
+    """Everything a user of the `openai` package would do, with its synchronous client."""
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        models = [m.id for m in client.models.list().data]
+        completion = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        stream = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        pieces, usage = [], None
+        for chunk in stream:
+            pieces.extend(c.text for c in chunk.choices)
+            usage = chunk.usage or usage
+        messages = [{"role": "user", "content": "Say something."}]
+        chat = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=10, temperature=0)
+        chat_stream = client.chat.completions.create(model=model, messages=messages,  # type: ignore[arg-type]
+                                                     max_tokens=10, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices)
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    return {"models": models, "completion": completion, "streamed": "".join(pieces), "usage": usage,
+            "chat": chat, "chat_streamed": streamed}
+
+
+async def test_openai_client_completions_and_chat(llama: Path) -> None:
+    async with running_server(["--model", str(llama)]) as url:
+        got = await trio.to_thread.run_sync(_openai_session, url, llama.name)
+    assert got["models"] == [llama.name]
+    completion = got["completion"]
+    assert isinstance(completion, openai.types.Completion)
+    assert completion.usage is not None and completion.usage.completion_tokens == 12
+    assert completion.choices[0].finish_reason == "length"
+    assert got["streamed"] == completion.choices[0].text
+    usage = got["usage"]
+    assert isinstance(usage, openai.types.CompletionUsage) and usage.completion_tokens == 12
+    chat = got["chat"]
+    assert isinstance(chat, openai.types.chat.ChatCompletion)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert got["chat_streamed"] == chat.choices[0].message.content
+
+
+async def test_eight_concurrent_streams_match_their_solo_runs(llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--parallel", "8"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(8)]
+
+        async def stream(prompt: str) -> str:
+            text = ""
+            async with client.stream("POST", f"{url}/v1/completions", json={
+                    "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+            return text
+
+        solo = [await stream(p) for p in prompts]
+        together: dict[int, str] = {}
+
+        async def run(i: int) -> None:
+            together[i] = await stream(prompts[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(8):
+                nursery.start_soon(run, i)
+        assert [together[i] for i in range(8)] == solo
+        assert len(set(solo)) > 1  # different prompts really gave different texts
+
+
+async def test_hybrid_model_batches_correctly(checkpoints: dict[str, Path]) -> None:
+    async with running_server(["--model", str(checkpoints["qwen3_5"]), "--parallel", "4"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        async def ask(prompt: str) -> str:
+            r = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 16,
+                                                                  "temperature": 0})
+            return str(r.json()["choices"][0]["text"])
+
+        solo = [await ask(p) for p in PROMPTS]
+        together: dict[int, str] = {}
+
+        async def run(i: int) -> None:
+            together[i] = await ask(PROMPTS[i])
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(PROMPTS)):
+                nursery.start_soon(run, i)
+        assert [together[i] for i in range(len(PROMPTS))] == solo
+
+
+async def test_stop_strings_seed_and_prefix_cache(llama: Path) -> None:
+    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
+        async def complete(**body: object) -> dict[str, object]:
+            r = await client.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], **body})
+            assert r.status_code == 200, r.text
+            result: dict[str, object] = r.json()
+            return result
+
+        full = (await complete(max_tokens=30, temperature=0))["choices"][0]["text"]  # type: ignore[index]
+        stop = full[10:13]
+        cut = await complete(max_tokens=30, temperature=0, stop=[stop, "never-appears"])
+        choice = cut["choices"][0]  # type: ignore[index]
+        assert choice["text"] == full[:full.index(stop)] and choice["finish_reason"] == "stop"
+
+        seeded = [(await complete(max_tokens=20, temperature=1.0, seed=7))["choices"][0]["text"]  # type: ignore[index]
+                  for _ in range(2)]
+        assert seeded[0] == seeded[1]
+
+        stats = (await client.get(f"{url}/v1/cache/stats")).json()
+        assert stats["lookups"] == 4 and stats["hits"] >= 3 and stats["reused_tokens"] > 0
+
+
+async def test_disconnect_frees_the_slot(llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--parallel", "1", "--slots"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        stream = await open_stream(url, "/v1/completions", {
+            "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True, "temperature": 0})
+        slots = (await client.get(f"{url}/slots")).json()
+        assert slots[0]["is_processing"] is True
+        await stream.aclose()  # the client goes away mid-generation
+        with trio.fail_after(10):
+            while (await client.get(f"{url}/slots")).json()[0]["is_processing"]:
+                await trio.sleep(0.02)
+        after = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert after.status_code == 200
+
+
+async def test_queue_bound_answers_503(llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--parallel", "1", "--max-queue-depth", "0"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        stream = await open_stream(url, "/v1/completions", {
+            "prompt": PROMPTS[0], "max_tokens": 3000, "stream": True})
+        refused = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 4})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
+        await stream.aclose()

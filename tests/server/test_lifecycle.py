@@ -1,0 +1,141 @@
+"""The process around the engine: answering while loading, startup failures, shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.conftest import validate_wire
+from tests.server.conftest import free_port, mlxcel, running_server, wait_ready
+
+
+async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path) -> None:
+    release = threading.Event()
+    async with running_server(["--model", str(llama)], ready=False,
+                              before_load=lambda: release.wait(30)) as url, httpx.AsyncClient() as client:
+        loading = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        validate_wire(loading)
+        assert (loading["state"], loading["reason"], loading["mtp_enabled"]) == (
+            "unavailable", "worker_not_ready", None)
+        health = await client.get(f"{url}/health")
+        assert health.status_code == 503 and health.json()["status"] == "loading"
+        assert health.json()["observability"]["mtp_policy"]["status"] == "unavailable"
+        early = await client.post(f"{url}/v1/completions", json={"prompt": "x"})
+        assert early.status_code == 503 and early.json()["error"]["code"] == "model_loading"
+
+        release.set()
+        await wait_ready(url)
+        ready = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        validate_wire(ready)
+        assert (ready["state"], ready["reason"], ready["mtp_enabled"]) == ("unavailable", "no_mtp_dispatch", False)
+        assert (await client.get(f"{url}/v1/health")).status_code == 200
+
+
+async def test_no_batch_worker_serves_one_at_a_time_and_has_no_mtp(llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--no-batch", "--slots"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        assert (policy["state"], policy["reason"]) == ("unavailable", "no_mtp_dispatch")
+        assert len((await client.get(f"{url}/slots")).json()) == 1
+        texts: list[str] = []
+
+        async def ask() -> None:
+            r = await client.post(f"{url}/v1/completions",
+                                  json={"prompt": "def f(x):", "max_tokens": 8, "temperature": 0})
+            texts.append(r.json()["choices"][0]["text"])
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(ask)
+        assert len(texts) == 3 and len(set(texts)) == 1
+
+
+def _broken_checkpoints(llama: Path, root: Path) -> dict[str, tuple[Path, str]]:
+    no_config = root / "no-config"
+    shutil.copytree(llama, no_config)
+    (no_config / "config.json").unlink()
+    unsupported = root / "unsupported"
+    shutil.copytree(llama, unsupported)
+    config = json.loads((unsupported / "config.json").read_text())
+    (unsupported / "config.json").write_text(json.dumps({**config, "model_type": "abacus9000"}))
+    truncated = root / "truncated"
+    shutil.copytree(llama, truncated)
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    garbage = root / "garbage"
+    shutil.copytree(llama, garbage)
+    (garbage / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    return {
+        "missing": (root / "nowhere", "does not exist"),
+        "no config": (no_config, "has no config.json"),
+        "unsupported": (unsupported, "model_type 'abacus9000'"),
+        "truncated": (truncated, "is truncated or corrupt"),
+        "garbage": (garbage, "corrupt safetensors header"),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["missing", "no config", "unsupported", "truncated", "garbage"])
+def test_bad_model_directory_exits_2_before_binding(llama: Path, tmp_path: Path, case: str) -> None:
+    path, expected = _broken_checkpoints(llama, tmp_path)[case]
+    result = mlxcel("serve", "--model", str(path), "--port", str(free_port()))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel serve:")]
+    assert len(lines) == 1 and expected in lines[0]
+    assert "Running on" not in result.stderr and "listening" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("variable", "value"), [("MLXCEL_DRAFT_BLOCK_SIZE", "abc"),
+                                                  ("MLXCEL_MTP_ADAPTIVE", "perhaps"),
+                                                  ("MLXCEL_BLAS", "/no/such/libblas.so")])
+def test_bad_environment_exits_2(llama: Path, variable: str, value: str) -> None:
+    result = mlxcel("serve", "--model", str(llama), "--port", str(free_port()),
+                    env={**os.environ, variable: value})
+    assert result.returncode == 2
+    assert f"mlxcel serve: {variable}={value!r} is not valid" in result.stderr
+
+
+@pytest.mark.slow
+def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(llama: Path, tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "serve.log"
+    events: list[str] = []
+    with log.open("w") as out, subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "--model", str(llama), "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT) as server:
+        try:
+            with httpx.Client(timeout=60) as client:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    try:
+                        if client.get(f"{url}/health").status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        time.sleep(0.05)
+                with client.stream("POST", f"{url}/v1/completions", json={
+                        "prompt": "def f(x):", "max_tokens": 4000, "stream": True, "temperature": 0}) as stream:
+                    for line in stream.iter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            if len(events) == 3:
+                                server.send_signal(signal.SIGTERM)
+            assert server.wait(timeout=30) == 0
+        finally:
+            server.kill()
+    last = json.loads(events[-1])
+    assert last["error"]["message"] == "server shutting down"
+    assert "[DONE]" not in events
+    assert "received SIGTERM: shutting down" in log.read_text()
