@@ -92,6 +92,8 @@ class Observability:
         self.generated_tokens = Counter("mlxcel_generated_tokens", "Tokens generated", registry=r)
         self.draft_tokens = Counter("mlxcel_draft_tokens", "Draft tokens proposed", registry=r)
         self.draft_accepted = Counter("mlxcel_draft_tokens_accepted", "Draft tokens accepted", registry=r)
+        self.handoffs = Counter("mlxcel_solo_handoffs", "Sequences moved from solo decode into the batch",
+                                registry=r)
         self.queue_depth = Gauge("mlxcel_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.batch_size = Gauge("mlxcel_batch_size", "Sequences decoding together", registry=r)
         self.request_seconds = Histogram("mlxcel_request_seconds", "Generation request duration",

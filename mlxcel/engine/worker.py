@@ -24,6 +24,7 @@ from ..models.loader import CheckpointInfo, load_checkpoint
 from ..observability import CacheStats, Observability, SlotState
 from ..policy import BootFacts, HintStore, MtpPolicy, PolicySettings
 from .requests import Event, Finish, FinishReason, GenerationRequest, TextDelta, Timings
+from .solo import SoloDecoder
 from .text import StopStringFilter
 
 logger = logging.getLogger(__name__)
@@ -65,21 +66,25 @@ Message = Submit | Cancel | Stop
 
 @dataclass
 class _Sequence:
-    """A request the worker is serving."""
+    """A request the worker is serving, alone (``solo``) or in the continuous batch (``uid``)."""
 
     request: GenerationRequest
-    uid: int
     detokenizer: Any
     stop: StopStringFilter
+    sampler: Callable[[Any], Any] | None
     admitted: float
     cached: int
+    uid: int | None = None
+    solo: SoloDecoder | None = None
     first_token_at: float | None = None
     generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    final_cache: tuple[Any, Any] = (None, None)
-    """(prompt cache, tokens in it) the generator handed back when it finished the sequence."""
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - self.generated
 
 
 class _PrefixCache:
@@ -176,24 +181,24 @@ class Worker:
         try:
             if self._before_load is not None:
                 self._before_load()
-            model, tokenizer = load_checkpoint(self.checkpoint)
+            self.model, tokenizer = load_checkpoint(self.checkpoint)
             host = detect_host()
         except BaseException:
             self.observability.state = "failed"
             raise
         self.tokenizer = tokenizer
+        self.eos_tokens = frozenset(tokenizer.eos_token_ids)
         self.stream = mx.new_stream(mx.default_device())
-        parallel = self.settings.parallel if self.settings.batch else 1
+        self._parallel = self.settings.parallel if self.settings.batch else 1
         self.generator = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in sorted(tokenizer.eos_token_ids)],
-            completion_batch_size=parallel,
-            prefill_batch_size=parallel,
+            self.model,
+            stop_tokens=[[t] for t in sorted(self.eos_tokens)],
+            completion_batch_size=self._parallel,
+            prefill_batch_size=self._parallel,
             prefill_step_size=self.settings.prefill_step_size,
             stream=self.stream,
         )
         self.prefix = _PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
-        self._parallel = parallel
         self._publish_load()
         # No drafter yet: the policy reports that there is no MTP dispatch.
         self.policy.on_worker_ready(BootFacts(host=host, pairing=None))
@@ -210,24 +215,23 @@ class Worker:
             if not self._take_messages(block=not self._sequences):
                 return
             trio.from_thread.check_cancelled()
-            if not self._sequences:
-                continue
-            _, responses = self.generator.next()
-            events: list[tuple[str, Event]] = []
-            finished: list[_Sequence] = []
-            for response in responses:
-                sequence = self._by_uid.get(response.uid)
-                if sequence is not None:
-                    self._on_token(sequence, response, events, finished)
-            if finished:
-                self._retire(finished, events)
-            self._publish_load()
-            if events:
-                self._deliver(events)
+            solo = self._solo_sequence()
+            if solo is not None:
+                self._run_solo(solo)
+            elif self._sequences:
+                self._batch_step()
+
+    def _solo_sequence(self) -> _Sequence | None:
+        """The sequence to decode alone, if the worker has exactly one and it is not batched."""
+        if len(self._sequences) != 1:
+            return None
+        (sequence,) = self._sequences.values()
+        return sequence if sequence.solo is not None else None
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every message waiting (waiting a little if *block*); False on Stop."""
         events: list[tuple[str, Event]] = []
+        submitted: list[GenerationRequest] = []
         try:
             message = self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait()
         except queue.Empty:
@@ -239,12 +243,14 @@ class Worker:
                     self._deliver(events)
                     return False
                 if isinstance(message, Submit):
-                    self._admit(message.request, events)
+                    submitted.append(message.request)
                 elif isinstance(message, Cancel):
                     self._cancel(message.request_id, events)
                 message = self.inbox.get_nowait()
         except queue.Empty:
             pass
+        if submitted:
+            self._admit(submitted, events)
         self._publish_load()
         if events:
             self._deliver(events)
@@ -252,55 +258,139 @@ class Worker:
 
     # -- requests ---------------------------------------------------------------
 
-    def _admit(self, request: GenerationRequest, events: list[tuple[str, Event]]) -> None:
-        tokens = list(request.prompt_tokens)
-        try:
-            cache, rest = self.prefix.fetch(tokens)
-            (uid,) = self.generator.insert(
-                [rest], max_tokens=[request.max_tokens], caches=[cache] if cache is not None else None,
-                all_tokens=[tokens[:len(tokens) - len(rest)]], samplers=[_make_sampler(request)])
-        except Exception as exc:  # a request the model cannot take must not stop the worker
-            logger.exception("request %s could not be admitted", request.id)
-            events.append((request.id, Finish("error", len(tokens), 0,
-                                              error=f"cannot start generation: {exc}")))
-            return
-        sequence = _Sequence(request=request, uid=uid, detokenizer=self.tokenizer.detokenizer,
-                             stop=StopStringFilter(request.stop), admitted=time.perf_counter(),
-                             cached=len(tokens) - len(rest))
-        self._sequences[request.id] = sequence
-        self._by_uid[uid] = sequence
-        self.observability.prompt_tokens.inc(len(tokens))
+    def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
+        """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
+        alone = self.settings.batch and not self._sequences and len(requests) == 1
+        if not alone:
+            for sequence in list(self._sequences.values()):
+                if sequence.solo is not None:
+                    self._into_batch(sequence)
+        for request in requests:
+            tokens = list(request.prompt_tokens)
+            try:
+                cache, rest = self.prefix.fetch(tokens)
+                sequence = _Sequence(request=request, detokenizer=self.tokenizer.detokenizer,
+                                     stop=StopStringFilter(request.stop), sampler=_make_sampler(request),
+                                     admitted=time.perf_counter(), cached=len(tokens) - len(rest))
+                cached_tokens = tokens[:len(tokens) - len(rest)]
+                if alone:
+                    sequence.solo = SoloDecoder.prefill(self.model, self.stream, sequence.sampler, cache,
+                                                        cached_tokens, rest, self.settings.prefill_step_size)
+                else:
+                    (sequence.uid,) = self.generator.insert(
+                        [rest], max_tokens=[request.max_tokens], caches=[cache] if cache is not None else None,
+                        all_tokens=[cached_tokens], samplers=[sequence.sampler])
+            except Exception as exc:  # a request the model cannot take must not stop the worker
+                logger.exception("request %s could not be admitted", request.id)
+                events.append((request.id, Finish("error", len(tokens), 0,
+                                                  error=f"cannot start generation: {exc}")))
+                continue
+            self._sequences[request.id] = sequence
+            if sequence.uid is not None:
+                self._by_uid[sequence.uid] = sequence
+            self.observability.prompt_tokens.inc(len(tokens))
         self.observability.cache = self.prefix.stats()
+
+    def _into_batch(self, sequence: _Sequence) -> None:
+        """Hand a parked solo sequence to the continuous batch, which continues from its state."""
+        solo = sequence.solo
+        assert solo is not None and solo.parked
+        (sequence.uid,) = self.generator.insert(
+            [[solo.next_input]], max_tokens=[sequence.remaining], caches=[solo.cache],
+            all_tokens=[solo.tokens_in_cache], samplers=[sequence.sampler])
+        self._by_uid[sequence.uid] = sequence
+        sequence.solo = None
+        self.observability.handoffs.inc()
 
     def _cancel(self, request_id: str, events: list[tuple[str, Event]]) -> None:
         sequence = self._sequences.get(request_id)
         if sequence is None:
             return
-        self.generator.remove([sequence.uid])
+        if sequence.uid is not None:
+            self.generator.remove([sequence.uid])
         self._forget(sequence)
         events.append((request_id, self._finish(sequence, "cancelled", "the client went away")))
 
     def _end_all(self, reason: FinishReason, error: str, events: list[tuple[str, Event]]) -> None:
         for sequence in list(self._sequences.values()):
-            self.generator.remove([sequence.uid])
+            if sequence.uid is not None:
+                self.generator.remove([sequence.uid])
             self._forget(sequence)
             events.append((sequence.request.id, self._finish(sequence, reason, error)))
 
-    def _on_token(self, sequence: _Sequence, response: Any, events: list[tuple[str, Event]],
-                  finished: list[_Sequence]) -> None:
-        now = time.perf_counter()
+    # -- decoding -----------------------------------------------------------------
+
+    def _run_solo(self, sequence: _Sequence) -> None:
+        """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""
+        solo = sequence.solo
+        assert solo is not None
+        solo.resume()
+        while True:
+            # Stop feeding once the token about to be emitted is the last allowed,
+            # or when the worker has mail: then the sequence parks, ready to batch.
+            feed_next = sequence.remaining > 1 and self.inbox.empty()
+            token, logprobs = solo.emit(feed_next)
+            events: list[tuple[str, Event]] = []
+            reason: FinishReason | None = None
+            if token in self.eos_tokens:
+                reason = "stop"
+            elif sequence.remaining == 1:
+                reason = "length"
+            self._on_token(sequence, token, logprobs, reason, events)
+            if sequence.finish_reason is not None:
+                self.prefix.store(solo.tokens_in_cache, solo.cache)
+                self._forget(sequence)
+                events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
+                self.observability.cache = self.prefix.stats()
+                self._publish_load()
+            elif sequence.generated % 16 == 0:
+                self._publish_load()
+            if events:
+                self._deliver(events)
+            if sequence.finish_reason is not None or solo.parked:
+                return
+
+    def _batch_step(self) -> None:
+        _, responses = self.generator.next()
+        events: list[tuple[str, Event]] = []
+        finished: list[tuple[_Sequence, Any]] = []
+        for response in responses:
+            sequence = self._by_uid.get(response.uid)
+            if sequence is None:
+                continue
+            self._on_token(sequence, response.token, response.logprobs, response.finish_reason, events)
+            if sequence.finish_reason is not None:
+                finished.append((sequence, response))
+        if finished:
+            # Sequences stopped by a stop string are still in the batch: take them out with their caches.
+            still_batched = [s.uid for s, r in finished if r.finish_reason is None]
+            caches = self.generator.remove(still_batched, return_prompt_caches=True) if still_batched else {}
+            for sequence, response in finished:
+                cache, tokens = caches.get(sequence.uid, (response.prompt_cache, response.all_tokens))
+                if cache is not None and tokens:
+                    self.prefix.store(tokens, cache)
+                self._forget(sequence)
+                assert sequence.finish_reason is not None
+                events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
+            self.observability.cache = self.prefix.stats()
+        self._publish_load()
+        if events:
+            self._deliver(events)
+
+    def _on_token(self, sequence: _Sequence, token: int, logprobs: Any, reason: FinishReason | None,
+                  events: list[tuple[str, Event]]) -> None:
+        """Account for one generated token: text, stop strings, logprobs, and the finish reason."""
         if sequence.first_token_at is None:
-            sequence.first_token_at = now
+            sequence.first_token_at = time.perf_counter()
         text = ""
-        # A "stop" finish is an end-of-sequence token: it ends the text, it is not part of it.
-        if response.finish_reason != "stop":
+        # A "stop" finish here is an end-of-sequence token: it ends the text, it is not part of it.
+        if reason != "stop":
             sequence.generated += 1
-            sequence.detokenizer.add_token(response.token)
+            sequence.detokenizer.add_token(token)
             text = sequence.stop.feed(sequence.detokenizer.last_segment)
-            sequence.pending_tokens.append(response.token)
+            sequence.pending_tokens.append(token)
             if sequence.request.logprobs:
-                sequence.pending_logprobs.append(response.logprobs[response.token].item())
-        reason: FinishReason | None = response.finish_reason
+                sequence.pending_logprobs.append(logprobs.reshape(-1)[token].item())
         if sequence.stop.stopped:
             reason = "stop"
         if reason is not None:
@@ -308,8 +398,6 @@ class Worker:
             if not sequence.stop.stopped:
                 text += sequence.stop.feed(sequence.detokenizer.last_segment) + sequence.stop.flush()
             sequence.finish_reason = reason
-            sequence.final_cache = (response.prompt_cache, response.all_tokens)
-            finished.append(sequence)
         if text or (reason is not None and sequence.pending_tokens):
             events.append((sequence.request.id, TextDelta(
                 text, tuple(sequence.pending_tokens),
@@ -318,22 +406,10 @@ class Worker:
             sequence.pending_logprobs.clear()
         self.observability.generated_tokens.inc()
 
-    def _retire(self, finished: list[_Sequence], events: list[tuple[str, Event]]) -> None:
-        # Sequences stopped by a stop string are still in the batch: take them out with their caches.
-        still_batched = [s.uid for s in finished if s.final_cache[0] is None]
-        caches = self.generator.remove(still_batched, return_prompt_caches=True) if still_batched else {}
-        for sequence in finished:
-            cache, tokens = caches.get(sequence.uid, sequence.final_cache)
-            if cache is not None and tokens:
-                self.prefix.store(tokens, cache)
-            self._forget(sequence)
-            assert sequence.finish_reason is not None
-            events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
-        self.observability.cache = self.prefix.stats()
-
     def _forget(self, sequence: _Sequence) -> None:
         self._sequences.pop(sequence.request.id, None)
-        self._by_uid.pop(sequence.uid, None)
+        if sequence.uid is not None:
+            self._by_uid.pop(sequence.uid, None)
 
     def _finish(self, sequence: _Sequence, reason: FinishReason, error: str | None = None) -> Finish:
         now = time.perf_counter()

@@ -180,3 +180,38 @@ async def test_queue_bound_answers_503(llama: Path) -> None:
         refused = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 4})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "queue_full"
         await stream.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+async def test_a_lone_sequence_handed_to_the_batch_mid_stream_keeps_its_text(
+        checkpoints: dict[str, Path], family: str) -> None:
+    """A request decoding alone parks when a second one arrives and continues in the batch, unchanged."""
+    async with running_server(["--model", str(checkpoints[family]), "--parallel", "4", "--metrics"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0}
+        alone = (await client.post(f"{url}/v1/completions", json=body)).json()["choices"][0]["text"]
+
+        async def handoffs() -> float:
+            from prometheus_client.parser import text_string_to_metric_families
+
+            metrics = (await client.get(f"{url}/metrics")).text
+            (family,) = [f for f in text_string_to_metric_families(metrics) if f.name == "mlxcel_solo_handoffs"]
+            return float(family.samples[0].value)
+
+        assert await handoffs() == 0
+        interrupted = ""
+        async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    break
+            second = await client.post(f"{url}/v1/completions", json={
+                "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0})
+            assert second.status_code == 200
+            async for line in lines:
+                if line.startswith("data: {"):
+                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert await handoffs() == 1
+        assert interrupted == alone

@@ -1,0 +1,111 @@
+"""Shared by the benchmarks: a model to measure, a real server to measure it through, statistics.
+
+Run every benchmark from the repository root as a module (``python -m benchmarks.NAME``):
+each one measures both sides of its comparison in the same run and prints the ratio,
+because on shared, noisy machines a ratio measured side by side is the only number
+that means anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / ".bench"
+
+
+def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name: str | None = None) -> Path:
+    """A random-weight fp32 checkpoint big enough that a decode step is milliseconds, not microseconds."""
+    sys.path.insert(0, str(ROOT))
+    from tests.checkpoints import CONFIGS, build_checkpoint
+
+    directory = BENCH_DIR / (name or f"{family}-h{hidden}-l{layers}")
+    if (directory / "model.safetensors").exists():
+        return directory
+    config = CONFIGS[family]
+    saved = dict(config)
+    config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
+                  num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64)
+    try:
+        return build_checkpoint(directory, family, scale=2.0)
+    finally:
+        config.clear()
+        config.update(saved)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """`mlxcel serve` in a subprocess; yields its URL once healthy, stops it with SIGTERM."""
+    port = free_port()
+    log = (BENCH_DIR / f"serve-{port}.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port",
+                                str(port), *args], stdout=log, stderr=subprocess.STDOUT,
+                               env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or process.poll() is not None:
+                raise RuntimeError(f"server did not start; see {log.name}")
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        log.close()
+
+
+def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:
+    """Decode tokens/s of one streamed greedy completion, as its client sees it.
+
+    (tokens - 1) / (time of the last chunk - time of the first text chunk); the
+    token count is the server's own ``timings.predicted_n``.
+    """
+    first = last = None
+    tokens = 0
+    with client.stream("POST", f"{url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[6:])
+            if first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = now
+            if "timings" in chunk:
+                last, tokens = now, chunk["timings"]["predicted_n"]
+    if first is None or last is None or tokens < 2:
+        raise RuntimeError("the stream produced too few tokens to time")
+    return (tokens - 1) / (last - first)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(p / 100 * (len(ordered) - 1))))]
