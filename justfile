@@ -17,7 +17,7 @@ test-fast *args:
 
 # Lint and type-check (ruff everywhere, mypy strict on mlxcel/policy)
 lint:
-    {{venv}}ruff check mlxcel tests
+    {{venv}}ruff check mlxcel tests benchmarks
     {{venv}}mypy
 
 # Regenerate the statechart diagram and its docs block from the DSL
