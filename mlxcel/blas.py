@@ -56,15 +56,35 @@ def _choose(setting: str | None) -> str:
     if value.lower() == "auto":
         for name in CANDIDATES:
             try:
-                ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+                library = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
-            return f"OpenBLAS ({ctypes.util.find_library('openblas') or name})"
+            return f"OpenBLAS ({ctypes.util.find_library('openblas') or name}, {_set_threads(library)})"
         return "reference (mlx bundled; no system OpenBLAS found, install libopenblas0-pthread)"
     path = Path(value).expanduser()
     try:
-        ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        library = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
         raise BlasError(f"MLXCEL_BLAS={value!r} is not valid: expected auto, off, or the path of a "
                         f"loadable BLAS library ({exc})") from exc
-    return f"{path.name} ({path})"
+    return f"{path.name} ({path}, {_set_threads(library)})"
+
+
+def _set_threads(library: ctypes.CDLL) -> str:
+    """Leave one core to the event loop: BLAS threads = usable cores - 1 (at least 1).
+
+    OpenBLAS's threads wait for each other at the end of every matmul; when the
+    HTTP thread (or anything else) takes one of their cores mid-matmul, the
+    whole decode step stalls. On a 2-core machine, 50 pollers cost decode 14% with
+    two BLAS threads and 2% with one (docs/benchmarks.md). ``OPENBLAS_NUM_THREADS``,
+    when set, wins.
+    """
+    if os.environ.get("OPENBLAS_NUM_THREADS"):
+        return f"{os.environ['OPENBLAS_NUM_THREADS']} threads (OPENBLAS_NUM_THREADS)"
+    setter = getattr(library, "openblas_set_num_threads", None)
+    if setter is None:
+        return "threads: library default"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores - 1)
+    setter(ctypes.c_int(threads))
+    return f"{threads} thread{'s' if threads > 1 else ''}"

@@ -9,6 +9,7 @@ thread-safe.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -78,7 +79,7 @@ class Observability:
     """The last published state of the engine, and the server's metrics."""
 
     def __init__(self, policy: MtpPolicySnapshot, model: str | None = None) -> None:
-        self.policy = policy
+        self.publish_policy(policy)
         self.model = model
         self.state: EngineState = "loading"
         self.error: str | None = None
@@ -101,4 +102,6 @@ class Observability:
         r.register(_PolicyStateCollector(self))
 
     def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
-        self.policy = snapshot
+        """Swap in a new policy snapshot, with its wire body serialised once, not per poll."""
+        body = json.dumps(snapshot.to_wire(), separators=(",", ":")).encode()
+        self.policy, self.policy_wire = snapshot, body

@@ -36,8 +36,9 @@ def register(app: Quart, ctx: ServerContext) -> None:
     app.add_url_rule("/v1/health", "v1_health", health, methods=["GET"])
 
     @app.get("/v1/internal/mtp-policy")
-    async def mtp_policy() -> Any:
-        return observability.policy.to_wire()
+    async def mtp_policy() -> Response:
+        # Serialised when the engine published it: polling costs no JSON work.
+        return Response(observability.policy_wire, content_type="application/json")
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> Any:

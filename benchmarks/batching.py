@@ -1,0 +1,60 @@
+"""Continuous batching: 8 concurrent requests vs the same 8 one after another, same server, same run.
+
+    python -m benchmarks.batching [--requests 8] [--tokens 128]
+
+Prints aggregate generated tokens/s both ways and the ratio concurrent / sequential.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import httpx  # noqa: E402
+
+from benchmarks._common import bench_model, median, server  # noqa: E402
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "    return",
+           "for line in lines:", "def dedent(text):", "if __name__ == '__main__':", "x = {}"]
+
+
+def one(client: httpx.Client, url: str, prompt: str, tokens: int) -> int:
+    body = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": tokens,
+                                                       "temperature": 0}).json()
+    return int(body["usage"]["completion_tokens"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    args = parser.parse_args()
+    model = bench_model("llama", args.hidden, args.layers)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]
+    print(f"model: {model.name}, {args.requests} requests x {args.tokens} tokens, {args.rounds} rounds")
+    sequential, concurrent = [], []
+    with server(model, "--parallel", str(args.requests)) as url, httpx.Client(timeout=600) as client, \
+            ThreadPoolExecutor(args.requests) as pool:
+        one(client, url, "warm up", 8)
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            total = sum(one(client, url, p, args.tokens) for p in prompts)
+            sequential.append(total / (time.perf_counter() - start))
+            start = time.perf_counter()
+            total = sum(pool.map(lambda p: one(client, url, p, args.tokens), prompts))
+            concurrent.append(total / (time.perf_counter() - start))
+    print(f"one after another: {median(sequential):8.1f} tok/s  {[round(x, 1) for x in sequential]}")
+    print(f"concurrent:        {median(concurrent):8.1f} tok/s  {[round(x, 1) for x in concurrent]}")
+    print(f"ratio concurrent / sequential: {median(concurrent) / median(sequential):.2f}")
+
+
+if __name__ == "__main__":
+    main()
