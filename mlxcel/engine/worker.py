@@ -76,6 +76,8 @@ class _Sequence:
     cached: int
     uid: int | None = None
     solo: SoloDecoder | None = None
+    prompt_state: tuple[Any, list[int], list[int]] | None = None
+    """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
     first_token_at: float | None = None
     generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)
@@ -124,6 +126,13 @@ class _PrefixCache:
         return CacheStats(entries=len(self._lru), bytes=self._lru.nbytes, max_entries=self._entries,
                           lookups=self._lookups, hits=self._hits, prompt_tokens=self._prompt_tokens,
                           reused_tokens=self._reused)
+
+
+def _batchable(model: Any) -> bool:
+    """Whether every cache of *model* can be merged into a batch (mlx-lm's own test)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return all(hasattr(cache, "merge") for cache in make_prompt_cache(model))
 
 
 def _make_sampler(request: GenerationRequest) -> Callable[[Any], Any] | None:
@@ -189,7 +198,13 @@ class Worker:
         self.tokenizer = tokenizer
         self.eos_tokens = frozenset(tokenizer.eos_token_ids)
         self.stream = mx.new_stream(mx.default_device())
-        self._parallel = self.settings.parallel if self.settings.batch else 1
+        # Batching needs caches that merge; without it (or with --no-batch) sequences
+        # decode solo, one at a time, first come first served.
+        self._batching = self.settings.batch and self.settings.parallel > 1 and _batchable(self.model)
+        if self.settings.batch and not self._batching and self.settings.parallel > 1:
+            logger.warning("%s keeps caches that cannot be merged into a batch: serving one sequence "
+                           "at a time", self.checkpoint.name)
+        self._parallel = self.settings.parallel if self._batching else 1
         self.generator = BatchGenerator(
             self.model,
             stop_tokens=[[t] for t in sorted(self.eos_tokens)],
@@ -197,7 +212,7 @@ class Worker:
             prefill_batch_size=self._parallel,
             prefill_step_size=self.settings.prefill_step_size,
             stream=self.stream,
-        )
+        ) if self._batching else None
         self.prefix = _PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
         self._publish_load()
         # No drafter yet: the policy reports that there is no MTP dispatch.
@@ -208,7 +223,8 @@ class Worker:
             self._loop()
         finally:
             self.policy.on_worker_lost()
-            self.generator.close()
+            if self.generator is not None:
+                self.generator.close()
 
     def _loop(self) -> None:
         while True:
@@ -222,11 +238,22 @@ class Worker:
                 self._batch_step()
 
     def _solo_sequence(self) -> _Sequence | None:
-        """The sequence to decode alone, if the worker has exactly one and it is not batched."""
-        if len(self._sequences) != 1:
+        """The sequence to decode alone now, if any.
+
+        Batching: the only sequence, if it started alone. Not batching: the oldest
+        sequence, whose prompt is prefilled when its turn comes.
+        """
+        if not self._sequences or (self._batching and len(self._sequences) != 1):
             return None
-        (sequence,) = self._sequences.values()
-        return sequence if sequence.solo is not None else None
+        sequence = next(iter(self._sequences.values()))
+        if sequence.uid is not None:
+            return None  # in the batch
+        if sequence.solo is None and sequence.prompt_state is not None:
+            cache, cached_tokens, rest = sequence.prompt_state
+            sequence.prompt_state = None
+            sequence.solo = SoloDecoder.prefill(self.model, self.stream, sequence.sampler, cache,
+                                                cached_tokens, rest, self.settings.prefill_step_size)
+        return sequence
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every message waiting (waiting a little if *block*); False on Stop."""
@@ -260,10 +287,11 @@ class Worker:
 
     def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
         """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
-        alone = self.settings.batch and not self._sequences and len(requests) == 1
-        if not alone:
+        alone = not self._sequences and len(requests) == 1
+        batch = self._batching and not alone
+        if batch:
             for sequence in list(self._sequences.values()):
-                if sequence.solo is not None:
+                if sequence.uid is None:
                     self._into_batch(sequence)
         for request in requests:
             tokens = list(request.prompt_tokens)
@@ -273,13 +301,12 @@ class Worker:
                                      stop=StopStringFilter(request.stop), sampler=_make_sampler(request),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
-                if alone:
-                    sequence.solo = SoloDecoder.prefill(self.model, self.stream, sequence.sampler, cache,
-                                                        cached_tokens, rest, self.settings.prefill_step_size)
-                else:
+                if batch:
                     (sequence.uid,) = self.generator.insert(
                         [rest], max_tokens=[request.max_tokens], caches=[cache] if cache is not None else None,
                         all_tokens=[cached_tokens], samplers=[sequence.sampler])
+                else:
+                    sequence.prompt_state = (cache, cached_tokens, rest)  # prefilled on its solo turn
             except Exception as exc:  # a request the model cannot take must not stop the worker
                 logger.exception("request %s could not be admitted", request.id)
                 events.append((request.id, Finish("error", len(tokens), 0,
@@ -294,7 +321,16 @@ class Worker:
     def _into_batch(self, sequence: _Sequence) -> None:
         """Hand a parked solo sequence to the continuous batch, which continues from its state."""
         solo = sequence.solo
-        assert solo is not None and solo.parked
+        if solo is None:  # not prefilled yet: the batch prefills it
+            assert sequence.prompt_state is not None
+            cache, cached_tokens, rest = sequence.prompt_state
+            (sequence.uid,) = self.generator.insert(
+                [rest], max_tokens=[sequence.remaining], caches=[cache] if cache is not None else None,
+                all_tokens=[cached_tokens], samplers=[sequence.sampler])
+            sequence.prompt_state = None
+            self._by_uid[sequence.uid] = sequence
+            return
+        assert solo.parked
         (sequence.uid,) = self.generator.insert(
             [[solo.next_input]], max_tokens=[sequence.remaining], caches=[solo.cache],
             all_tokens=[solo.tokens_in_cache], samplers=[sequence.sampler])
