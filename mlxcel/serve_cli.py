@@ -40,6 +40,11 @@ def _positive(name: str, low: int = 1) -> Callable[[str], int]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model directory (default: the bundled model)")
+    drafter = parser.add_mutually_exclusive_group()
+    drafter.add_argument("--mtp", action="store_true",
+                         help="speculative decoding with the model's own in-checkpoint MTP head (mtp.* tensors)")
+    drafter.add_argument("--draft-model", type=Path, metavar="DIR",
+                         help="speculative decoding with the MTP drafter in DIR")
     parser.add_argument("--draft-block-size", type=str, default=None, metavar="K",
                         help="MTP verify width K (K-1 drafts per round; default 4, or MLXCEL_DRAFT_BLOCK_SIZE)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
@@ -95,6 +100,16 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from exc
+    drafter = None
+    if args.mtp or args.draft_model is not None:
+        from .models.drafters.loader import DrafterError, inspect_drafter
+
+        try:
+            drafter = inspect_drafter(checkpoint.path, checkpoint.model_type, mtp=args.mtp,
+                                      draft_model=args.draft_model)
+        except DrafterError as exc:
+            raise UsageError(str(exc)) from exc
+        logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
     try:
         keys = read_keys(args.api_key, args.api_key_file)
     except OSError as exc:
@@ -104,7 +119,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     parallel = 1 if args.no_batch else args.parallel
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
                             prefix_cache_entries=args.prompt_cache_size, policy=env.policy,
-                            cache_root=env.cache_root)
+                            cache_root=env.cache_root, drafter=drafter, block_size=block_size)
     options = ServerOptions(
         model_name=checkpoint.name, model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,

@@ -131,3 +131,53 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     return directory
+
+
+def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: int = 4, hidden: int = 64,
+                         context_scale: float = 1.0, raw: bool = True, seed: int = 0) -> Path:
+    """A tiny Qwen 3.5 target with an in-checkpoint ``mtp.*`` head.
+
+    *drafter* ``random``: a random head, whose drafts the target rarely accepts.
+    ``aligned``: the head predicts what the target will say. The target's
+    sublayer outputs are scaled by *context_scale*; at 0 the next token is a
+    fixed function f of the current one, and the aligned head, which reads
+    only the embedding of the token it is given and applies the same LM head,
+    predicts f of it: the token after next, always. Small non-zero scales give
+    a target that mostly, not always, agrees with it.
+
+    *raw*: the Hugging Face layout (zero-centred norms, conv1d as (C, 1, K));
+    otherwise the layout mlx-lm's converter writes.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    from mlxcel.models.drafters.qwen3_5_mtp import Qwen35MTP, text_args
+
+    directory.mkdir(parents=True, exist_ok=True)
+    config = json.loads(json.dumps(CONFIGS["qwen3_5"]))
+    text = config["text_config"]
+    text.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                num_attention_heads=max(1, hidden // 16), num_key_value_heads=max(1, hidden // 32))
+    config["mtp_num_hidden_layers"] = 1
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_tokenizer(directory)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    head = Qwen35MTP(text_args(config), num_layers=1)
+    outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+    target = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in tree_flatten(model.parameters())}
+    target = {name: (v * context_scale if name.endswith(outputs) else v) for name, v in target.items()}
+    mtp = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in tree_flatten(head.parameters())}
+    if drafter == "aligned":
+        eye = mx.eye(hidden)
+        mtp["fc.weight"] = mx.concatenate([eye, mx.zeros((hidden, hidden))], axis=1)
+        mtp = {name: (mx.zeros_like(v) if name.endswith(outputs) else v) for name, v in mtp.items()}
+    if raw:
+        target = _to_hf_qwen3_5(target)
+        mtp = {name: (v - 1.0 if v.ndim == 1 and "norm" in name else v) for name, v in mtp.items()}
+    weights = {**target, **{f"mtp.{name}": v for name, v in mtp.items()}}
+    mx.eval(weights)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
+    return directory

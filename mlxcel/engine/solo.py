@@ -12,8 +12,12 @@ Runs on the worker thread only.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
+
+from .mtp import Drafter, Selection, TargetModel, run_round
+from .requests import BurstStats
 
 Sampler = Callable[[Any], Any]
 
@@ -26,11 +30,12 @@ class SoloDecoder:
     (the model fed the last emitted token) is in flight.
     """
 
-    def __init__(self, model: Any, stream: Any, sampler: Sampler | None, cache: list[Any],
-                 tokens_in_cache: list[int], next_input: int) -> None:
+    def __init__(self, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],
+                 tokens_in_cache: list[int], next_input: int, drafter: Drafter | None = None) -> None:
         from mlx_lm.sample_utils import greedy_sampler
 
-        self.model = model
+        self.target = target
+        self.drafter = drafter
         self.stream = stream
         self.sampler: Sampler = sampler or greedy_sampler
         self.cache = cache
@@ -39,19 +44,20 @@ class SoloDecoder:
         self._in_flight: tuple[Any, Any] | None = None
 
     @classmethod
-    def prefill(cls, model: Any, stream: Any, sampler: Sampler | None, cache: list[Any] | None,
-                cached_tokens: list[int], rest: list[int], step_size: int) -> SoloDecoder:
-        """Feed *rest* but its last token into *cache* (a fresh one when None), in chunks."""
+    def prefill(cls, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],
+                cached_tokens: list[int], rest: list[int], step_size: int,
+                drafter: Drafter | None = None) -> SoloDecoder:
+        """Feed *rest* but its last token into *cache*, in chunks (the drafter sees them too)."""
         import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
 
-        cache = cache if cache is not None else make_prompt_cache(model)
         with mx.stream(stream):
             for start in range(0, len(rest) - 1, step_size):
-                chunk = rest[start:min(start + step_size, len(rest) - 1)]
-                model(mx.array(chunk)[None], cache=cache)
+                end = min(start + step_size, len(rest) - 1)
+                _, hidden = target.forward(mx.array(rest[start:end])[None], cache)
+                if drafter is not None:
+                    drafter.add(hidden, mx.array(rest[start + 1:end + 1])[None])
                 mx.eval([c.state for c in cache])
-        return cls(model, stream, sampler, cache, cached_tokens + rest[:-1], rest[-1])
+        return cls(target, stream, sampler, cache, cached_tokens + rest[:-1], rest[-1], drafter)
 
     @property
     def parked(self) -> bool:
@@ -61,9 +67,12 @@ class SoloDecoder:
         import mlx.core as mx
 
         with mx.stream(self.stream):
-            logits = self.model(token.reshape(1, 1), cache=self.cache)[:, -1, :]
+            logits, hidden = self.target.forward(token.reshape(1, 1), self.cache)
+            logits = logits[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = self.sampler(logprobs)
+            if self.drafter is not None:
+                self.drafter.add(hidden, sampled.reshape(1, 1))
         mx.async_eval(sampled, logprobs)
         return sampled, logprobs
 
@@ -91,3 +100,22 @@ class SoloDecoder:
         else:
             self.next_input = token
         return token, logprobs
+
+    def classic_step(self) -> tuple[int, Any, float]:
+        """One unpipelined single-token step from the parked state: (token, logprobs, seconds)."""
+        started = time.perf_counter()
+        self.resume()
+        token, logprobs = self.emit(feed_next=False)
+        return token, logprobs, time.perf_counter() - started
+
+    def mtp_round(self, width: int, selection: Selection, stats: BurstStats, timed: bool) -> list[int]:
+        """One speculative round from the parked state; the tokens it emits (1 to *width*)."""
+        import mlx.core as mx
+
+        assert self.parked and self.drafter is not None
+        with mx.stream(self.stream):
+            fed, emitted = run_round(self.target, self.cache, self.drafter, self.next_input, width,
+                                     selection, stats, timed)
+        self.tokens_in_cache.extend(fed)
+        self.next_input = emitted[-1]
+        return emitted

@@ -15,22 +15,31 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..hardware import detect_host
+from ..models.drafters import DrafterSpec
 from ..models.loader import CheckpointInfo, load_checkpoint
 from ..observability import CacheStats, Observability, SlotState
-from ..policy import BootFacts, HintStore, MtpPolicy, PolicySettings
-from .requests import Event, Finish, FinishReason, GenerationRequest, TextDelta, Timings
-from .solo import SoloDecoder
+from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy, PairingKey, PolicySettings
+from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest, TextDelta, Timings
 from .text import StopStringFilter
+
+if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
+    from .mtp import Selection
+    from .solo import SoloDecoder
 
 logger = logging.getLogger(__name__)
 
 #: How long an idle worker waits for work before checking for cancellation.
 IDLE_POLL_SECONDS = 0.05
+
+#: While profiling, after every PROBE_EVERY rounds the burst runs CLASSIC_PROBE_STEPS
+#: drafterless single-token steps (real greedy tokens), timing classic decode here and now.
+PROBE_EVERY = 4
+CLASSIC_PROBE_STEPS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,10 @@ class WorkerSettings:
     policy: PolicySettings = field(default_factory=PolicySettings)
     cache_root: Any = None
     """Where persisted policy hints live (a Path), or None to keep verdicts in memory."""
+    drafter: DrafterSpec | None = None
+    """The MTP drafter (``--mtp`` / ``--draft-model``), or None: no MTP dispatch."""
+    block_size: int = 4
+    """K, the verify width of a speculative round (K-1 drafts)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,10 @@ class _Sequence:
     prompt_state: tuple[Any, list[int], list[int]] | None = None
     """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
     first_token_at: float | None = None
+    burst: BurstStats | None = None
+    """Set when this request runs the B=1 MTP burst."""
+    batched: bool = False
+    """Ever decoded in the batch (B>1): then its burst is not a policy sample."""
     generated: int = 0
     pending_tokens: list[int] = field(default_factory=list)
     pending_logprobs: list[float] = field(default_factory=list)
@@ -187,17 +204,21 @@ class Worker:
         import mlx.core as mx
         from mlx_lm.generate import BatchGenerator
 
+        from .mtp import TargetModel
+
         try:
             if self._before_load is not None:
                 self._before_load()
             self.model, tokenizer = load_checkpoint(self.checkpoint)
             host = detect_host()
+            self.stream = mx.new_stream(mx.default_device())
+            self.target = TargetModel(self.model)
+            pairing, probe_decline = self._load_drafter(host.label, len(tokenizer))
         except BaseException:
             self.observability.state = "failed"
             raise
         self.tokenizer = tokenizer
         self.eos_tokens = frozenset(tokenizer.eos_token_ids)
-        self.stream = mx.new_stream(mx.default_device())
         # Batching needs caches that merge; without it (or with --no-batch) sequences
         # decode solo, one at a time, first come first served.
         self._batching = self.settings.batch and self.settings.parallel > 1 and _batchable(self.model)
@@ -215,8 +236,7 @@ class Worker:
         ) if self._batching else None
         self.prefix = _PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
         self._publish_load()
-        # No drafter yet: the policy reports that there is no MTP dispatch.
-        self.policy.on_worker_ready(BootFacts(host=host, pairing=None))
+        self.policy.on_worker_ready(BootFacts(host=host, pairing=pairing, probe_decline=probe_decline))
         self.observability.state = "ready"
         self._on_ready(tokenizer)
         try:
@@ -225,6 +245,38 @@ class Worker:
             self.policy.on_worker_lost()
             if self.generator is not None:
                 self.generator.close()
+
+    def _load_drafter(self, hardware: str, vocab: int) -> tuple[PairingKey | None, str | None]:
+        """Load the drafter and probe exactness: (the policy's pairing key, the probe's veto)."""
+        import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from ..models.drafters.loader import load_drafter
+        from .mtp import probe_exactness
+
+        self.drafter_head: Any = None
+        self.selection: Selection | None = None
+        spec = self.settings.drafter
+        if spec is None or not self.settings.batch:
+            return None, None  # no MTP dispatch (the legacy worker has no MTP path)
+        self.drafter_head = load_drafter(spec, self.checkpoint.path)
+        k = self.settings.block_size
+        with mx.stream(self.stream):
+            probe = probe_exactness(self.target, lambda: make_prompt_cache(self.model), k, vocab)
+        if probe.selection is not None:
+            logger.info("MTP exactness probe: K=%d verify is byte-identical to the single-token chain "
+                        "with %s", k, probe.selection)
+        self.selection = probe.selection
+        if probe.selection is None and self.settings.policy.allow_inexact:
+            self.selection = "wide"  # MLXCEL_MTP_ALLOW_INEXACT: run anyway, exactness forfeited
+        return PairingKey(self.checkpoint.name, spec.name, hardware, k), probe.detail
+
+    def _burst_allowed(self, request: GenerationRequest) -> bool:
+        """The runtime gates of the B=1 burst, below the policy's live gate."""
+        return (self.drafter_head is not None and self.selection is not None
+                and bool(self.policy.mtp_enabled)
+                and request.sampling.temperature == 0  # speculative sampling is not built yet
+                and not request.logprobs)
 
     def _loop(self) -> None:
         while True:
@@ -249,10 +301,21 @@ class Worker:
         if sequence.uid is not None:
             return None  # in the batch
         if sequence.solo is None and sequence.prompt_state is not None:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            from .mtp import Drafter
+            from .solo import SoloDecoder
+
             cache, cached_tokens, rest = sequence.prompt_state
             sequence.prompt_state = None
-            sequence.solo = SoloDecoder.prefill(self.model, self.stream, sequence.sampler, cache,
-                                                cached_tokens, rest, self.settings.prefill_step_size)
+            drafter = None
+            if self._burst_allowed(sequence.request):
+                drafter = Drafter(self.drafter_head, self.target)
+                sequence.burst = BurstStats()
+            sequence.solo = SoloDecoder.prefill(
+                self.target, self.stream, sequence.sampler,
+                cache if cache is not None else make_prompt_cache(self.model), cached_tokens, rest,
+                self.settings.prefill_step_size, drafter)
         return sequence
 
     def _take_messages(self, block: bool) -> bool:
@@ -302,6 +365,7 @@ class Worker:
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
                 if batch:
+                    sequence.batched = True
                     (sequence.uid,) = self.generator.insert(
                         [rest], max_tokens=[request.max_tokens], caches=[cache] if cache is not None else None,
                         all_tokens=[cached_tokens], samplers=[sequence.sampler])
@@ -328,6 +392,7 @@ class Worker:
                 [rest], max_tokens=[sequence.remaining], caches=[cache] if cache is not None else None,
                 all_tokens=[cached_tokens], samplers=[sequence.sampler])
             sequence.prompt_state = None
+            sequence.batched = True
             self._by_uid[sequence.uid] = sequence
             return
         assert solo.parked
@@ -336,6 +401,7 @@ class Worker:
             all_tokens=[solo.tokens_in_cache], samplers=[sequence.sampler])
         self._by_uid[sequence.uid] = sequence
         sequence.solo = None
+        sequence.batched = True
         self.observability.handoffs.inc()
 
     def _cancel(self, request_id: str, events: list[tuple[str, Event]]) -> None:
@@ -360,6 +426,9 @@ class Worker:
         """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""
         solo = sequence.solo
         assert solo is not None
+        if sequence.burst is not None:
+            self._run_burst(sequence, solo, sequence.burst)
+            return
         solo.resume()
         while True:
             # Stop feeding once the token about to be emitted is the last allowed,
@@ -374,17 +443,65 @@ class Worker:
                 reason = "length"
             self._on_token(sequence, token, logprobs, reason, events)
             if sequence.finish_reason is not None:
-                self.prefix.store(solo.tokens_in_cache, solo.cache)
-                self._forget(sequence)
-                events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
-                self.observability.cache = self.prefix.stats()
-                self._publish_load()
+                self._retire_solo(sequence, solo, events)
             elif sequence.generated % 16 == 0:
                 self._publish_load()
             if events:
                 self._deliver(events)
             if sequence.finish_reason is not None or solo.parked:
                 return
+
+    def _run_burst(self, sequence: _Sequence, solo: SoloDecoder, burst: BurstStats) -> None:
+        """Speculative rounds for a lone greedy request, until it finishes or mail arrives."""
+        assert self.selection is not None
+        profiling = self.policy.state == "profiling"
+        while self.inbox.empty():
+            events: list[tuple[str, Event]] = []
+            probe_due = profiling and burst.rounds > 0 and burst.rounds % PROBE_EVERY == 0 \
+                and burst.classic_steps < CLASSIC_PROBE_STEPS * (burst.rounds // PROBE_EVERY)
+            if sequence.remaining <= 1 or probe_due:
+                token, _, seconds = solo.classic_step()
+                if probe_due:
+                    burst.classic_steps += 1
+                    burst.classic_seconds += seconds
+                tokens = [token]
+            else:
+                tokens = solo.mtp_round(min(self.settings.block_size, sequence.remaining), self.selection,
+                                        burst, timed=profiling)
+            for token in tokens:
+                reason: FinishReason | None = None
+                if token in self.eos_tokens:
+                    reason = "stop"
+                elif sequence.remaining == 1:
+                    reason = "length"
+                self._on_token(sequence, token, None, reason, events)
+                if sequence.finish_reason is not None:
+                    break
+            if sequence.finish_reason is not None:
+                self._retire_solo(sequence, solo, events)
+            if events:
+                self._deliver(events)
+            if sequence.finish_reason is not None:
+                return
+
+    def _retire_solo(self, sequence: _Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
+        """A solo sequence finished: keep its cache, report its burst, send its Finish."""
+        self.prefix.store(solo.tokens_in_cache, solo.cache)
+        self._forget(sequence)
+        burst = sequence.burst
+        if burst is not None and burst.rounds and not sequence.batched:
+            self.policy.on_sample(BurstSample(
+                rounds=burst.rounds, proposed=burst.proposed, accepted=burst.accepted,
+                round_seconds=burst.round_seconds, drafter_seconds=burst.drafter_seconds,
+                verify_seconds=burst.verify_seconds, classic_steps=burst.classic_steps,
+                classic_seconds=burst.classic_seconds))
+        if burst is not None:
+            self.observability.draft_tokens.inc(burst.proposed)
+            self.observability.draft_accepted.inc(burst.accepted)
+        assert sequence.finish_reason is not None
+        events.append((sequence.request.id, self._finish(sequence, sequence.finish_reason)))
+        self.observability.cache = self.prefix.stats()
+        self._publish_load()
 
     def _batch_step(self) -> None:
         _, responses = self.generator.next()
@@ -425,7 +542,7 @@ class Worker:
             sequence.detokenizer.add_token(token)
             text = sequence.stop.feed(sequence.detokenizer.last_segment)
             sequence.pending_tokens.append(token)
-            if sequence.request.logprobs:
+            if sequence.request.logprobs and logprobs is not None:
                 sequence.pending_logprobs.append(logprobs.reshape(-1)[token].item())
         if sequence.stop.stopped:
             reason = "stop"
@@ -460,6 +577,9 @@ class Worker:
                 predicted_n=sequence.generated,
                 predicted_ms=(now - first) * 1000,
                 cached_n=sequence.cached,
+                draft_n=sequence.burst.proposed if sequence.burst else 0,
+                draft_n_accepted=sequence.burst.accepted if sequence.burst else 0,
+                draft_rounds=sequence.burst.rounds if sequence.burst else 0,
             ),
             error=error,
         )

@@ -1,0 +1,69 @@
+"""The Qwen 3.5 / 3.6 / 3.8 multi-token-prediction head (``qwen3_5_mtp``).
+
+Stored in the target's own checkpoint as ``mtp.*`` tensors (mlx-lm's loader
+drops them): ``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden``,
+``layers.N`` (full-attention decoder layers of the target's own kind) and
+``norm``. It shares the target's embedding and LM head, and keeps a KV cache
+of its own. One step predicts the token after next::
+
+    g = norm(layers(fc([norm_e(embed(token)) ; norm_h(hidden)])))
+    logits = lm_head(g)
+
+where ``hidden`` is the target's final (normed) hidden state at the position
+before ``token``; chained drafts feed ``g`` back as the next ``hidden``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+#: 1-D weights Hugging Face stores zero-centred (the model adds 1 at run time).
+NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                 ".k_norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+
+
+class Qwen35MTP(nn.Module):
+    def __init__(self, args: TextModelArgs, num_layers: int) -> None:
+        super().__init__()
+        hidden = args.hidden_size
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+        # A layer index that makes DecoderLayer a full-attention layer.
+        full = args.full_attention_interval - 1
+        self.layers = [DecoderLayer(args, layer_idx=full) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=args.rms_norm_eps)
+
+    def __call__(self, embeddings: mx.array, hidden: mx.array, cache: list[Any]) -> mx.array:
+        x = self.fc(mx.concatenate([self.pre_fc_norm_embedding(embeddings),
+                                    self.pre_fc_norm_hidden(hidden)], axis=-1))
+        mask = create_attention_mask(x, cache[0])
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            x = layer(x, mask, layer_cache)
+        out: mx.array = self.norm(x)
+        return out
+
+    def make_cache(self) -> list[Any]:
+        return [KVCache() for _ in self.layers]
+
+
+def text_args(config: dict[str, Any]) -> TextModelArgs:
+    return TextModelArgs.from_dict(config.get("text_config", config))
+
+
+def build(config: dict[str, Any], weights: dict[str, mx.array], raw_layout: bool) -> Qwen35MTP:
+    """The head from its ``mtp.``-stripped *weights*; *raw_layout* adds 1 to zero-centred norms."""
+    args = text_args(config)
+    layer_ids = {int(name.split(".")[1]) for name in weights if name.startswith("layers.")}
+    head = Qwen35MTP(args, num_layers=len(layer_ids) or int(config.get("mtp_num_hidden_layers", 1)))
+    if raw_layout:
+        weights = {name: (value + 1.0 if value.ndim == 1 and name.endswith(NORM_SUFFIXES) else value)
+                   for name, value in weights.items()}
+    head.load_weights(list(weights.items()), strict=True)
+    return head
