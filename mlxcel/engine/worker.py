@@ -252,7 +252,7 @@ class Worker:
         from mlx_lm.models.cache import make_prompt_cache
 
         from ..models.drafters.loader import load_drafter
-        from .mtp import probe_exactness
+        from .mtp import DESCRIBE, probe_exactness
 
         self.drafter_head: Any = None
         self.selection: Selection | None = None
@@ -264,8 +264,8 @@ class Worker:
         with mx.stream(self.stream):
             probe = probe_exactness(self.target, lambda: make_prompt_cache(self.model), k, vocab)
         if probe.selection is not None:
-            logger.info("MTP exactness probe: K=%d verify is byte-identical to the single-token chain "
-                        "with %s", k, probe.selection)
+            logger.info("MTP exactness probe: the K=%d verify is byte-identical to the single-token chain "
+                        "with %s", k, DESCRIBE[probe.selection])
         self.selection = probe.selection
         if probe.selection is None and self.settings.policy.allow_inexact:
             self.selection = "wide"  # MLXCEL_MTP_ALLOW_INEXACT: run anyway, exactness forfeited

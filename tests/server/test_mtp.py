@@ -1,0 +1,275 @@
+"""MTP speculative decoding through real HTTP, on tiny Qwen 3.5 checkpoints with real ``mtp.*`` heads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from mlxcel.blas import load_fast_blas
+from tests.checkpoints import build_mtp_checkpoint
+from tests.conftest import validate_wire
+from tests.server.conftest import free_port, mlxcel, running_server
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
+OPENBLAS = load_fast_blas().startswith("OpenBLAS")
+
+
+@pytest.fixture(scope="session")
+def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mtp")
+    return {
+        # The head mostly, not always, agrees with the target: full, partial and no acceptance.
+        "partial": build_mtp_checkpoint(root / "qwen35-partial", drafter="aligned", context_scale=0.05),
+        "partial-mlx": build_mtp_checkpoint(root / "qwen35-partial-mlx", drafter="aligned", context_scale=0.05,
+                                            raw=False),
+        "random": build_mtp_checkpoint(root / "qwen35-random", drafter="random", layers=12, hidden=128),
+        # A deep target whose head always agrees: the burst pays off.
+        "aligned": build_mtp_checkpoint(root / "qwen35-aligned", drafter="aligned", context_scale=0.0,
+                                        layers=12, hidden=128),
+    }
+
+
+async def _complete(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> dict[str, object]:
+    response = await client.post(f"{url}/v1/completions", json={
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert response.status_code == 200, response.text
+    body: dict[str, object] = response.json()
+    return body
+
+
+async def _policy(client: httpx.AsyncClient, url: str) -> dict[str, object]:
+    body: dict[str, object] = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    validate_wire(body)
+    return body
+
+
+async def _texts(model: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: int) -> list[tuple[str, dict]]:
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", str(k))
+    out = []
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=120) as client:
+        for prompt in PROMPTS:
+            for max_tokens in (7, 90):
+                body = await _complete(client, url, prompt, max_tokens)
+                out.append((body["choices"][0]["text"], body["timings"]))  # type: ignore[index]
+    return out
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+async def test_temperature_zero_is_byte_identical_with_and_without_mtp(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    classic = await _texts(mtp_models["partial"], monkeypatch, "0", k)
+    speculative = await _texts(mtp_models["partial"], monkeypatch, "1", k)
+    assert [text for text, _ in speculative] == [text for text, _ in classic]
+    assert all(timings["draft_n"] == 0 for _, timings in classic)
+    proposed = sum(timings["draft_n"] for _, timings in speculative)
+    accepted = sum(timings["draft_n_accepted"] for _, timings in speculative)
+    assert 0 < accepted < proposed  # the bursts really ran, with rejections to roll back
+
+
+async def test_the_mlx_converted_layout_drafts_the_same(mtp_models: dict[str, Path],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = await _texts(mtp_models["partial"], monkeypatch, "1", 4)
+    converted = await _texts(mtp_models["partial-mlx"], monkeypatch, "1", 4)
+    assert [(t, s["draft_n"], s["draft_n_accepted"]) for t, s in converted] == [
+        (t, s["draft_n"], s["draft_n_accepted"]) for t, s in raw]
+
+
+async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path], tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--draft-model DIR`: the same head split into its own directory drafts the same, under its own name."""
+    import mlx.core as mx
+
+    source = mtp_models["partial"]
+    drafter = tmp_path / "qwen35-partial-drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text((source / "config.json").read_text())
+    tensors = mx.load(str(source / "model.safetensors"))
+    mx.save_safetensors(str(drafter / "mtp.safetensors"),
+                        {k: v for k, v in tensors.items() if k.startswith("mtp.")})  # type: ignore[union-attr]
+    in_checkpoint = await _texts(source, monkeypatch, "1", 3)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    async with running_server(["--model", str(source), "--draft-model", str(drafter)]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        policy = await _policy(client, url)
+        body = await _complete(client, url, PROMPTS[0], 7)
+    assert policy["drafter"] == "qwen35-partial-drafter"
+    assert (body["choices"][0]["text"], body["timings"]["draft_n"]) == (  # type: ignore[index]
+        in_checkpoint[0][0], in_checkpoint[0][1]["draft_n"])
+
+
+@pytest.mark.slow
+async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    model = mtp_models["partial"]
+    async with running_server(["--model", str(model), "--mtp", "--metrics"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0}
+        alone = await _complete(client, url, PROMPTS[0], 1500)
+        interrupted = ""
+        async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+            lines = response.aiter_lines()
+            async for line in lines:
+                if line.startswith("data: {"):
+                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                    break
+            second = await _complete(client, url, PROMPTS[1], 30)
+            async for line in lines:
+                if line.startswith("data: {"):
+                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert "mlxcel_solo_handoffs_total 1.0" in (await client.get(f"{url}/metrics")).text
+    assert interrupted == alone["choices"][0]["text"]  # type: ignore[index]
+    assert second["timings"]["draft_n"] == 0  # type: ignore[index]  # served in the batch
+
+
+@pytest.mark.slow
+async def test_profiling_counts_down_settles_persists_and_restores(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    model = mtp_models["partial"]
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=120) as client:
+        policy = await _policy(client, url)
+        assert (policy["state"], policy["samples_remaining"], policy["mtp_enabled"]) == ("profiling", 4, True)
+        assert (policy["target"], policy["drafter"], policy["block_size"]) == (
+            model.name, f"{model.name}#mtp", 4)
+        # Neither a one-token request nor requests served together count as samples.
+        await _complete(client, url, PROMPTS[0], 1)
+        async with trio.open_nursery() as nursery:
+            for prompt in PROMPTS[:2]:
+                nursery.start_soon(_complete, client, url, prompt, 40)
+        assert (await _policy(client, url))["samples_remaining"] == 4
+        remaining = []
+        for prompt in [*PROMPTS, "while True:"]:
+            timings = (await _complete(client, url, prompt, 40))["timings"]
+            assert timings["draft_rounds"] > 0  # type: ignore[index]
+            remaining.append((await _policy(client, url))["samples_remaining"])
+        settled = await _policy(client, url)
+    assert remaining == [3, 2, 1, None]
+    assert settled["state"] == "settled" and settled["samples"] == 4
+    assert settled["verdict"] in ("enable", "decline")
+    assert settled["acceptance_rate"] == round(settled["acceptance_rate"], 2)  # type: ignore[arg-type]
+    hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))
+    assert len(hints) == 1 and json.loads(hints[0].read_text())["verdict"] == settled["verdict"]
+
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:
+        restored = await _policy(client, url)
+    assert restored == settled
+
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:
+        fresh = await _policy(client, url)
+    assert (fresh["state"], fresh["block_size"], fresh["samples_remaining"]) == ("profiling", 3, 4)
+
+
+@pytest.mark.parametrize(("env", "state", "reason", "enabled", "bursts"), [
+    ({"MLXCEL_ENABLE_MTP_B1": "1"}, "forced", None, True, True),
+    ({"MLXCEL_ENABLE_MTP_B1": "off"}, "forced", None, False, False),
+    ({"MLXCEL_MTP_ADAPTIVE": "0"}, "unavailable", "adaptive_disabled", False, False),  # static gate: off on CPU
+    ({"MLXCEL_MTP_ADAPTIVE": "0", "MLXCEL_ENABLE_MTP_B1": "1"}, "unavailable", "adaptive_disabled", True, True),
+])
+async def test_pins_and_adaptive_off(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                     env: dict[str, str], state: str, reason: str | None, enabled: bool,
+                                     bursts: bool) -> None:
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        policy = await _policy(client, url)
+        timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+        after = await _policy(client, url)
+    assert (policy["state"], policy["reason"], policy["mtp_enabled"]) == (state, reason, enabled)
+    assert (timings["draft_rounds"] > 0) is bursts  # type: ignore[index,operator]
+    assert after == policy  # nothing is measured under a pin or with the policy off
+    assert policy["samples"] == 0 and policy["verdict"] is None and policy["acceptance_rate"] is None
+
+
+async def test_sampled_and_logprob_requests_run_classic_decode(mtp_models: dict[str, Path],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        for extra in ({"temperature": 0.7, "seed": 1}, {"temperature": 0, "logprobs": 1}):
+            body = (await client.post(f"{url}/v1/completions", json={
+                "prompt": PROMPTS[0], "max_tokens": 20, **extra})).json()
+            assert body["timings"]["draft_n"] == 0
+
+
+@pytest.mark.skipif(not OPENBLAS, reason="the inexact pairing needs OpenBLAS (CI installs it)")
+async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A genuinely inexact pairing: OpenBLAS multiplies 4+ rows with another kernel than 1-3 rows, so an
+    8-wide verify (and its two 4-wide halves) is not byte-identical to the single-token chain."""
+    model = mtp_models["partial"]
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "8")
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=60) as client:
+            policy = await _policy(client, url)
+            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    detail = policy["decline_detail"]
+    assert isinstance(detail, str) and detail.startswith("verify block position ")
+    assert detail.endswith("Half-width verify did not make it exact either.")
+    assert policy == {**policy, "schema_version": 1, "state": "exactness_declined", "reason": None,
+                      "verdict": None, "mtp_enabled": False, "target": model.name, "drafter": f"{model.name}#mtp",
+                      "block_size": 8, "acceptance_rate": None, "samples": 0, "samples_required": 4,
+                      "samples_remaining": None, "estimated_speedup": None, "gpu_vendor": "Unknown"}
+    assert timings["draft_n"] == 0  # type: ignore[index]  # served by classic decode
+    assert [r.getMessage() for r in caplog.records if "declined" in r.getMessage()] == [
+        f"MTP exactness probe declined the pairing: {detail}"]
+
+    monkeypatch.setenv("MLXCEL_MTP_ALLOW_INEXACT", "1")
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=60) as client:
+        allowed = await _policy(client, url)
+        timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    assert allowed["state"] == "profiling" and timings["draft_rounds"] > 0  # type: ignore[index,operator]
+
+
+@pytest.mark.skipif(not OPENBLAS, reason="the retry path needs OpenBLAS (CI installs it)")
+async def test_probe_retries_with_half_width_verify(mtp_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "4")
+    with caplog.at_level(logging.INFO, logger="mlxcel"):
+        async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
+                httpx.AsyncClient() as client:
+            policy = await _policy(client, url)
+    assert policy["state"] == "profiling"
+    assert any("with half-width verify" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("drafter", "verdict"), [("random", "decline"), ("aligned", "enable")])
+async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                   drafter: str, verdict: str) -> None:
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    async with running_server(["--model", str(mtp_models[drafter]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        for i in range(4):
+            await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 64)
+        policy = await _policy(client, url)
+    assert (policy["state"], policy["verdict"]) == ("settled", verdict)
+    assert policy["mtp_enabled"] is (verdict == "enable")
+    if verdict == "enable":
+        assert policy["acceptance_rate"] == 1.0 and policy["estimated_speedup"] >= 1.5  # type: ignore[operator]
+    else:
+        assert policy["estimated_speedup"] <= 1.0  # type: ignore[operator]
+
+
+@pytest.mark.slow
+def test_drafter_problems_stop_startup(mtp_models: dict[str, Path], checkpoints: dict[str, Path],
+                                       tmp_path: Path) -> None:
+    cases = [
+        (["--model", str(checkpoints["qwen3_5"]), "--mtp"], "has no MTP weights"),
+        (["--model", str(checkpoints["llama"]), "--mtp"], "model_type 'llama' has no MTP head"),
+        (["--model", str(mtp_models["partial"]), "--draft-model", str(tmp_path / "nope")], "does not exist"),
+        (["--model", str(mtp_models["partial"]), "--draft-model", str(checkpoints["qwen3_5"])],
+         "has no MTP weights"),
+    ]
+    for args, expected in cases:
+        result = mlxcel("serve", *args, "--port", str(free_port()))
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in result.stderr
