@@ -113,6 +113,59 @@ def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab
     return ProbeResult(None, detail, tuple(tried))
 
 
+# -- acceptance ------------------------------------------------------------------------
+
+
+class SpeculativeSampler:
+    """Speculative sampling for temperature > 0: the output distribution equals the target's.
+
+    The drafter drafts greedily, so its proposal distribution q is a point mass
+    on each draft d. The standard rule then reads: accept d with probability
+    min(1, p(d) / q(d)) = p(d); on the first rejection, sample from the
+    residual max(0, p - q), i.e. p without d, renormalised; if every draft is
+    accepted, sample the bonus token from the last position's p. Here p is the
+    target's distribution after the request's temperature, top-p and top-k,
+    exactly as classic decoding samples it.
+    """
+
+    def __init__(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> None:
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = top_k
+        self.key = mx.random.key(seed) if seed is not None else None
+
+    def _next_key(self) -> mx.array | None:
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
+    def distribution(self, logits: mx.array) -> mx.array:
+        """Probabilities (N, V) for logits (N, V), with classic decoding's transforms."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.top_k > 0:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return mx.softmax(logprobs * (1 / self.temperature), axis=-1)
+
+    def __call__(self, logits: mx.array, drafts: list[int]) -> tuple[int, int]:
+        """(accepted drafts, the token that ends the round) for verify logits (K, V)."""
+        probs = self.distribution(logits.astype(mx.float32))
+        count = len(drafts)
+        p_draft = probs[mx.arange(count), mx.array(drafts)]
+        draws = mx.random.uniform(shape=(count,), key=self._next_key())
+        accepted_mask: list[bool] = (draws < p_draft).tolist()  # type: ignore[assignment]
+        accepted = next((i for i, ok in enumerate(accepted_mask) if not ok), count)
+        row = probs[accepted]
+        if accepted < count:
+            row = row * (mx.arange(row.shape[0]) != drafts[accepted])  # the residual: p without the draft
+        token = mx.random.categorical(mx.log(row), key=self._next_key())
+        return accepted, int(token.item())  # type: ignore[arg-type]
+
+
 # -- the burst ------------------------------------------------------------------------
 
 
@@ -155,14 +208,16 @@ class Drafter:
 
 
 def run_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_input: int, width: int,
-              selection: Selection, stats: BurstStats, timed: bool) -> tuple[list[int], list[int]]:
+              selection: Selection, stats: BurstStats, timed: bool,
+              sampler: SpeculativeSampler | None = None) -> tuple[list[int], list[int]]:
     """One speculative round from the parked state; returns (tokens fed to the target, tokens emitted).
 
     *width* is the verify width (K, or less near max_tokens). The target is fed
-    ``next_input`` and the K-1 drafts in one verify; the longest prefix of drafts
-    matching the target's own greedy tokens is accepted, plus the target's next
-    token. Caches are rolled back to exactly the accepted tokens; the last
-    emitted token is left unfed (the new ``next_input``).
+    ``next_input`` and the K-1 drafts in one verify. Greedy (no *sampler*): the
+    longest prefix of drafts matching the target's own greedy tokens is
+    accepted, plus the target's next token. Sampled: :class:`SpeculativeSampler`.
+    Caches are rolled back to exactly the accepted tokens; the last emitted
+    token is left unfed (the new ``next_input``).
     """
     started = time.perf_counter()
     drafts = drafter.draft(width - 1)
@@ -175,16 +230,21 @@ def run_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_inpu
     # (MLX arrays are immutable; the cache only swaps them) to restore on a partial accept.
     saved = None if trimmable else [None if c.is_trimmable() else list(c.cache) for c in cache]
     logits, hidden = target.verify(block, cache, selection)
-    greedy = mx.argmax(logits, axis=-1)
-    mx.eval(greedy, drafts)
+    if sampler is None:
+        greedy = mx.argmax(logits, axis=-1)
+        mx.eval(greedy, drafts)
+        target_tokens: list[int] = greedy[0].tolist()  # type: ignore[assignment]
+        draft_tokens: list[int] = drafts[0].tolist()  # type: ignore[assignment]
+        accepted = 0
+        while accepted < width - 1 and draft_tokens[accepted] == target_tokens[accepted]:
+            accepted += 1
+        last = target_tokens[accepted]
+    else:
+        draft_tokens = drafts[0].tolist()  # type: ignore[assignment]
+        accepted, last = sampler(logits[0], draft_tokens)
     verified = time.perf_counter()
-    target_tokens: list[int] = greedy[0].tolist()  # type: ignore[assignment]
-    draft_tokens: list[int] = drafts[0].tolist()  # type: ignore[assignment]
-    accepted = 0
-    while accepted < width - 1 and draft_tokens[accepted] == target_tokens[accepted]:
-        accepted += 1
     fed = [next_input, *draft_tokens[:accepted]]
-    emitted = [*draft_tokens[:accepted], target_tokens[accepted]]
+    emitted = [*draft_tokens[:accepted], last]
     rejected = width - 1 - accepted
     if rejected:
         if trimmable:

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .mtp import Drafter, Selection, TargetModel, run_round
+from .mtp import Drafter, Selection, SpeculativeSampler, TargetModel, run_round
 from .requests import BurstStats
 
 Sampler = Callable[[Any], Any]
@@ -108,14 +108,15 @@ class SoloDecoder:
         token, logprobs = self.emit(feed_next=False)
         return token, logprobs, time.perf_counter() - started
 
-    def mtp_round(self, width: int, selection: Selection, stats: BurstStats, timed: bool) -> list[int]:
+    def mtp_round(self, width: int, selection: Selection, stats: BurstStats, timed: bool,
+                  sampler: SpeculativeSampler | None = None) -> list[int]:
         """One speculative round from the parked state; the tokens it emits (1 to *width*)."""
         import mlx.core as mx
 
         assert self.parked and self.drafter is not None
         with mx.stream(self.stream):
             fed, emitted = run_round(self.target, self.cache, self.drafter, self.next_input, width,
-                                     selection, stats, timed)
+                                     selection, stats, timed, sampler)
         self.tokens_in_cache.extend(fed)
         self.next_input = emitted[-1]
         return emitted

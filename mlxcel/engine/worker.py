@@ -94,6 +94,8 @@ class _Sequence:
     first_token_at: float | None = None
     burst: BurstStats | None = None
     """Set when this request runs the B=1 MTP burst."""
+    speculative: Any = None
+    """The burst's acceptance rule at temperature > 0 (a SpeculativeSampler); None is greedy."""
     batched: bool = False
     """Ever decoded in the batch (B>1): then its burst is not a policy sample."""
     generated: int = 0
@@ -275,8 +277,7 @@ class Worker:
         """The runtime gates of the B=1 burst, below the policy's live gate."""
         return (self.drafter_head is not None and self.selection is not None
                 and bool(self.policy.mtp_enabled)
-                and request.sampling.temperature == 0  # speculative sampling is not built yet
-                and not request.logprobs)
+                and not request.logprobs)  # logprobs come from classic decode
 
     def _loop(self) -> None:
         while True:
@@ -312,6 +313,12 @@ class Worker:
             if self._burst_allowed(sequence.request):
                 drafter = Drafter(self.drafter_head, self.target)
                 sequence.burst = BurstStats()
+                params = sequence.request.sampling
+                if params.temperature > 0:
+                    from .mtp import SpeculativeSampler
+
+                    sequence.speculative = SpeculativeSampler(params.temperature, params.top_p, params.top_k,
+                                                              params.seed)
             sequence.solo = SoloDecoder.prefill(
                 self.target, self.stream, sequence.sampler,
                 cache if cache is not None else make_prompt_cache(self.model), cached_tokens, rest,
@@ -467,7 +474,7 @@ class Worker:
                 tokens = [token]
             else:
                 tokens = solo.mtp_round(min(self.settings.block_size, sequence.remaining), self.selection,
-                                        burst, timed=profiling)
+                                        burst, timed=profiling, sampler=sequence.speculative)
             for token in tokens:
                 reason: FinishReason | None = None
                 if token in self.eos_tokens:

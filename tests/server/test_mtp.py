@@ -189,15 +189,22 @@ async def test_pins_and_adaptive_off(mtp_models: dict[str, Path], monkeypatch: p
     assert policy["samples"] == 0 and policy["verdict"] is None and policy["acceptance_rate"] is None
 
 
-async def test_sampled_and_logprob_requests_run_classic_decode(mtp_models: dict[str, Path],
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_sampled_requests_burst_and_logprob_requests_run_classic_decode(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
             httpx.AsyncClient(timeout=60) as client:
-        for extra in ({"temperature": 0.7, "seed": 1}, {"temperature": 0, "logprobs": 1}):
-            body = (await client.post(f"{url}/v1/completions", json={
-                "prompt": PROMPTS[0], "max_tokens": 20, **extra})).json()
-            assert body["timings"]["draft_n"] == 0
+        async def ask(**extra: object) -> dict[str, object]:
+            body: dict[str, object] = (await client.post(f"{url}/v1/completions", json={
+                "prompt": PROMPTS[0], "max_tokens": 40, **extra})).json()
+            return body
+
+        sampled = [await ask(temperature=0.8, seed=11) for _ in range(2)]
+        assert sampled[0]["timings"]["draft_rounds"] > 0  # type: ignore[index]
+        # Speculative sampling draws its own randomness from the request's seed: reproducible.
+        assert sampled[0]["choices"] == sampled[1]["choices"]
+        with_logprobs = await ask(temperature=0, logprobs=1)
+        assert with_logprobs["timings"]["draft_n"] == 0  # type: ignore[index]
 
 
 @pytest.mark.skipif(not OPENBLAS, reason="the inexact pairing needs OpenBLAS (CI installs it)")
