@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -43,6 +44,32 @@ def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name:
     finally:
         config.clear()
         config.update(saved)
+
+
+def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256) -> Path:
+    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see tests/checkpoints.py)."""
+    sys.path.insert(0, str(ROOT))
+    from tests.checkpoints import build_mtp_checkpoint
+
+    directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}"
+    if not (directory / "model.safetensors").exists():
+        build_mtp_checkpoint(directory, drafter=drafter, context_scale=context_scale, layers=layers, hidden=hidden)
+    return directory
+
+
+def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy completion; its body."""
+    response = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                            "temperature": 0})
+    response.raise_for_status()
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def decode_rate(body: dict[str, Any]) -> float:
+    """The server's own decode rate for one completion: tokens / decode time."""
+    timings = body["timings"]
+    return float(timings["predicted_n"] / (timings["predicted_ms"] / 1000))
 
 
 def free_port() -> int:
