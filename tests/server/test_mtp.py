@@ -205,6 +205,15 @@ async def test_sampled_requests_burst_and_logprob_requests_run_classic_decode(
         assert sampled[0]["choices"] == sampled[1]["choices"]
         with_logprobs = await ask(temperature=0, logprobs=1)
         assert with_logprobs["timings"]["draft_n"] == 0  # type: ignore[index]
+        # Streaming responses carry the draft statistics on their last chunk.
+        last = None
+        async with client.stream("POST", f"{url}/v1/completions", json={
+                "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {") and '"timings"' in line:
+                    last = json.loads(line[6:])
+        assert last is not None and last["timings"]["draft_rounds"] > 0
+        assert last["timings"]["draft_n"] >= last["timings"]["draft_n_accepted"]
 
 
 @pytest.mark.skipif(not OPENBLAS, reason="the inexact pairing needs OpenBLAS (CI installs it)")
