@@ -23,6 +23,16 @@ CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
 
 
 _chosen: str | None = None
+_kind = "reference"
+
+
+def blas_kind() -> str:
+    """Which BLAS mlx's CPU backend uses in this process: ``openblas``, ``reference`` or ``custom``.
+
+    Part of the CPU hardware label: the BLAS changes whether MTP pays off (and
+    whether a wide verify is exact), so a verdict must not cross BLAS kinds.
+    """
+    return _kind
 
 
 class BlasError(ValueError):
@@ -44,6 +54,7 @@ def load_fast_blas(setting: str | None = None) -> str:
 
 
 def _choose(setting: str | None) -> str:
+    global _kind
     value = (setting if setting is not None else os.environ.get("MLXCEL_BLAS", "")).strip() or "auto"
     if value.lower() == "off":
         return "reference (mlx bundled; MLXCEL_BLAS=off)"
@@ -59,6 +70,7 @@ def _choose(setting: str | None) -> str:
                 library = ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
             except OSError:
                 continue
+            _kind = "openblas"
             return f"OpenBLAS ({ctypes.util.find_library('openblas') or name}, {_set_threads(library)})"
         return "reference (mlx bundled; no system OpenBLAS found, install libopenblas0-pthread)"
     path = Path(value).expanduser()
@@ -67,6 +79,7 @@ def _choose(setting: str | None) -> str:
     except OSError as exc:
         raise BlasError(f"MLXCEL_BLAS={value!r} is not valid: expected auto, off, or the path of a "
                         f"loadable BLAS library ({exc})") from exc
+    _kind = "openblas" if "openblas" in path.name.lower() else "custom"
     return f"{path.name} ({path}, {_set_threads(library)})"
 
 

@@ -32,7 +32,7 @@ def hardware_label(backend: str, *, device_name: str | None = None,
     Apple (``backend="metal"``): ``<chip generation>-<gpu cores>c``, e.g.
     ``M5-16c``. Others: the backend, then the architecture when the backend
     publishes one, then ``Unknown-0c``: ``cuda-sm_90-Unknown-0c``,
-    ``cpu-x86_64-Unknown-0c``.
+    ``cpu-openblas-x86_64-Unknown-0c`` (the CPU "backend" names its BLAS).
     """
     if backend == "metal":
         chip = re.search(r"\b(M\d+)\b", device_name or "")
@@ -80,9 +80,12 @@ def detect_host() -> HostInfo:
             gpu_vendor="Nvidia" if _vendor(device_name) == "Unknown" else _vendor(device_name),
             gpu_device=device_name, gpu_architecture=architecture, static_mtp_gate=False,
         )
-    # The CPU backend: there is no GPU to report; the label still tells CPU
-    # architectures apart, since a verdict from one says nothing about another.
+    # The CPU backend: there is no GPU to report. The label tells CPU
+    # architectures and BLAS libraries apart, since a verdict measured with one
+    # says nothing about another (OpenBLAS is what makes the verify cheap).
+    from .blas import blas_kind
+
     return HostInfo(
-        label=hardware_label("cpu", architecture=architecture or platform.machine() or None),
+        label=hardware_label(f"cpu-{blas_kind()}", architecture=architecture or platform.machine() or None),
         gpu_vendor="Unknown", gpu_device=None, gpu_architecture=None, static_mtp_gate=False,
     )

@@ -21,7 +21,7 @@ SCHEMA = json.loads((ROOT / "docs" / "mtp-policy-v1.schema.json").read_text())
 
 APPLE_M5 = HostInfo(label="M5-16c", gpu_vendor="Apple", gpu_device="Apple M5",
                     gpu_architecture="applegpu_g17p", static_mtp_gate=True)
-LINUX_CPU = HostInfo(label="cpu-x86_64-Unknown-0c", gpu_vendor="Unknown", gpu_device=None,
+LINUX_CPU = HostInfo(label="cpu-openblas-x86_64-Unknown-0c", gpu_vendor="Unknown", gpu_device=None,
                      gpu_architecture=None, static_mtp_gate=False)
 
 

@@ -15,7 +15,8 @@ from mlxcel.hardware import apple_gpu_generation, detect_host, hardware_label
     ({"backend": "cuda", "architecture": "sm_90"}, "cuda-sm_90-Unknown-0c"),
     ({"backend": "cuda"}, "cuda-Unknown-0c"),
     ({"backend": "rocm", "architecture": "gfx1151"}, "rocm-gfx1151-Unknown-0c"),
-    ({"backend": "cpu", "architecture": "x86_64"}, "cpu-x86_64-Unknown-0c"),
+    ({"backend": "cpu-openblas", "architecture": "x86_64"}, "cpu-openblas-x86_64-Unknown-0c"),
+    ({"backend": "cpu-reference", "architecture": "aarch64"}, "cpu-reference-aarch64-Unknown-0c"),
 ])
 def test_labels(kwargs: dict[str, object], label: str) -> None:
     backend = kwargs.pop("backend")
@@ -33,6 +34,8 @@ def test_this_host() -> None:
     host = detect_host()
     # CI and development machines are Linux CPU: no GPU fields, the label keyed by CPU architecture.
     if platform.system() == "Linux":
-        assert host.label == f"cpu-{platform.machine()}-Unknown-0c"
+        from mlxcel.blas import blas_kind
+
+        assert host.label == f"cpu-{blas_kind()}-{platform.machine()}-Unknown-0c"
         assert (host.gpu_vendor, host.gpu_device, host.gpu_architecture) == ("Unknown", None, None)
         assert host.static_mtp_gate is False

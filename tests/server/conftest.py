@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import httpx
@@ -93,3 +93,31 @@ async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.Sock
         assert chunk, "the server closed the connection before the first event"
         received += chunk
     return stream
+
+
+@contextmanager
+def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path) -> Iterator[str]:
+    """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
+    import os
+    import signal
+    import time
+
+    port = free_port()
+    with log.open("w") as out, subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)

@@ -289,3 +289,30 @@ def test_drafter_problems_stop_startup(mtp_models: dict[str, Path], checkpoints:
         result = mlxcel("serve", *args, "--port", str(free_port()))
         assert result.returncode == 2, (args, result.stderr)
         assert expected in result.stderr
+
+
+@pytest.mark.slow
+def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp_path: Path) -> None:
+    """Measured with mlx's reference BLAS, restored only under the reference BLAS, never under OpenBLAS."""
+    from tests.server.conftest import serve_subprocess
+
+    model = mtp_models["aligned"]
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"), "MLXCEL_MTP_PROFILE_SAMPLES": "1",
+           "MLXCEL_DRAFT_BLOCK_SIZE": "3"}
+
+    def policy_after(blas: str, request: bool) -> dict[str, object]:
+        with serve_subprocess(["--model", str(model), "--mtp"], {**env, "MLXCEL_BLAS": blas},
+                              tmp_path / f"{blas}.log") as url, httpx.Client(timeout=60) as client:
+            if request:
+                client.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 40,
+                                                           "temperature": 0}).raise_for_status()
+            body: dict[str, object] = client.get(f"{url}/v1/internal/mtp-policy").json()
+            return body
+
+    measured = policy_after("off", request=True)
+    assert measured["state"] == "settled" and str(measured["hardware"]).startswith("cpu-reference-")
+    elsewhere = policy_after("auto", request=False)
+    if OPENBLAS:
+        assert elsewhere["state"] == "profiling" and str(elsewhere["hardware"]).startswith("cpu-openblas-")
+    restored = policy_after("off", request=False)
+    assert restored == measured
