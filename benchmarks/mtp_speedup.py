@@ -10,6 +10,7 @@ alternating between the two servers) and the ratio on / off.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import httpx
 
@@ -21,6 +22,10 @@ PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sy
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, help="a checkpoint with an in-checkpoint MTP head "
+                        "(default: a synthetic pairing built from --drafter and --context)")
+    parser.add_argument("--prompts", type=Path, help="a file of prompts separated by blank lines")
+    parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--drafter", default="aligned", choices=["aligned", "random"])
     parser.add_argument("--context", type=float, default=0.05,
                         help="target's context dependence (0: the head always agrees)")
@@ -29,19 +34,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
-    model = mtp_model(args.drafter, args.context, args.layers, args.hidden)
-    print(f"model: {model.name} (fp32 random target, {args.drafter} head), {args.tokens} tokens, "
-          f"{len(PROMPTS)} prompts")
+    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden)
+    prompts = args.prompts.read_text().split("\n\n") if args.prompts else PROMPTS
+    extra = dict(item.split("=", 1) for item in args.server_env)
+    print(f"model: {model.name}, {args.tokens} tokens, {len(prompts)} prompts")
     print(f"{'K':>2} {'accept':>7} {'drafts/round':>12} {'tok/round':>9} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6}")
     for k in args.k:
-        env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(k)}
+        env = {**extra, "MLXCEL_DRAFT_BLOCK_SIZE": str(k)}
         with server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "0"}) as off, \
                 server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}) as on, \
                 httpx.Client(timeout=600) as client:
             complete(client, off, "warm up", 8)
             complete(client, on, "warm up", 8)
             off_rates, on_rates, proposed, accepted, rounds, emitted = [], [], 0, 0, 0, 0
-            for prompt in PROMPTS:
+            for prompt in prompts:
                 off_rates.append(decode_rate(complete(client, off, prompt, args.tokens)))
                 body = complete(client, on, prompt, args.tokens)
                 on_rates.append(decode_rate(body))

@@ -22,8 +22,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The pairing ``mlxcel serve`` serves when no ``--model`` is given.
-BUNDLED_MODEL = Path(__file__).parent / "models" / "default"
+#: The pairing ``mlxcel serve`` serves when no ``--model`` is given (see docs/default-model.md),
+#: with its in-checkpoint MTP head.
+BUNDLED_MODEL = Path(__file__).parent / "models" / "bundled" / "qwen35-stdlib-4m"
 
 
 def _positive(name: str, low: int = 1) -> Callable[[str], int]:
@@ -92,10 +93,13 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
 
     model = args.model
     if model is None:
-        if not BUNDLED_MODEL.is_dir():
+        if not (BUNDLED_MODEL / "model.safetensors").is_file():
             raise UsageError("no --model given, and this installation has no bundled default model")
         model = BUNDLED_MODEL
-        logger.info("serving the bundled default model (%s)", model)
+        if args.draft_model is None:
+            args.mtp = True
+        logger.info("no --model: serving the bundled default pairing %s with its MTP head (--mtp)",
+                    BUNDLED_MODEL.name)
     try:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:

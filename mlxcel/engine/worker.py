@@ -443,12 +443,7 @@ class Worker:
             feed_next = sequence.remaining > 1 and self.inbox.empty()
             token, logprobs = solo.emit(feed_next)
             events: list[tuple[str, Event]] = []
-            reason: FinishReason | None = None
-            if token in self.eos_tokens:
-                reason = "stop"
-            elif sequence.remaining == 1:
-                reason = "length"
-            self._on_token(sequence, token, logprobs, reason, events)
+            self._on_token(sequence, token, logprobs, self._solo_finish(sequence, token), events)
             if sequence.finish_reason is not None:
                 self._retire_solo(sequence, solo, events)
             elif sequence.generated % 16 == 0:
@@ -476,12 +471,7 @@ class Worker:
                 tokens = solo.mtp_round(min(self.settings.block_size, sequence.remaining), self.selection,
                                         burst, timed=profiling, sampler=sequence.speculative)
             for token in tokens:
-                reason: FinishReason | None = None
-                if token in self.eos_tokens:
-                    reason = "stop"
-                elif sequence.remaining == 1:
-                    reason = "length"
-                self._on_token(sequence, token, None, reason, events)
+                self._on_token(sequence, token, None, self._solo_finish(sequence, token), events)
                 if sequence.finish_reason is not None:
                     break
             if sequence.finish_reason is not None:
@@ -490,6 +480,12 @@ class Worker:
                 self._deliver(events)
             if sequence.finish_reason is not None:
                 return
+
+    def _solo_finish(self, sequence: _Sequence, token: int) -> FinishReason | None:
+        """Why a solo sequence ends with *token*, if it does: end of sequence, or max_tokens."""
+        if token in self.eos_tokens:
+            return "stop"
+        return "length" if sequence.remaining == 1 else None
 
     def _retire_solo(self, sequence: _Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
         """A solo sequence finished: keep its cache, report its burst, send its Finish."""

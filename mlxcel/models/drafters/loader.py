@@ -51,12 +51,13 @@ def _mtp_files(directory: Path) -> list[Path]:
 
 def _raw_layout(target: Path) -> bool:
     """Whether *target* is in the raw Hugging Face layout (zero-centred norms), as mlx-lm decides it:
-    a gated-delta ``conv1d`` weight stored as (channels, 1, kernel) rather than (channels, kernel, 1)."""
+    a gated-delta ``conv1d`` weight stored as (channels, 1, kernel) rather than (channels, kernel, 1).
+    A target without gated-delta layers gets no shift from mlx-lm, so its head gets none either."""
     for header in _headers(target).values():
         for name, tensor in header.items():
             if "conv1d.weight" in name:
                 return bool(tensor["shape"][-1] != 1)
-    return True
+    return False  # no gated-delta layers: mlx-lm applies no norm shift, and neither do we
 
 
 def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:

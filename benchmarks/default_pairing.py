@@ -1,0 +1,62 @@
+"""The bundled default pairing on this machine: acceptance, MTP speedup, and the policy's own verdict.
+
+    python -m benchmarks.default_pairing [--k 2 3 4] [--blas auto off]
+
+On held-out prompts of its domain (functions of standard-library files the
+model never trained on): for each BLAS and K, the burst pinned on vs off side
+by side (acceptance, tokens per round, decode rates, ratio), then a fresh
+unpinned server profiling four requests, and the verdict it settles on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+
+import httpx
+
+from benchmarks._common import complete, decode_rate, median, server
+from mlxcel.models.train_default import held_out_prompts
+from mlxcel.serve_cli import BUNDLED_MODEL
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
+    parser.add_argument("--blas", nargs="+", default=["auto", "off"])
+    parser.add_argument("--tokens", type=int, default=128)
+    args = parser.parse_args()
+    prompts = held_out_prompts(8)
+    print(f"model: {BUNDLED_MODEL.name}, {len(prompts)} held-out prompts, {args.tokens} tokens")
+    print(f"{'BLAS':<5} {'K':>2} {'accept':>6} {'tok/round':>9} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6} "
+          f"{'verdict (est.)':>16}")
+    for blas in args.blas:
+        for k in args.k:
+            env = {"MLXCEL_BLAS": blas, "MLXCEL_DRAFT_BLOCK_SIZE": str(k)}
+            with server(BUNDLED_MODEL, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "0"}) as off, \
+                    server(BUNDLED_MODEL, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}) as on, \
+                    httpx.Client(timeout=600) as client:
+                complete(client, off, "warm up", 8)
+                complete(client, on, "warm up", 8)
+                off_rates, on_rates, proposed, accepted, rounds = [], [], 0, 0, 0
+                for prompt in prompts:
+                    off_rates.append(decode_rate(complete(client, off, prompt, args.tokens)))
+                    body = complete(client, on, prompt, args.tokens)
+                    on_rates.append(decode_rate(body))
+                    proposed += body["timings"]["draft_n"]
+                    accepted += body["timings"]["draft_n_accepted"]
+                    rounds += body["timings"]["draft_rounds"]
+            with tempfile.TemporaryDirectory() as cache, \
+                    server(BUNDLED_MODEL, "--mtp", env={**env, "MLXCEL_CACHE_DIR": cache}) as url, \
+                    httpx.Client(timeout=600) as client:
+                for prompt in prompts[:4]:
+                    complete(client, url, prompt, args.tokens)
+                policy = client.get(f"{url}/v1/internal/mtp-policy").json()
+            verdict = f"{policy['verdict'] or policy['state']} ({policy['estimated_speedup'] or 0:.2f})"
+            ratio = median(on_rates) / median(off_rates)
+            print(f"{blas:<5} {k:>2} {accepted / max(1, proposed):>6.2f} {1 + accepted / max(1, rounds):>9.2f} "
+                  f"{median(off_rates):>9.1f} {median(on_rates):>9.1f} {ratio:>6.2f} {verdict:>16}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

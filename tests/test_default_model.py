@@ -1,0 +1,84 @@
+"""The bundled default pairing: `mlxcel serve` with no --model, its MTP head, and its training script."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxcel.models.loader import inspect_checkpoint
+from mlxcel.serve_cli import BUNDLED_MODEL
+from tests.conftest import validate_wire
+from tests.server.conftest import running_server
+
+PROMPTS = ["def read_config(path):", "class Queue:", "import os\n\n\ndef main():"]
+
+
+def test_the_bundled_pairing_is_an_ordinary_checkpoint() -> None:
+    info = inspect_checkpoint(BUNDLED_MODEL)  # the same checks as any user's model
+    assert (info.name, info.model_type) == ("qwen35-stdlib-4m", "qwen3_5")
+    size = sum(f.stat().st_size for f in BUNDLED_MODEL.iterdir())
+    assert size <= 20 * 1024 * 1024
+    config = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    assert config["mtp_num_hidden_layers"] == 1
+
+
+async def test_serve_without_model_serves_the_bundled_pairing_with_its_head() -> None:
+    async with running_server([]) as url, httpx.AsyncClient(timeout=60) as client:
+        policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        validate_wire(policy)
+        models = (await client.get(f"{url}/v1/models")).json()
+        completion = (await client.post(f"{url}/v1/completions", json={
+            "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0})).json()
+        chat = (await client.post(f"{url}/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 12})).json()
+    assert models["data"][0]["id"] == "qwen35-stdlib-4m"
+    assert (policy["target"], policy["drafter"]) == ("qwen35-stdlib-4m", "qwen35-stdlib-4m#mtp")
+    assert policy["state"] == "profiling"
+    assert completion["choices"][0]["text"] and completion["timings"]["draft_rounds"] > 0
+    assert chat["choices"][0]["message"]["content"] is not None
+
+
+async def _texts(monkeypatch: pytest.MonkeyPatch, pin: str) -> list[str]:
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+    async with running_server([]) as url, httpx.AsyncClient(timeout=60) as client:
+        return [(await client.post(f"{url}/v1/completions", json={
+            "prompt": prompt, "max_tokens": 80, "temperature": 0})).json()["choices"][0]["text"]
+            for prompt in PROMPTS]
+
+
+async def test_temperature_zero_text_is_the_same_with_mtp_on_and_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert await _texts(monkeypatch, "1") == await _texts(monkeypatch, "0")
+
+
+async def test_a_quick_profiling_run_settles_and_persists(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The documented setting, not a patched internal.
+    monkeypatch.setenv("MLXCEL_MTP_PROFILE_SAMPLES", "2")
+    async with running_server([]) as url, httpx.AsyncClient(timeout=60) as client:
+        for prompt in PROMPTS[:2]:
+            await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 64,
+                                                              "temperature": 0})
+        policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    assert (policy["state"], policy["samples"], policy["samples_required"]) == ("settled", 2, 2)
+    assert policy["verdict"] in ("enable", "decline") and 0 <= policy["acceptance_rate"] <= 1
+    hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))
+    assert len(hints) == 1
+
+
+@pytest.mark.slow
+def test_the_training_script_is_deterministic_given_its_seed(tmp_path: Path) -> None:
+    digests = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        subprocess.run([sys.executable, "-m", "mlxcel.models.train_default", "--steps", "2", "--batch", "2",
+                        "--length", "64", "--seed", "3", "--out", str(out)],
+                       check=True, capture_output=True, timeout=600)
+        digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())})
+    assert digests[0] == digests[1]
+    assert set(digests[0]) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
