@@ -60,7 +60,6 @@ class ProbeResult:
     """The verify kernel selection that is exact, or None when none is."""
     detail: str | None
     """The one-line reason when the pairing was vetoed (None when exact)."""
-    tried: tuple[str, ...] = ()
 
 
 def _mismatch(block: mx.array, chain: mx.array) -> tuple[int, int, int] | None:
@@ -84,9 +83,7 @@ def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab
     """
     rng = np.random.default_rng(seed)
     first_failure: tuple[int, int, int] | None = None
-    tried = []
     for selection in SELECTIONS:
-        tried.append(selection)
         exact = True
         for _ in range(trials):
             prompt = mx.array(rng.integers(0, vocab, size=(1, 12)))
@@ -105,12 +102,12 @@ def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab
                 first_failure = first_failure or mismatch
                 break
         if exact:
-            return ProbeResult(selection, None, tuple(tried))
+            return ProbeResult(selection, None)
     assert first_failure is not None
     position, differing, total = first_failure
     detail = (f"verify block position {position} differs from the single-token chain in {differing} of "
               f"{total} logit bytes. Half-width verify did not make it exact either.")
-    return ProbeResult(None, detail, tuple(tried))
+    return ProbeResult(None, detail)
 
 
 # -- acceptance ------------------------------------------------------------------------

@@ -197,6 +197,8 @@ class Worker:
         self._before_load = before_load
         hints = HintStore(settings.cache_root) if settings.cache_root is not None else None
         self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
+        self.drafter_head: Any = None  # the MTP head, once loaded
+        self.selection: Selection | None = None  # the exact verify kernel selection, if any
         self._sequences: dict[str, _Sequence] = {}
         self._by_uid: dict[int, _Sequence] = {}
 
@@ -256,8 +258,6 @@ class Worker:
         from ..models.drafters.loader import load_drafter
         from .mtp import DESCRIBE, probe_exactness
 
-        self.drafter_head: Any = None
-        self.selection: Selection | None = None
         spec = self.settings.drafter
         if spec is None or not self.settings.batch:
             return None, None  # no MTP dispatch (the legacy worker has no MTP path)

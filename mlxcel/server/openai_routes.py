@@ -45,6 +45,7 @@ class _Generation:
 
     def __init__(self, ctx: ServerContext, chat: bool) -> None:
         self.ctx = ctx
+        self.started = time.perf_counter()
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -174,6 +175,7 @@ class _Generation:
                     else:
                         finish = event
         finally:
+            self.ctx.observability.request_seconds.observe(time.perf_counter() - self.started)
             if finish is None:  # the client went away (or the server is stopping)
                 self.ctx.engine.cancel(self.id)
         if finish is None or finish.reason in ("error", "cancelled"):
@@ -219,6 +221,7 @@ class _Generation:
                 yield sse(usage)
             yield sse("[DONE]")
         finally:
+            self.ctx.observability.request_seconds.observe(time.perf_counter() - self.started)
             if finish is None:  # cancelled mid-stream: the client disconnected
                 self.ctx.engine.cancel(self.id)
 

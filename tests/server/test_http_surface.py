@@ -45,7 +45,8 @@ async def test_metrics_cover_requests_tokens_queue_batch_and_policy(llama: Path)
     text = response.text
     for series in ('mlxcel_requests_total{route="/v1/completions",status="200"} 1.0',
                    "mlxcel_generated_tokens_total 5.0", "mlxcel_queue_depth 0.0", "mlxcel_batch_size",
-                   'mlxcel_mtp_policy_state{state="unavailable/no_mtp_dispatch"} 1.0', "mlxcel_mtp_enabled 0.0"):
+                   'mlxcel_mtp_policy_state{state="unavailable/no_mtp_dispatch"} 1.0', "mlxcel_mtp_enabled 0.0",
+                   "mlxcel_request_seconds_count 1.0"):
         assert series in text, series
 
 
