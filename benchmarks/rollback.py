@@ -58,24 +58,46 @@ def main() -> None:
         mx.eval(target.forward(tokens, cache)[1])
         return time.perf_counter() - start
 
-    print(f"model: {path.name}, K={k}, median of {args.repeats}")
-    print(f"{'a':>2} {'verify ms':>9} {'rollback ms':>11} {'share':>6} {'token-by-token ms':>17}")
-    for accepted in range(k):
-        verify, rollback, chain = [], [], []
+    def recorded_verify() -> list[mx.array]:
+        """A verify that records the gated-delta mixers' inputs, as the burst's does."""
+        for _, mixer in target.mixers:
+            mixer.recorded = []
+        mx.eval(target.forward(block, cache)[1])
+        inputs = [mx.concatenate(mixer.recorded or [], axis=1) for _, mixer in target.mixers]
+        for _, mixer in target.mixers:
+            mixer.recorded = None
+        return inputs
+
+    print(f"model: {path.name}, K={k}, median of {args.repeats}; rollback of a round with a rejection:")
+    print(f"{'a':>2} {'verify ms':>9} {'mixers only ms':>14} {'share':>6} {'whole model ms':>14} {'share':>6} "
+          f"{'token-by-token verify ms':>24}")
+    for accepted in range(k - 1):
+        verify, mixers, whole, chain = [], [], [], []
         for _ in range(args.repeats):
             saved = save()
-            verify.append(seconds(block))
             start = time.perf_counter()
-            restore(saved, k)
+            inputs = recorded_verify()
+            verify.append(time.perf_counter() - start)
+            start = time.perf_counter()  # mlxcel's rollback: trim attention, re-run the mixers
+            for c in cache:
+                if c.is_trimmable():
+                    c.trim(k - 1 - accepted)
+            states = []
+            for (index, mixer), recorded in zip(target.mixers, inputs, strict=True):
+                cache[index].cache = saved[index]
+                mixer.inner(recorded[:, :accepted + 1], None, cache[index])
+                states.extend(cache[index].cache)
+            mx.eval(states)
+            mixers.append(time.perf_counter() - start)
+            restore(saved, accepted + 1)
+            start = time.perf_counter()  # the first version: restore, recompute the whole model
             mx.eval(target.forward(block[:, :accepted + 1], cache)[1])
-            rollback.append(time.perf_counter() - start)
+            whole.append(time.perf_counter() - start)
             restore(saved, accepted + 1)
             chain.append(sum(seconds(block[:, i:i + 1]) for i in range(k)))
             restore(saved, k)
-        v, t = median(verify) * 1000, median(chain) * 1000
-        r = 0.0 if accepted == k - 1 else median(rollback) * 1000
-        note = "(none needed: all accepted)" if accepted == k - 1 else ""
-        print(f"{accepted:>2} {v:>9.2f} {r:>11.2f} {r / (v + r):>6.0%} {t:>17.2f} {note}")
+        v, m, w, t = (median(x) * 1000 for x in (verify, mixers, whole, chain))
+        print(f"{accepted:>2} {v:>9.2f} {m:>14.2f} {m / (v + m):>6.0%} {w:>14.2f} {w / (v + w):>6.0%} {t:>24.2f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .requests import BurstStats
@@ -26,14 +27,39 @@ DESCRIBE = {
 }
 
 
+class _RecordingMixer(nn.Module):
+    """Wraps a gated-delta mixer; while recording, keeps the inputs it is called with."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.recorded: list[mx.array] | None = None
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if self.recorded is not None:
+            self.recorded.append(x)
+        out: mx.array = self.inner(x, mask, cache)
+        return out
+
+
 class TargetModel:
-    """The served model as the burst needs it: logits *and* final hidden states."""
+    """The served model as the burst needs it: logits *and* final hidden states.
+
+    For hybrid models it also wraps each gated-delta mixer, so that a verify
+    can record the mixers' inputs: rolling back a partly accepted round then
+    re-runs only the mixers over the accepted tokens, not the whole model.
+    """
 
     def __init__(self, model: Any) -> None:
         inner = getattr(model, "language_model", model)
         self.body = inner.model
         self.embed = self.body.embed_tokens
         self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
+        self.mixers: list[tuple[int, _RecordingMixer]] = []
+        for index, layer in enumerate(self.body.layers):
+            if getattr(layer, "is_linear", False):
+                layer.linear_attn = _RecordingMixer(layer.linear_attn)
+                self.mixers.append((index, layer.linear_attn))
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """(logits, hidden) for ``tokens`` of shape (1, S), appended to *cache*."""
@@ -224,9 +250,17 @@ def run_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_inpu
     block = mx.concatenate([mx.array([[next_input]]), drafts.astype(mx.int32)], axis=1)
     trimmable = _can_trim(cache)
     # Recurrent layers (mlx-lm's ArraysCache) cannot be trimmed: keep their state arrays
-    # (MLX arrays are immutable; the cache only swaps them) to restore on a partial accept.
+    # (MLX arrays are immutable; the cache only swaps them) to restore on a partial accept,
+    # and record the mixers' inputs to recompute just them over the accepted tokens.
     saved = None if trimmable else [None if c.is_trimmable() else list(c.cache) for c in cache]
-    logits, hidden = target.verify(block, cache, selection)
+    for _, mixer in target.mixers:
+        mixer.recorded = []
+    try:
+        logits, hidden = target.verify(block, cache, selection)
+    finally:
+        inputs = [mx.concatenate(mixer.recorded or [], axis=1) for _, mixer in target.mixers]
+        for _, mixer in target.mixers:
+            mixer.recorded = None
     if sampler is None:
         greedy = mx.argmax(logits, axis=-1)
         mx.eval(greedy, drafts)
@@ -244,19 +278,17 @@ def run_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_inpu
     emitted = [*draft_tokens[:accepted], last]
     rejected = width - 1 - accepted
     if rejected:
-        if trimmable:
-            for c in cache:
+        for c in cache:
+            if c.is_trimmable():
                 c.trim(rejected)
-            hidden = hidden[:, :accepted + 1]
-        else:
-            # Back to the state before the verify, then recompute the accepted tokens.
+        if not trimmable:
+            # Gated-delta state: back to before the verify, then the mixers alone over the
+            # accepted tokens (attention caches and hidden states are right already).
             assert saved is not None
-            for c, state in zip(cache, saved, strict=True):
-                if state is None:
-                    c.trim(width)
-                else:
-                    c.cache = state
-            _, hidden = target.verify(mx.array([fed]), cache, selection)
+            for (index, mixer), recorded in zip(target.mixers, inputs, strict=True):
+                cache[index].cache = saved[index]
+                mixer.inner(recorded[:, :accepted + 1], None, cache[index])
+        hidden = hidden[:, :accepted + 1]
     drafter.forget_chain(width - 1)
     drafter.add(hidden[:, :accepted + 1], mx.array([emitted]))
     finished = time.perf_counter()
