@@ -171,8 +171,15 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layers", type=int, default=CONFIG["text_config"]["num_hidden_layers"])  # type: ignore[index]
+    parser.add_argument("--hidden", type=int, default=CONFIG["text_config"]["hidden_size"])  # type: ignore[index]
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
+    text = CONFIG["text_config"]
+    assert isinstance(text, dict)
+    # The MLP keeps the default's 8/3 ratio, rounded down to a multiple of 64.
+    text.update(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                intermediate_size=args.hidden * 8 // 3 // 64 * 64)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"BLAS: {BLAS}")
     train_files, held = corpus_files()
