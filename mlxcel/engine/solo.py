@@ -110,10 +110,17 @@ class SoloDecoder:
 
     def mtp_round(self, width: int, selection: Selection, stats: BurstStats, timed: bool,
                   sampler: SpeculativeSampler | None = None) -> list[int]:
-        """One speculative round from the parked state; the tokens it emits (1 to *width*)."""
+        """One speculative round from the parked state; the tokens it emits (1 to *width*).
+
+        The head drafts from the target's hidden state at the last fed token. When
+        there is none (the prompt came whole from the prefix cache), the round is
+        one classic step, which provides it.
+        """
         import mlx.core as mx
 
         assert self.parked and self.drafter is not None
+        if not self.drafter.pending_hidden:
+            return [self.classic_step()[0]]
         with mx.stream(self.stream):
             fed, emitted = run_round(self.target, self.cache, self.drafter, self.next_input, width,
                                      selection, stats, timed, sampler)
