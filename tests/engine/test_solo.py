@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx_lm import load
