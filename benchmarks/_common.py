@@ -9,11 +9,8 @@ that means anything.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -80,29 +77,14 @@ def free_port() -> int:
 
 @contextmanager
 def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`mlxcel serve` in a subprocess; yields its URL once healthy, stops it with SIGTERM."""
-    port = free_port()
-    log = (BENCH_DIR / f"serve-{port}.log").open("w")
-    process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port",
-                                str(port), *args], stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, **(env or {})})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or process.poll() is not None:
-                raise RuntimeError(f"server did not start; see {log.name}")
-            time.sleep(0.05)
+    """`mlxcel serve` in a subprocess (the tests' helper); yields its URL once healthy, then SIGTERM."""
+    sys.path.insert(0, str(ROOT))
+    from tests.server.conftest import serve_subprocess
+
+    BENCH_DIR.mkdir(exist_ok=True)
+    log = BENCH_DIR / f"serve-{time.time_ns()}.log"
+    with serve_subprocess(["--model", str(model), *args], env or {}, log) as url:
         yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
-        process.wait(timeout=30)
-        log.close()
 
 
 def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:
