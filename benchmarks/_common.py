@@ -9,7 +9,6 @@ that means anything.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import time
@@ -67,12 +66,6 @@ def decode_rate(body: dict[str, Any]) -> float:
     """The server's own decode rate for one completion: tokens / decode time."""
     timings = body["timings"]
     return float(timings["predicted_n"] / (timings["predicted_ms"] / 1000))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
