@@ -8,6 +8,7 @@ that means anything.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
@@ -21,6 +22,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / ".bench"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: int) -> None:
+    """The options every serving benchmark takes: rounds, tokens, and the benchmark model's size."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--tokens", type=int, default=tokens)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
 
 
 def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name: str | None = None) -> Path:

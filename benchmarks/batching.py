@@ -17,7 +17,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import bench_model, median, server  # noqa: E402
+from benchmarks._common import add_model_arguments, bench_model, median, server  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "    return",
            "for line in lines:", "def dedent(text):", "if __name__ == '__main__':", "x = {}"]
@@ -32,10 +32,7 @@ def one(client: httpx.Client, url: str, prompt: str, tokens: int) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--requests", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    add_model_arguments(parser, rounds=3, tokens=128)
     args = parser.parse_args()
     model = bench_model("llama", args.hidden, args.layers)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]

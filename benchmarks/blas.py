@@ -11,17 +11,14 @@ import argparse
 
 import httpx
 
-from benchmarks._common import bench_model, median, server, stream_decode_rate
+from benchmarks._common import add_model_arguments, bench_model, median, server, stream_decode_rate
 
 PROMPT = "def wrap(text, width=70, **kwargs):"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    add_model_arguments(parser, rounds=3, tokens=128)
     args = parser.parse_args()
     model = bench_model("llama", args.hidden, args.layers)
     print(f"model: {model.name}, {args.tokens} tokens, {args.rounds} rounds")

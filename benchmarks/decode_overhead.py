@@ -17,7 +17,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import bench_model, median, server, stream_decode_rate  # noqa: E402
+from benchmarks._common import add_model_arguments, bench_model, median, server, stream_decode_rate  # noqa: E402
 
 PROMPT = "def wrap(text, width=70, **kwargs):"
 
@@ -35,10 +35,7 @@ def mlx_lm_rate(model_path: str, prompt: str, max_tokens: int, loaded: dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    add_model_arguments(parser, rounds=5, tokens=256)
     args = parser.parse_args()
     model = bench_model("llama", args.hidden, args.layers)
     print(f"model: {model.name} (fp32 random weights), {args.tokens} tokens, {args.rounds} rounds")

@@ -21,7 +21,7 @@ print(f"BLAS: {load_fast_blas()}")
 import httpx  # noqa: E402
 import trio  # noqa: E402
 
-from benchmarks._common import bench_model, median, percentile, server, stream_decode_rate  # noqa: E402
+from benchmarks._common import add_model_arguments, bench_model, median, percentile, server, stream_decode_rate  # noqa: E402
 
 PROMPT = "def wrap(text, width=70, **kwargs):"
 
@@ -70,12 +70,9 @@ def main() -> None:
     parser.add_argument("--pollers", type=int, default=50)
     parser.add_argument("--interval", type=float, default=0.1,
                         help="seconds between one poller's polls; 0 polls back to back (default: %(default)s)")
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--server-env", action="append", default=[], metavar="NAME=VALUE",
                         help="environment for the server process (repeatable)")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
+    add_model_arguments(parser, rounds=3, tokens=512)
     args = parser.parse_args()
     model = bench_model("llama", args.hidden, args.layers)
     print(f"model: {model.name}, {args.tokens} tokens, {args.pollers} pollers every {args.interval} s, "
