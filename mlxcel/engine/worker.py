@@ -15,6 +15,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -51,8 +52,8 @@ class WorkerSettings:
     prefix_cache_entries: int = 8
     prefill_step_size: int = 512
     policy: PolicySettings = field(default_factory=PolicySettings)
-    cache_root: Any = None
-    """Where persisted policy hints live (a Path), or None to keep verdicts in memory."""
+    cache_root: Path | None = None
+    """Where persisted policy hints live, or None to keep verdicts in memory."""
     drafter: DrafterSpec | None = None
     """The MTP drafter (``--mtp`` / ``--draft-model``), or None: no MTP dispatch."""
     block_size: int = 4

@@ -5,9 +5,10 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -17,6 +18,8 @@ from mlxcel.cli import build_parser
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
 from tests.checkpoints import FAMILIES, build_checkpoint
+
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -121,3 +124,20 @@ def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path) -> Ite
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(timeout=30)
+
+
+async def stream_interrupted(client: httpx.AsyncClient, url: str, body: dict[str, object],
+                             interrupt: Callable[[], Awaitable[T]]) -> tuple[str, T]:
+    """Stream a completion, run *interrupt* once its first text arrived, and return the whole text."""
+    import json
+
+    text = ""
+    result: T | None = None
+    async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+                if result is None:
+                    result = await interrupt()
+    assert result is not None
+    return text, result

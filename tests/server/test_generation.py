@@ -10,7 +10,7 @@ import openai
 import pytest
 import trio
 
-from tests.server.conftest import open_stream, running_server
+from tests.server.conftest import open_stream, running_server, stream_interrupted
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "    return"]
 
@@ -200,18 +200,8 @@ async def test_a_lone_sequence_handed_to_the_batch_mid_stream_keeps_its_text(
             return float(family.samples[0].value)
 
         assert await handoffs() == 0
-        interrupted = ""
-        async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
-            lines = response.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: {"):
-                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
-                    break
-            second = await client.post(f"{url}/v1/completions", json={
-                "prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0})
-            assert second.status_code == 200
-            async for line in lines:
-                if line.startswith("data: {"):
-                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        interrupted, second = await stream_interrupted(client, url, body, lambda: client.post(
+            f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 30, "temperature": 0}))
+        assert second.status_code == 200
         assert await handoffs() == 1
         assert interrupted == alone

@@ -14,7 +14,7 @@ import trio
 from mlxcel.blas import load_fast_blas
 from tests.checkpoints import build_mtp_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import free_port, mlxcel, running_server
+from tests.server.conftest import free_port, mlxcel, running_server, stream_interrupted
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
 OPENBLAS = load_fast_blas().startswith("OpenBLAS")
@@ -113,17 +113,8 @@ async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
             httpx.AsyncClient(timeout=120) as client:
         body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0}
         alone = await _complete(client, url, PROMPTS[0], 1500)
-        interrupted = ""
-        async with client.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
-            lines = response.aiter_lines()
-            async for line in lines:
-                if line.startswith("data: {"):
-                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
-                    break
-            second = await _complete(client, url, PROMPTS[1], 30)
-            async for line in lines:
-                if line.startswith("data: {"):
-                    interrupted += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        interrupted, second = await stream_interrupted(client, url, body,
+                                                       lambda: _complete(client, url, PROMPTS[1], 30))
         assert "mlxcel_solo_handoffs_total 1.0" in (await client.get(f"{url}/metrics")).text
     assert interrupted == alone["choices"][0]["text"]  # type: ignore[index]
     assert second["timings"]["draft_n"] == 0  # type: ignore[index]  # served in the batch
