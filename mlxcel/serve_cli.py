@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .cli import UsageError
-from .config import ConfigError, load_env, parse_draft_block_size
+from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, load_env, parse_draft_block_size
 
 if TYPE_CHECKING:
     from .serve import ServeConfig
@@ -79,7 +79,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         env = load_env()
         block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
-                      if args.draft_block_size is not None else env.draft_block_size or 4)
+                      if args.draft_block_size is not None else env.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE)
         blas = load_fast_blas()  # before anything imports mlx
     except (ConfigError, BlasError) as exc:
         raise UsageError(str(exc)) from exc
