@@ -71,10 +71,14 @@ def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> di
     return body
 
 
-def decode_rate(body: dict[str, Any]) -> float:
-    """The server's own decode rate for one completion: tokens / decode time."""
-    timings = body["timings"]
-    return float(timings["predicted_n"] / (timings["predicted_ms"] / 1000))
+def decode_rate(bodies: dict[str, Any] | list[dict[str, Any]]) -> float:
+    """The server's own decode rate over one or more completions: their tokens / their decode time.
+
+    Pooled, not a median of per-completion rates: a completion that ends at
+    once (end of sequence first) adds nothing instead of a rate of zero.
+    """
+    timings = [b["timings"] for b in (bodies if isinstance(bodies, list) else [bodies])]
+    return float(sum(t["predicted_n"] for t in timings) / (sum(t["predicted_ms"] for t in timings) / 1000))
 
 
 @contextmanager

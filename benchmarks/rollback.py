@@ -2,13 +2,14 @@
 
     python -m benchmarks.rollback [--k 4]
 
-Gated-delta layers keep recurrent state that cannot be trimmed. mlxcel keeps
-the state arrays before the verify and, when drafts are rejected, restores
-them and recomputes the accepted tokens (one extra forward of a+1 tokens).
-The alternative that needs no rollback, verifying token by token and keeping
-the state after each, costs K single-token forwards every round. This prints,
-for each number of accepted drafts a, the time of the verify, of the restore
-+ recompute, its share of a round, and the token-by-token alternative.
+Gated-delta layers keep recurrent state that cannot be trimmed. mlxcel's
+verify keeps each mixer's state after every token, and a rollback selects the
+state after the last accepted one. The first version ran a plain verify and,
+when drafts were rejected, restored the state from before it and recomputed
+the accepted tokens (one extra forward of a+1 tokens). Verifying token by token
+needs no rollback but costs K single-token forwards every round. This prints,
+for each number of accepted drafts a: mlxcel's verify and rollback, the plain
+verify and the recompute with its share of a round, and token by token.
 """
 
 from __future__ import annotations
@@ -58,46 +59,31 @@ def main() -> None:
         mx.eval(target.forward(tokens, cache)[1])
         return time.perf_counter() - start
 
-    def recorded_verify() -> list[mx.array]:
-        """A verify that records the gated-delta mixers' inputs, as the burst's does."""
-        for _, mixer in target.mixers:
-            mixer.recorded = []
-        mx.eval(target.forward(block, cache)[1])
-        inputs = [mx.concatenate(mixer.recorded or [], axis=1) for _, mixer in target.mixers]
-        for _, mixer in target.mixers:
-            mixer.recorded = None
-        return inputs
-
-    print(f"model: {path.name}, K={k}, median of {args.repeats}; rollback of a round with a rejection:")
-    print(f"{'a':>2} {'verify ms':>9} {'mixers only ms':>14} {'share':>6} {'whole model ms':>14} {'share':>6} "
-          f"{'token-by-token verify ms':>24}")
+    print(f"model: {path.name}, K={k}, median of {args.repeats}; a round with a rejection:")
+    print(f"{'a':>2} {'verify ms':>9} {'rollback ms':>11} {'share':>6} {'plain verify ms':>15} "
+          f"{'recompute ms':>12} {'share':>6} {'token by token ms':>17}")
     for accepted in range(k - 1):
-        verify, mixers, whole, chain = [], [], [], []
+        verify, rollback, plain, recompute, chain = [], [], [], [], []
         for _ in range(args.repeats):
             saved = save()
-            start = time.perf_counter()
-            inputs = recorded_verify()
+            start = time.perf_counter()  # mlxcel: the verify keeps the states, the rollback selects
+            logits, hidden, states = target.verify(block, cache, "wide")
+            mx.eval(logits, hidden, [c.state for c in cache])
             verify.append(time.perf_counter() - start)
-            start = time.perf_counter()  # mlxcel's rollback: trim attention, re-run the mixers
-            for c in cache:
-                if c.is_trimmable():
-                    c.trim(k - 1 - accepted)
-            states = []
-            for (index, mixer), recorded in zip(target.mixers, inputs, strict=True):
-                cache[index].cache = saved[index]
-                mixer.inner(recorded[:, :accepted + 1], None, cache[index])
-                states.extend(cache[index].cache)
-            mx.eval(states)
-            mixers.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            target.rollback(cache, states, kept=accepted + 1, dropped=k - 1 - accepted)
+            mx.eval([c.state for c in cache])
+            rollback.append(time.perf_counter() - start)
             restore(saved, accepted + 1)
-            start = time.perf_counter()  # the first version: restore, recompute the whole model
-            mx.eval(target.forward(block[:, :accepted + 1], cache)[1])
-            whole.append(time.perf_counter() - start)
+            plain.append(seconds(block))  # the first version: a plain verify, then restore and recompute
+            restore(saved, k)
+            recompute.append(seconds(block[:, :accepted + 1]))
             restore(saved, accepted + 1)
             chain.append(sum(seconds(block[:, i:i + 1]) for i in range(k)))
             restore(saved, k)
-        v, m, w, t = (median(x) * 1000 for x in (verify, mixers, whole, chain))
-        print(f"{accepted:>2} {v:>9.2f} {m:>14.2f} {m / (v + m):>6.0%} {w:>14.2f} {w / (v + w):>6.0%} {t:>24.2f}")
+        v, r, p, w, t = (median(x) * 1000 for x in (verify, rollback, plain, recompute, chain))
+        print(f"{accepted:>2} {v:>9.2f} {r:>11.2f} {r / (v + r):>6.0%} {p:>15.2f} {w:>12.2f} {w / (p + w):>6.0%} "
+              f"{t:>17.2f}")
 
 
 if __name__ == "__main__":

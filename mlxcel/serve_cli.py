@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 #: The pairing ``mlxcel serve`` serves when no ``--model`` is given (see docs/default-model.md),
 #: with its in-checkpoint MTP head.
 BUNDLED_MODEL = Path(__file__).parent / "models" / "bundled" / "qwen35-stdlib-4m"
+#: Its block size when neither ``--draft-block-size`` nor the environment names one. On CPU
+#: with OpenBLAS a verify of K >= 4 is not byte-exact in one forward and runs in two, so
+#: K = 3 is the fastest exact width there (docs/default-model.md has the measurements).
+BUNDLED_BLOCK_SIZE = 3
 
 
 def _positive(name: str, low: int = 1) -> Callable[[str], int]:
@@ -47,7 +51,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     drafter.add_argument("--draft-model", type=Path, metavar="DIR",
                          help="speculative decoding with the MTP drafter in DIR")
     parser.add_argument("--draft-block-size", type=str, default=None, metavar="K",
-                        help="MTP verify width K (K-1 drafts per round; default 4, or MLXCEL_DRAFT_BLOCK_SIZE)")
+                        help="MTP verify width K (K-1 drafts per round; default MLXCEL_DRAFT_BLOCK_SIZE, else 4, "
+                             "or 3 for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=_positive("--port", 0), default=8080,
                         help="port to bind; 0 picks a free one (default: %(default)s)")
@@ -78,8 +83,9 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
 
     try:
         env = load_env()
+        default_block_size = DEFAULT_DRAFT_BLOCK_SIZE if args.model is not None else BUNDLED_BLOCK_SIZE
         block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
-                      if args.draft_block_size is not None else env.draft_block_size or DEFAULT_DRAFT_BLOCK_SIZE)
+                      if args.draft_block_size is not None else env.draft_block_size or default_block_size)
         blas = load_fast_blas()  # before anything imports mlx
     except (ConfigError, BlasError) as exc:
         raise UsageError(str(exc)) from exc

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from mlxcel.models.loader import inspect_checkpoint
-from mlxcel.serve_cli import BUNDLED_MODEL
+from mlxcel.serve_cli import BUNDLED_BLOCK_SIZE, BUNDLED_MODEL
 from tests.conftest import validate_wire
 from tests.server.conftest import running_server
 
@@ -40,9 +40,18 @@ async def test_serve_without_model_serves_the_bundled_pairing_with_its_head() ->
             "messages": [{"role": "user", "content": "def add(a, b):"}], "max_tokens": 12})).json()
     assert models["data"][0]["id"] == "qwen35-stdlib-4m"
     assert (policy["target"], policy["drafter"]) == ("qwen35-stdlib-4m", "qwen35-stdlib-4m#mtp")
-    assert policy["state"] == "profiling"
+    assert (policy["state"], policy["block_size"]) == ("profiling", BUNDLED_BLOCK_SIZE)
     assert completion["choices"][0]["text"] and completion["timings"]["draft_rounds"] > 0
     assert chat["choices"][0]["message"]["content"] is not None
+
+
+async def test_the_bundled_pairing_block_size_can_still_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    async with running_server([]) as url, httpx.AsyncClient(timeout=60) as client:
+        from_env = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    async with running_server(["--draft-block-size", "5"]) as url, httpx.AsyncClient(timeout=60) as client:
+        from_flag = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    assert (from_env["block_size"], from_flag["block_size"]) == (2, 5)
 
 
 async def _texts(monkeypatch: pytest.MonkeyPatch, pin: str) -> list[str]:

@@ -27,27 +27,89 @@ DESCRIBE = {
 }
 
 
-class _RecordingMixer(nn.Module):
-    """Wraps a gated-delta mixer; while recording, keeps the inputs it is called with."""
+@dataclass(frozen=True, slots=True)
+class _MixerState:
+    """A gated-delta mixer's cache state after one token of a verify block."""
+
+    conv_input: mx.array
+    """The block's conv input (the previous conv state, then the block's projections)."""
+    end: int
+    """The conv state after this token is ``conv_input[:, end - (kernel - 1):end]``."""
+    recurrent: mx.array
+
+    def cache_arrays(self, keep: int) -> list[mx.array]:
+        # Sliced only for the state a rollback restores: one op, not one per token.
+        return [mx.contiguous(self.conv_input[:, self.end - keep:self.end, :]), self.recurrent]
+
+
+def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any) -> tuple[mx.array, list[_MixerState]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence, keeping every token's state.
+
+    The same ops in the same order as mlx-lm's CPU path (its recurrence is a
+    per-token loop there too), so the bytes are the same; the exactness probe
+    checks that at boot. Returns the output and the state after each token.
+    """
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+
+    batch, length, _ = inputs.shape
+    qkv = mixer.in_proj_qkv(inputs)
+    z = mixer.in_proj_z(inputs).reshape(batch, length, mixer.num_v_heads, mixer.head_v_dim)
+    b = mixer.in_proj_b(inputs)
+    a = mixer.in_proj_a(inputs)
+    keep = mixer.conv_kernel_size - 1
+    conv_state = cache[0] if cache[0] is not None else mx.zeros((batch, keep, mixer.conv_dim), dtype=inputs.dtype)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    conv_out = nn.silu(mixer.conv1d(conv_input))
+    q, k, v = (t.reshape(batch, length, heads, dim) for t, heads, dim in zip(
+        mx.split(conv_out, [mixer.key_dim, 2 * mixer.key_dim], -1),
+        [mixer.num_k_heads, mixer.num_k_heads, mixer.num_v_heads],
+        [mixer.head_k_dim, mixer.head_k_dim, mixer.head_v_dim], strict=True))
+    q, k = normalize_qk(q, k, inv_scale=mixer.head_k_dim ** -0.5, eps=1e-6)
+    beta = mx.sigmoid(b)
+    g = compute_g(mixer.A_log, a, mixer.dt_bias)
+    state = cache[1]
+    if state is None:
+        state = mx.zeros((batch, mixer.num_v_heads, mixer.head_v_dim, mixer.head_k_dim), dtype=mx.float32)
+    if (repeat := mixer.num_v_heads // mixer.num_k_heads) > 1:
+        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+    ys, states = [], []
+    for t in range(length):
+        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
+        ys.append(y)
+        states.append(_MixerState(conv_input, keep + t + 1, state))
+    cache[0], cache[1] = states[-1].cache_arrays(keep)
+    cache.advance(length)
+    out = mixer.out_proj(mixer.norm(mx.stack(ys, axis=1), z).reshape(batch, length, -1))
+    return out, states
+
+
+class _SnapshotMixer(nn.Module):
+    """Wraps a gated-delta mixer: during a verify, keeps the cache state after every token.
+
+    Recurrent state cannot be trimmed like a KV cache, so rolling back a partly
+    accepted round restores the state after the last accepted token: a
+    selection among states the verify computed anyway, not a recompute.
+    """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.recorded: list[mx.array] | None = None
+        self.states: list[_MixerState] | None = None
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if self.recorded is not None:
-            self.recorded.append(x)
-        out: mx.array = self.inner(x, mask, cache)
+        if self.states is None or mask is not None or cache is None:
+            out: mx.array = self.inner(x, mask, cache)
+            return out
+        out, states = _gated_delta_block(self.inner, x, cache)
+        self.states.extend(states)
         return out
 
 
 class TargetModel:
     """The served model as the burst needs it: logits *and* final hidden states.
 
-    For hybrid models it also wraps each gated-delta mixer, so that a verify
-    can record the mixers' inputs: rolling back a partly accepted round then
-    re-runs only the mixers over the accepted tokens, not the whole model.
+    For hybrid models it also wraps each gated-delta mixer (:class:`_SnapshotMixer`)
+    so that a verify keeps their state after every token for :meth:`rollback`.
     """
 
     def __init__(self, model: Any) -> None:
@@ -55,10 +117,10 @@ class TargetModel:
         self.body = inner.model
         self.embed = self.body.embed_tokens
         self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
-        self.mixers: list[tuple[int, _RecordingMixer]] = []
+        self.mixers: list[tuple[int, _SnapshotMixer]] = []
         for index, layer in enumerate(self.body.layers):
             if getattr(layer, "is_linear", False):
-                layer.linear_attn = _RecordingMixer(layer.linear_attn)
+                layer.linear_attn = _SnapshotMixer(layer.linear_attn)
                 self.mixers.append((index, layer.linear_attn))
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
@@ -66,15 +128,37 @@ class TargetModel:
         hidden = self.body(tokens, cache)
         return self.lm_head(hidden), hidden
 
-    def verify(self, tokens: mx.array, cache: list[Any], selection: Selection) -> tuple[mx.array, mx.array]:
-        """The verify forward of a (1, K) block under a kernel *selection*."""
-        width = tokens.shape[1]
-        if selection == "wide" or width <= 2:
-            return self.forward(tokens, cache)
-        half = (width + 1) // 2
-        first = self.forward(tokens[:, :half], cache)
-        second = self.forward(tokens[:, half:], cache)
-        return (mx.concatenate([first[0], second[0]], axis=1), mx.concatenate([first[1], second[1]], axis=1))
+    def verify(self, tokens: mx.array, cache: list[Any],
+               selection: Selection) -> tuple[mx.array, mx.array, list[list[_MixerState]]]:
+        """The verify forward of a (1, K) block under a kernel *selection*.
+
+        Returns (logits, hidden, states): *states* holds, for each gated-delta
+        mixer, its cache state after each of the K tokens (for :meth:`rollback`).
+        """
+        for _, mixer in self.mixers:
+            mixer.states = []
+        try:
+            width = tokens.shape[1]
+            if selection == "wide" or width <= 2:
+                logits, hidden = self.forward(tokens, cache)
+            else:
+                half = (width + 1) // 2
+                first = self.forward(tokens[:, :half], cache)
+                second = self.forward(tokens[:, half:], cache)
+                logits = mx.concatenate([first[0], second[0]], axis=1)
+                hidden = mx.concatenate([first[1], second[1]], axis=1)
+            return logits, hidden, [mixer.states or [] for _, mixer in self.mixers]
+        finally:
+            for _, mixer in self.mixers:
+                mixer.states = None
+
+    def rollback(self, cache: list[Any], states: list[list[_MixerState]], kept: int, dropped: int) -> None:
+        """Back to the state after the first *kept* tokens of a verify, dropping its last *dropped*."""
+        for c in cache:
+            if c.is_trimmable():
+                c.trim(dropped)
+        for (index, mixer), mixer_states in zip(self.mixers, states, strict=True):
+            cache[index].cache = mixer_states[kept - 1].cache_arrays(mixer.inner.conv_kernel_size - 1)
 
 
 # -- the exactness probe ------------------------------------------------------------
@@ -88,27 +172,31 @@ class ProbeResult:
     """The one-line reason when the pairing was vetoed (None when exact)."""
 
 
-def _mismatch(block: mx.array, chain: mx.array) -> tuple[int, int, int] | None:
-    """(position, differing bytes, bytes) of the first row where the logits differ, or None."""
+def _difference(block: mx.array, chain: mx.array, states: list[tuple[Any, Any]]) -> str | None:
+    """How the verify block's logits or final recurrent states differ from the chain's, or None."""
     a = np.array(block[0]).view(np.uint8).reshape(block.shape[1], -1)
     b = np.array(chain[0]).view(np.uint8).reshape(chain.shape[1], -1)
     for position in range(a.shape[0]):
         differing = int((a[position] != b[position]).sum())
         if differing:
-            return position, differing, a.shape[1]
+            return (f"verify block position {position} differs from the single-token chain in {differing} of "
+                    f"{a.shape[1]} logit bytes")
+    # A rollback restores the states the verify kept: they must match the chain's too.
+    if not all(np.array_equal(np.array(x), np.array(y)) for x, y in states):
+        return "the recurrent state after the verify block differs from the single-token chain's"
     return None
 
 
 def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab: int,
                     trials: int = 3, seed: int = 0) -> ProbeResult:
-    """Whether the K-wide verify block gives byte-identical logits to the single-token chain.
+    """Whether the K-wide verify block gives byte-identical logits (and recurrent states) to the chain.
 
     From the same state (a synthetic prompt), on a few synthetic inputs; first
     with one K-wide forward, then, if that differs, with the half-width
     selection. The first exact selection wins.
     """
     rng = np.random.default_rng(seed)
-    first_failure: tuple[int, int, int] | None = None
+    first_failure: str | None = None
     for selection in SELECTIONS:
         exact = True
         for _ in range(trials):
@@ -118,11 +206,13 @@ def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab
             target.forward(prompt, cache)
             mx.eval([c.state for c in cache])
             chain_cache = copy.deepcopy(cache)
-            wide, _ = target.verify(block, cache, selection)
+            wide, _, _ = target.verify(block, cache, selection)
             chain = mx.concatenate([target.forward(block[:, i:i + 1], chain_cache)[0]
                                     for i in range(block_size)], axis=1)
+            states = [pair for index, _ in target.mixers
+                      for pair in zip(cache[index].cache, chain_cache[index].cache, strict=True)]
             mx.eval(wide, chain)
-            mismatch = _mismatch(wide, chain)
+            mismatch = _difference(wide, chain, states)
             if mismatch is not None:
                 exact = False
                 first_failure = first_failure or mismatch
@@ -130,10 +220,7 @@ def probe_exactness(target: TargetModel, make_cache: Any, block_size: int, vocab
         if exact:
             return ProbeResult(selection, None)
     assert first_failure is not None
-    position, differing, total = first_failure
-    detail = (f"verify block position {position} differs from the single-token chain in {differing} of "
-              f"{total} logit bytes. Half-width verify did not make it exact either.")
-    return ProbeResult(None, detail)
+    return ProbeResult(None, f"{first_failure}. Half-width verify did not make it exact either.")
 
 
 # -- acceptance ------------------------------------------------------------------------
@@ -192,10 +279,6 @@ class SpeculativeSampler:
 # -- the burst ------------------------------------------------------------------------
 
 
-def _can_trim(cache: list[Any]) -> bool:
-    return all(c.is_trimmable() for c in cache)
-
-
 class Drafter:
     """The MTP head of one sequence: its KV cache and the (hidden, token) pairs not yet fed to it."""
 
@@ -230,72 +313,66 @@ class Drafter:
                 c.trim(count - 1)
 
 
-def run_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_input: int, width: int,
-              selection: Selection, stats: BurstStats, timed: bool,
-              sampler: SpeculativeSampler | None = None) -> tuple[list[int], list[int]]:
-    """One speculative round from the parked state; returns (tokens fed to the target, tokens emitted).
+@dataclass(slots=True)
+class PendingRound:
+    """A speculative round dispatched to the device and not yet read back."""
 
-    *width* is the verify width (K, or less near max_tokens). The target is fed
-    ``next_input`` and the K-1 drafts in one verify. Greedy (no *sampler*): the
-    longest prefix of drafts matching the target's own greedy tokens is
-    accepted, plus the target's next token. Sampled: :class:`SpeculativeSampler`.
-    Caches are rolled back to exactly the accepted tokens; the last emitted
-    token is left unfed (the new ``next_input``).
+    width: int
+    next_input: int
+    drafts: mx.array
+    logits: mx.array
+    hidden: mx.array
+    states: list[list[_MixerState]]
+    started: float
+
+
+def start_round(target: TargetModel, cache: list[Any], drafter: Drafter, next_input: int, width: int,
+                selection: Selection) -> PendingRound:
+    """Dispatch one speculative round from the parked state: K-1 drafts and the K-wide verify.
+
+    *width* is the verify width (K, or less near max_tokens): the target is fed
+    ``next_input`` and the K-1 drafts. Nothing is read back; the device works
+    while the caller does other things, until :func:`finish_round`.
     """
     started = time.perf_counter()
     drafts = drafter.draft(width - 1)
-    if timed:
-        mx.eval(drafts)
-    drafted = time.perf_counter()
     block = mx.concatenate([mx.array([[next_input]]), drafts.astype(mx.int32)], axis=1)
-    trimmable = _can_trim(cache)
-    # Recurrent layers (mlx-lm's ArraysCache) cannot be trimmed: keep their state arrays
-    # (MLX arrays are immutable; the cache only swaps them) to restore on a partial accept,
-    # and record the mixers' inputs to recompute just them over the accepted tokens.
-    saved = None if trimmable else [None if c.is_trimmable() else list(c.cache) for c in cache]
-    for _, mixer in target.mixers:
-        mixer.recorded = []
-    try:
-        logits, hidden = target.verify(block, cache, selection)
-    finally:
-        inputs = [mx.concatenate(mixer.recorded or [], axis=1) for _, mixer in target.mixers]
-        for _, mixer in target.mixers:
-            mixer.recorded = None
+    logits, hidden, states = target.verify(block, cache, selection)
+    mx.async_eval(logits, drafts)
+    return PendingRound(width, next_input, drafts, logits, hidden, states, started)
+
+
+def finish_round(round_: PendingRound, target: TargetModel, cache: list[Any], drafter: Drafter,
+                 stats: BurstStats | None, sampler: SpeculativeSampler | None = None) -> tuple[list[int], list[int]]:
+    """Read back a dispatched round; returns (tokens fed to the target, tokens emitted).
+
+    Greedy (no *sampler*): the longest prefix of drafts matching the target's
+    own greedy tokens is accepted, plus the target's next token. Sampled:
+    :class:`SpeculativeSampler`. Caches are rolled back to exactly the accepted
+    tokens; the last emitted token is left unfed (the new ``next_input``). The
+    round counts in *stats* (its wall time from dispatch to now) unless None.
+    """
+    width = round_.width
     if sampler is None:
-        greedy = mx.argmax(logits, axis=-1)
-        mx.eval(greedy, drafts)
-        target_tokens: list[int] = greedy[0].tolist()  # type: ignore[assignment]
-        draft_tokens: list[int] = drafts[0].tolist()  # type: ignore[assignment]
+        target_tokens: list[int] = mx.argmax(round_.logits, axis=-1)[0].tolist()  # type: ignore[assignment]
+        draft_tokens: list[int] = round_.drafts[0].tolist()  # type: ignore[assignment]
         accepted = 0
         while accepted < width - 1 and draft_tokens[accepted] == target_tokens[accepted]:
             accepted += 1
         last = target_tokens[accepted]
     else:
-        draft_tokens = drafts[0].tolist()  # type: ignore[assignment]
-        accepted, last = sampler(logits[0], draft_tokens)
-    verified = time.perf_counter()
-    fed = [next_input, *draft_tokens[:accepted]]
+        draft_tokens = round_.drafts[0].tolist()  # type: ignore[assignment]
+        accepted, last = sampler(round_.logits[0], draft_tokens)
+    fed = [round_.next_input, *draft_tokens[:accepted]]
     emitted = [*draft_tokens[:accepted], last]
     rejected = width - 1 - accepted
     if rejected:
-        for c in cache:
-            if c.is_trimmable():
-                c.trim(rejected)
-        if not trimmable:
-            # Gated-delta state: back to before the verify, then the mixers alone over the
-            # accepted tokens (attention caches and hidden states are right already).
-            assert saved is not None
-            for (index, mixer), recorded in zip(target.mixers, inputs, strict=True):
-                cache[index].cache = saved[index]
-                mixer.inner(recorded[:, :accepted + 1], None, cache[index])
-        hidden = hidden[:, :accepted + 1]
+        target.rollback(cache, round_.states, kept=accepted + 1, dropped=rejected)
     drafter.forget_chain(width - 1)
-    drafter.add(hidden[:, :accepted + 1], mx.array([emitted]))
-    finished = time.perf_counter()
-    stats.rounds += 1
-    stats.proposed += width - 1
-    stats.accepted += accepted
-    stats.round_seconds += finished - started
-    stats.drafter_seconds += drafted - started
-    stats.verify_seconds += finished - drafted if not timed else verified - drafted
+    drafter.add(round_.hidden[:, :accepted + 1], mx.array([emitted]))
+    if stats is not None:
+        stats.rounds += 1
+        stats.proposed += width - 1
+        stats.accepted += accepted
+        stats.round_seconds += time.perf_counter() - round_.started
     return fed, emitted

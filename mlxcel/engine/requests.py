@@ -75,8 +75,6 @@ class BurstStats:
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    drafter_seconds: float = 0.0
-    verify_seconds: float = 0.0
     round_seconds: float = 0.0
     classic_steps: int = 0
     classic_seconds: float = 0.0

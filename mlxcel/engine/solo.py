@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .mtp import Drafter, Selection, SpeculativeSampler, TargetModel, run_round
+from .mtp import Drafter, PendingRound, Selection, SpeculativeSampler, TargetModel, finish_round, start_round
 from .requests import BurstStats
 
 Sampler = Callable[[Any], Any]
@@ -42,6 +42,7 @@ class SoloDecoder:
         self.tokens_in_cache = tokens_in_cache
         self.next_input = next_input
         self._in_flight: tuple[Any, Any] | None = None
+        self._round: PendingRound | None = None
 
     @classmethod
     def prefill(cls, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],
@@ -61,7 +62,17 @@ class SoloDecoder:
 
     @property
     def parked(self) -> bool:
-        return self._in_flight is None
+        return self._in_flight is None and self._round is None
+
+    @property
+    def round_in_flight(self) -> bool:
+        return self._round is not None
+
+    @property
+    def can_draft(self) -> bool:
+        """Whether the head has a target hidden state to draft from (not when the prompt came
+        whole from the prefix cache: then a classic step provides one)."""
+        return self.drafter is not None and bool(self.drafter.pending_hidden)
 
     def _feed(self, token: Any) -> tuple[Any, Any]:
         import mlx.core as mx
@@ -108,22 +119,33 @@ class SoloDecoder:
         token, logprobs = self.emit(feed_next=False)
         return token, logprobs, time.perf_counter() - started
 
-    def mtp_round(self, width: int, selection: Selection, stats: BurstStats, timed: bool,
-                  sampler: SpeculativeSampler | None = None) -> list[int]:
-        """One speculative round from the parked state; the tokens it emits (1 to *width*).
-
-        The head drafts from the target's hidden state at the last fed token. When
-        there is none (the prompt came whole from the prefix cache), the round is
-        one classic step, which provides it.
-        """
+    def start_round(self, width: int, selection: Selection) -> None:
+        """Dispatch one speculative round of verify width *width* from the parked state."""
         import mlx.core as mx
 
-        assert self.parked and self.drafter is not None
-        if not self.drafter.pending_hidden:
-            return [self.classic_step()[0]]
+        assert self.parked and self.can_draft and self.drafter is not None
         with mx.stream(self.stream):
-            fed, emitted = run_round(self.target, self.cache, self.drafter, self.next_input, width,
-                                     selection, stats, timed, sampler)
+            self._round = start_round(self.target, self.cache, self.drafter, self.next_input, width, selection)
+
+    def finish_round(self, stats: BurstStats | None, sampler: SpeculativeSampler | None = None) -> list[int]:
+        """Read back the round in flight and park; the tokens it emits (1 to its width)."""
+        import mlx.core as mx
+
+        assert self._round is not None and self.drafter is not None
+        with mx.stream(self.stream):
+            fed, emitted = finish_round(self._round, self.target, self.cache, self.drafter, stats, sampler)
+        self._round = None
         self.tokens_in_cache.extend(fed)
         self.next_input = emitted[-1]
         return emitted
+
+    def mtp_round(self, width: int, selection: Selection, stats: BurstStats,
+                  sampler: SpeculativeSampler | None = None) -> list[int]:
+        """One speculative round from the parked state, unpipelined; the tokens it emits.
+
+        A classic step when the head has nothing to draft from (:attr:`can_draft`).
+        """
+        if not self.can_draft:
+            return [self.classic_step()[0]]
+        self.start_round(width, selection)
+        return self.finish_round(stats, sampler)

@@ -455,27 +455,51 @@ class Worker:
                 return
 
     def _run_burst(self, sequence: _Sequence, solo: SoloDecoder, burst: BurstStats) -> None:
-        """Speculative rounds for a lone greedy request, until it finishes or mail arrives."""
+        """Speculative rounds for a lone request, until it finishes or mail arrives (then it parks).
+
+        Pipelined like classic decode: the next round is dispatched before this
+        round's tokens are handled (detokenised, checked, delivered), so that
+        work overlaps the device's. A round in flight when the sequence finishes
+        (a stop string) is read back and dropped; the cache stays consistent.
+        """
         assert self.selection is not None
         profiling = self.policy.state == "profiling"
-        while self.inbox.empty():
-            events: list[tuple[str, Event]] = []
-            probe_due = profiling and burst.rounds > 0 and burst.rounds % PROBE_EVERY == 0 \
+        block_size, selection, sampler = self.settings.block_size, self.selection, sequence.speculative
+
+        def probe_due() -> bool:
+            return profiling and burst.rounds > 0 and burst.rounds % PROBE_EVERY == 0 \
                 and burst.classic_steps < CLASSIC_PROBE_STEPS * (burst.rounds // PROBE_EVERY)
-            if sequence.remaining <= 1 or probe_due:
-                token, _, seconds = solo.classic_step()
-                if probe_due:
-                    burst.classic_steps += 1
-                    burst.classic_seconds += seconds
-                tokens = [token]
-            else:
-                tokens = solo.mtp_round(min(self.settings.block_size, sequence.remaining), self.selection,
-                                        burst, timed=profiling, sampler=sequence.speculative)
+
+        def classic_next(remaining: int) -> bool:
+            """Whether the next step must be classic: the last token, a due probe, nothing to draft from."""
+            return remaining <= 1 or probe_due() or not solo.can_draft
+
+        while True:
+            if not solo.round_in_flight:
+                if not self.inbox.empty():
+                    return
+                if classic_next(sequence.remaining):
+                    probe = probe_due()
+                    token, _, seconds = solo.classic_step()
+                    if probe:
+                        burst.classic_steps += 1
+                        burst.classic_seconds += seconds
+                    tokens = [token]
+                else:
+                    solo.start_round(min(block_size, sequence.remaining), selection)
+            if solo.round_in_flight:
+                tokens = solo.finish_round(burst, sampler)
+                left = sequence.remaining - len(tokens)
+                if self.inbox.empty() and not classic_next(left) and not self.eos_tokens.intersection(tokens):
+                    solo.start_round(min(block_size, left), selection)
+            events: list[tuple[str, Event]] = []
             for token in tokens:
                 self._on_token(sequence, token, None, self._solo_finish(sequence, token), events)
                 if sequence.finish_reason is not None:
                     break
             if sequence.finish_reason is not None:
+                if solo.round_in_flight:
+                    solo.finish_round(None, sampler)
                 self._retire_solo(sequence, solo, events)
             if events:
                 self._deliver(events)
@@ -496,8 +520,7 @@ class Worker:
         if burst is not None and burst.rounds and not sequence.batched:
             self.policy.on_sample(BurstSample(
                 rounds=burst.rounds, proposed=burst.proposed, accepted=burst.accepted,
-                round_seconds=burst.round_seconds, drafter_seconds=burst.drafter_seconds,
-                verify_seconds=burst.verify_seconds, classic_steps=burst.classic_steps,
+                round_seconds=burst.round_seconds, classic_steps=burst.classic_steps,
                 classic_seconds=burst.classic_seconds))
         if burst is not None:
             self.observability.draft_tokens.inc(burst.proposed)

@@ -26,8 +26,8 @@ class BurstSample:
 
     *rounds* speculative rounds proposed *proposed* draft tokens, of which the
     target accepted *accepted*. *round_seconds* is the wall time of all rounds
-    (drafter + verify + overhead); *drafter_seconds* and *verify_seconds* are
-    its two main parts, kept for diagnostics. *classic_steps* drafterless
+    (drafts, verify, rollback, and the handling of the previous round's tokens
+    that overlaps them). *classic_steps* drafterless
     single-token target steps, run inside the same burst while profiling, took
     *classic_seconds* in all: the cost of classic decode on this machine, in the
     same state.
@@ -37,8 +37,6 @@ class BurstSample:
     proposed: int
     accepted: int
     round_seconds: float
-    drafter_seconds: float = 0.0
-    verify_seconds: float = 0.0
     classic_steps: int = 0
     classic_seconds: float = 0.0
 
@@ -51,7 +49,7 @@ class BurstSample:
             raise ValueError("a speculative round proposes at least one draft")
         if self.classic_steps < 0:
             raise ValueError("classic_steps cannot be negative")
-        for name in ("round_seconds", "drafter_seconds", "verify_seconds", "classic_seconds"):
+        for name in ("round_seconds", "classic_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite, non-negative number of seconds")

@@ -35,9 +35,9 @@ def test_a_round_with_the_whole_prompt_cached_starts_with_a_classic_step(
                                Drafter(head, target))
     assert solo.drafter is not None and solo.drafter.pending_hidden == []
     stats = BurstStats()
-    first = solo.mtp_round(4, "wide", stats, timed=False)
+    first = solo.mtp_round(4, "wide", stats)
     assert len(first) == 1 and stats.rounds == 0  # a classic step
-    second = solo.mtp_round(4, "wide", stats, timed=False)
+    second = solo.mtp_round(4, "wide", stats)
     assert stats.rounds == 1 and len(second) == 4  # the aligned head: every draft accepted
 
     reference = make_prompt_cache(model)

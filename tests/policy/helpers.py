@@ -15,5 +15,4 @@ def sample(accepted: int = 2, proposed: int = 3, rounds: int = 1, speedup: float
     tokens_per_round = accepted / rounds + 1
     round_seconds = tokens_per_round * classic / speedup
     return BurstSample(rounds=rounds, proposed=proposed, accepted=accepted,
-                       round_seconds=round_seconds * rounds, drafter_seconds=0.0,
-                       verify_seconds=0.0, classic_steps=3, classic_seconds=3 * classic)
+                       round_seconds=round_seconds * rounds, classic_steps=3, classic_seconds=3 * classic)

@@ -33,8 +33,7 @@ def samples(draw: st.DrawFn) -> BurstSample:
     proposed = draw(st.integers(rounds, rounds * 4))
     return BurstSample(
         rounds=rounds, proposed=proposed, accepted=draw(st.integers(0, proposed)),
-        round_seconds=draw(st.floats(0, 5)), drafter_seconds=draw(st.floats(0, 1)),
-        verify_seconds=draw(st.floats(0, 1)), classic_steps=(steps := draw(st.integers(0, 4))),
+        round_seconds=draw(st.floats(0, 5)), classic_steps=(steps := draw(st.integers(0, 4))),
         classic_seconds=draw(st.floats(0, 1)) if steps else 0.0)
 
 

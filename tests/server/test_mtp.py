@@ -104,6 +104,24 @@ async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path]
         in_checkpoint[0][0], in_checkpoint[0][1]["draft_n"])
 
 
+async def test_a_stop_string_mid_burst_drops_the_round_in_flight_cleanly(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The burst dispatches the next round before it handles this round's tokens; a stop
+    # string in them finishes the request with a round in flight, which is read back and
+    # dropped: the text ends at the stop string, and the server goes on as before.
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        full = (await _complete(client, url, PROMPTS[0], 60))["choices"][0]["text"]  # type: ignore[index]
+        stop = full[30:33]
+        stopped = (await client.post(f"{url}/v1/completions", json={
+            "prompt": PROMPTS[0], "max_tokens": 60, "temperature": 0, "stop": [stop]})).json()
+        again = await _complete(client, url, PROMPTS[0], 60)
+    assert stopped["choices"][0]["text"] == full[:full.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["timings"]["draft_rounds"] > 0
+    assert again["choices"][0]["text"] == full  # type: ignore[index]
+
+
 @pytest.mark.slow
 async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
         mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
