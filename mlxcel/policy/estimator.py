@@ -12,12 +12,15 @@ ENABLE: Verdict = "enable"
 DECLINE: Verdict = "decline"
 
 # Decision zones for the estimated speedup of the B=1 burst over classic decode.
-# Starting points taken from the upstream system (architecture section 4): at or
-# below 1.0 the burst cannot pay for itself, at or above 1.5 it clearly does, and
-# in between the estimate is too close to call from a handful of samples, so the
-# static per-hardware gate decides. The verdict-accuracy benchmark re-tunes them.
+# At or below 1.0 the burst cannot pay for itself; at or above ENABLE it does; in
+# between the estimate is too close to call from a handful of samples, so the
+# static per-hardware gate decides. Upstream starts from 1.0 / 1.5 (architecture
+# section 4), to absorb an estimate that ran high. Re-tuned with
+# benchmarks/verdict_accuracy.py once rounds were pipelined and timed as they
+# run: the estimate then matched the measured A/B within 0.02 up to 1.40 (and
+# read 1.59 for a measured 1.46), and 1.5 declined a pairing measured at 1.40x.
 DECLINE_AT_OR_BELOW = 1.0
-ENABLE_AT_OR_ABOVE = 1.5
+ENABLE_AT_OR_ABOVE = 1.1
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,8 +14,8 @@ from tests.policy.helpers import sample
     (0.5, True, "decline"),
     (ENABLE_AT_OR_ABOVE, False, "enable"),
     (3.0, False, "enable"),
-    (1.2, True, "enable"),
-    (1.2, False, "decline"),
+    (1.05, True, "enable"),
+    (1.05, False, "decline"),
     (None, True, "enable"),
     (None, False, "decline"),
 ])

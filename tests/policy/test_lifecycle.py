@@ -79,20 +79,20 @@ def test_any_other_pairing_key_profiles_afresh(cache_root: Path, pairing: Pairin
 def test_verdict_comes_from_measurements(cache_root: Path, pairing: PairingKey) -> None:
     cpu_key = PairingKey("t", "d", LINUX_CPU.label, 4)
     verdicts = {}
-    for speedup in (0.9, 1.2, 1.6):
+    for speedup in (0.9, 1.05, 1.6):
         policy = MtpPolicy(PolicySettings(samples_required=2), None)
         policy.on_worker_ready(BootFacts(host=LINUX_CPU, pairing=cpu_key))
         for _ in range(2):
             policy.on_sample(sample(speedup=speedup))
         verdicts[speedup] = policy.snapshot.verdict
     # Below the decline line, in the ambiguous zone (static gate off on CPU), above the enable line.
-    assert verdicts == {0.9: "decline", 1.2: "decline", 1.6: "enable"}
+    assert verdicts == {0.9: "decline", 1.05: "decline", 1.6: "enable"}
 
 
 def test_ambiguous_zone_follows_the_static_gate_on_apple(pairing: PairingKey) -> None:
     policy = MtpPolicy(PolicySettings(samples_required=1), None)
     policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=pairing))
-    policy.on_sample(sample(speedup=1.2))
+    policy.on_sample(sample(speedup=1.05))
     assert policy.snapshot.verdict == "enable"
 
 

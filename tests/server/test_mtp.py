@@ -279,7 +279,7 @@ async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path], 
     assert (policy["state"], policy["verdict"]) == ("settled", verdict)
     assert policy["mtp_enabled"] is (verdict == "enable")
     if verdict == "enable":
-        assert policy["acceptance_rate"] == 1.0 and policy["estimated_speedup"] >= 1.5  # type: ignore[operator]
+        assert policy["acceptance_rate"] == 1.0 and policy["estimated_speedup"] >= 1.4  # type: ignore[operator]
     else:
         assert policy["estimated_speedup"] <= 1.0  # type: ignore[operator]
 
