@@ -138,14 +138,3 @@ class SoloDecoder:
         self.tokens_in_cache.extend(fed)
         self.next_input = emitted[-1]
         return emitted
-
-    def mtp_round(self, width: int, selection: Selection, stats: BurstStats,
-                  sampler: SpeculativeSampler | None = None) -> list[int]:
-        """One speculative round from the parked state, unpipelined; the tokens it emits.
-
-        A classic step when the head has nothing to draft from (:attr:`can_draft`).
-        """
-        if not self.can_draft:
-            return [self.classic_step()[0]]
-        self.start_round(width, selection)
-        return self.finish_round(stats, sampler)

@@ -33,11 +33,12 @@ def test_a_round_with_the_whole_prompt_cached_starts_with_a_classic_step(
     target.forward(mx.array([prompt[:-1]]), cache)
     solo = SoloDecoder.prefill(target, stream, None, cache, prompt[:-1], prompt[-1:], 512,
                                Drafter(head, target))
-    assert solo.drafter is not None and solo.drafter.pending_hidden == []
+    assert not solo.can_draft  # so the burst starts with a classic step, which gives the head its state
+    first = [solo.classic_step()[0]]
+    assert solo.can_draft
     stats = BurstStats()
-    first = solo.mtp_round(4, "wide", stats)
-    assert len(first) == 1 and stats.rounds == 0  # a classic step
-    second = solo.mtp_round(4, "wide", stats)
+    solo.start_round(4, "wide")
+    second = solo.finish_round(stats)
     assert stats.rounds == 1 and len(second) == 4  # the aligned head: every draft accepted
 
     reference = make_prompt_cache(model)
