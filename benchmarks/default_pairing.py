@@ -47,7 +47,7 @@ def main() -> None:
                     off_bodies.append(complete(client, off, prompt, args.tokens))
                     body = complete(client, on, prompt, args.tokens)
                     on_bodies.append(body)
-                    if body["timings"]["predicted_n"] > 1:
+                    if min(body["timings"]["predicted_n"], off_bodies[-1]["timings"]["predicted_n"]) > 1:
                         ratios.append(decode_rate(body) / decode_rate(off_bodies[-1]))
                     proposed += body["timings"]["draft_n"]
                     accepted += body["timings"]["draft_n_accepted"]
@@ -60,8 +60,9 @@ def main() -> None:
                 policy = client.get(f"{url}/v1/internal/mtp-policy").json()
             verdict = f"{policy['verdict'] or policy['state']} ({policy['estimated_speedup'] or 0:.2f})"
             off_rate, on_rate = decode_rate(off_bodies), decode_rate(on_bodies)
+            pairs = median(ratios) if ratios else float("nan")
             print(f"{blas:<5} {k:>2} {accepted / max(1, proposed):>6.2f} {1 + accepted / max(1, rounds):>9.2f} "
-                  f"{off_rate:>9.1f} {on_rate:>9.1f} {on_rate / off_rate:>6.2f} {median(ratios):>6.2f} "
+                  f"{off_rate:>9.1f} {on_rate:>9.1f} {on_rate / off_rate:>6.2f} {pairs:>6.2f} "
                   f"{verdict:>16}", flush=True)
 
 

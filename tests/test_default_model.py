@@ -46,12 +46,12 @@ async def test_serve_without_model_serves_the_bundled_pairing_with_its_head() ->
 
 
 async def test_the_bundled_pairing_block_size_can_still_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
     async with running_server([]) as url, httpx.AsyncClient(timeout=60) as client:
         from_env = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
     async with running_server(["--draft-block-size", "5"]) as url, httpx.AsyncClient(timeout=60) as client:
         from_flag = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
-    assert (from_env["block_size"], from_flag["block_size"]) == (2, 5)
+    assert (from_env["block_size"], from_flag["block_size"]) == (3, 5)
 
 
 async def _texts(monkeypatch: pytest.MonkeyPatch, pin: str) -> list[str]:

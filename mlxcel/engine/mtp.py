@@ -42,14 +42,22 @@ class _MixerState:
         return [mx.contiguous(self.conv_input[:, self.end - keep:self.end, :]), self.recurrent]
 
 
-def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any) -> tuple[mx.array, list[_MixerState]]:
+def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
+                       per_token: bool | None = None) -> tuple[mx.array, list[_MixerState]]:
     """mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence, keeping every token's state.
 
-    The same ops in the same order as mlx-lm's CPU path (its recurrence is a
-    per-token loop there too), so the bytes are the same; the exactness probe
-    checks that at boot. Returns the output and the state after each token.
+    On the CPU, the same ops in the same order as mlx-lm's CPU path (its
+    recurrence is a per-token loop there too). Elsewhere (*per_token*, by default
+    when the device is not the CPU), mlx-lm's own ``gated_delta_update`` once per
+    token, so that whatever kernel it picks for a single-token step (Metal's on
+    Apple GPUs) runs here too. Either way the bytes are the chain's; the
+    exactness probe checks that at boot. Returns the output and the state after
+    each token.
     """
-    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, normalize_qk
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
+
+    if per_token is None:
+        per_token = mx.default_device() != mx.cpu
 
     batch, length, _ = inputs.shape
     qkv = mixer.in_proj_qkv(inputs)
@@ -65,18 +73,26 @@ def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any) -> tuple[mx.arr
         [mixer.num_k_heads, mixer.num_k_heads, mixer.num_v_heads],
         [mixer.head_k_dim, mixer.head_k_dim, mixer.head_v_dim], strict=True))
     q, k = normalize_qk(q, k, inv_scale=mixer.head_k_dim ** -0.5, eps=1e-6)
-    beta = mx.sigmoid(b)
-    g = compute_g(mixer.A_log, a, mixer.dt_bias)
     state = cache[1]
-    if state is None:
-        state = mx.zeros((batch, mixer.num_v_heads, mixer.head_v_dim, mixer.head_k_dim), dtype=mx.float32)
-    if (repeat := mixer.num_v_heads // mixer.num_k_heads) > 1:
-        q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
     ys, states = [], []
-    for t in range(length):
-        y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
-        ys.append(y)
-        states.append(_MixerState(conv_input, keep + t + 1, state))
+    if per_token:
+        for t in range(length):
+            y, state = gated_delta_update(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], a[:, t:t + 1],
+                                          b[:, t:t + 1], mixer.A_log, mixer.dt_bias, state, None,
+                                          use_kernel=not mixer.training)
+            ys.append(y[:, 0])
+            states.append(_MixerState(conv_input, keep + t + 1, state))
+    else:
+        beta = mx.sigmoid(b)
+        g = compute_g(mixer.A_log, a, mixer.dt_bias)
+        if state is None:
+            state = mx.zeros((batch, mixer.num_v_heads, mixer.head_v_dim, mixer.head_k_dim), dtype=mx.float32)
+        if (repeat := mixer.num_v_heads // mixer.num_k_heads) > 1:
+            q, k = mx.repeat(q, repeat, -2), mx.repeat(k, repeat, -2)
+        for t in range(length):
+            y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
+            ys.append(y)
+            states.append(_MixerState(conv_input, keep + t + 1, state))
     cache[0], cache[1] = states[-1].cache_arrays(keep)
     cache.advance(length)
     out = mixer.out_proj(mixer.norm(mx.stack(ys, axis=1), z).reshape(batch, length, -1))
@@ -97,7 +113,7 @@ class _SnapshotMixer(nn.Module):
         self.states: list[_MixerState] | None = None
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if self.states is None or mask is not None or cache is None:
+        if self.states is None or mask is not None or cache is None or self.inner.sharding_group is not None:
             out: mx.array = self.inner(x, mask, cache)
             return out
         out, states = _gated_delta_block(self.inner, x, cache)
@@ -147,7 +163,11 @@ class TargetModel:
                 second = self.forward(tokens[:, half:], cache)
                 logits = mx.concatenate([first[0], second[0]], axis=1)
                 hidden = mx.concatenate([first[1], second[1]], axis=1)
-            return logits, hidden, [mixer.states or [] for _, mixer in self.mixers]
+            states = [mixer.states or [] for _, mixer in self.mixers]
+            if any(len(kept) != width for kept in states):
+                raise RuntimeError("a gated-delta mixer did not keep its per-token states during the verify "
+                                   "(a padded or sharded cache): the burst cannot roll it back")
+            return logits, hidden, states
         finally:
             for _, mixer in self.mixers:
                 mixer.states = None
@@ -172,17 +192,22 @@ class ProbeResult:
     """The one-line reason when the pairing was vetoed (None when exact)."""
 
 
+def _bytes(array: mx.array) -> np.ndarray:
+    """The array's bytes (numpy cannot hold bfloat16, so reinterpret as bytes in MLX first)."""
+    return np.array(array.view(mx.uint8))
+
+
 def _difference(block: mx.array, chain: mx.array, states: list[tuple[Any, Any]]) -> str | None:
     """How the verify block's logits or final recurrent states differ from the chain's, or None."""
-    a = np.array(block[0]).view(np.uint8).reshape(block.shape[1], -1)
-    b = np.array(chain[0]).view(np.uint8).reshape(chain.shape[1], -1)
+    a = _bytes(block[0]).reshape(block.shape[1], -1)
+    b = _bytes(chain[0]).reshape(chain.shape[1], -1)
     for position in range(a.shape[0]):
         differing = int((a[position] != b[position]).sum())
         if differing:
             return (f"verify block position {position} differs from the single-token chain in {differing} of "
                     f"{a.shape[1]} logit bytes")
     # A rollback restores the states the verify kept: they must match the chain's too.
-    if not all(np.array_equal(np.array(x), np.array(y)) for x, y in states):
+    if not all(np.array_equal(_bytes(x), _bytes(y)) for x, y in states):
         return "the recurrent state after the verify block differs from the single-token chain's"
     return None
 

@@ -27,7 +27,8 @@ class SoloDecoder:
 
     Invariant while parked: ``cache`` holds exactly ``tokens_in_cache`` and
     ``next_input`` is the one token still to feed. While running, one step
-    (the model fed the last emitted token) is in flight.
+    (the model fed the last emitted token) or one speculative round is in
+    flight, and those two fields catch up when it is read back.
     """
 
     def __init__(self, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],

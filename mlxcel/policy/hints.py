@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 #: On-disk format and verdict semantics. Bump it whenever stored verdicts must
 #: be discarded and re-profiled. Unrelated to the wire ``schema_version``.
-HINT_VERSION = 1
+#: 2: rounds pipelined and the enable line moved from 1.5 to 1.1.
+HINT_VERSION = 2
 
 #: Subdirectory of the cache root that holds the hints.
 HINT_DIR = "mtp-policy"

@@ -10,7 +10,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcel.engine.mtp import TargetModel, probe_exactness
+from mlxcel.engine.mtp import TargetModel, _gated_delta_block, probe_exactness
 from tests.checkpoints import build_mtp_checkpoint
 
 BLOCK = [5, 17, 99]  # K = 3: one wide verify is exact with every BLAS here
@@ -61,3 +61,29 @@ def test_the_probe_accepts_the_snapshotting_verify(hybrid: tuple[TargetModel, ob
     target, model = hybrid
     result = probe_exactness(target, lambda: make_prompt_cache(model), len(BLOCK), vocab=512)
     assert (result.selection, result.detail) == ("wide", None)
+
+
+def test_both_recurrence_paths_give_the_chain_bytes(hybrid: tuple[TargetModel, object]) -> None:
+    # The CPU path shares mlx-lm's ops; the per-token path (used off the CPU, where mlx-lm
+    # may pick a kernel for a single-token step) calls mlx-lm's own update once per token.
+    target, model = hybrid
+    index, mixer = target.mixers[0]
+    prompt = make_prompt_cache(model)
+    target.forward(mx.array([[3, 1, 4, 1, 5, 9, 2, 6]]), prompt)
+    x = mx.random.normal((1, len(BLOCK), mixer.inner.hidden_size), key=mx.random.key(1))
+    chain_cache = copy.deepcopy(prompt[index])
+    chain = [np.array(mixer.inner(x[:, t:t + 1], None, chain_cache)) for t in range(len(BLOCK))]
+    for per_token in (False, True):
+        cache = copy.deepcopy(prompt[index])
+        out, states = _gated_delta_block(mixer.inner, x, cache, per_token=per_token)
+        assert np.array(out).tobytes() == np.concatenate(chain, axis=1).tobytes()
+        assert [np.array(a).tobytes() for a in cache.cache] == [np.array(a).tobytes() for a in chain_cache.cache]
+        assert len(states) == len(BLOCK)
+
+
+def test_the_probe_reads_bfloat16_logits(tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = build_mtp_checkpoint(tmp_path_factory.mktemp("bf16") / "qwen35")
+    model, _ = load(str(path))
+    model.set_dtype(mx.bfloat16)
+    result = probe_exactness(TargetModel(model), lambda: make_prompt_cache(model), len(BLOCK), vocab=512)
+    assert (result.selection, result.detail) == ("wide", None)  # compared as bytes, not refused by numpy

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.policy import BootFacts, HintStore, MtpPolicy, MtpPolicySnapshot, PairingKey, PolicySettings
+from mlxcel.policy import HINT_VERSION, BootFacts, HintStore, MtpPolicy, MtpPolicySnapshot, PairingKey, PolicySettings
 from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
 from tests.policy.helpers import sample
 
@@ -43,7 +43,7 @@ def test_profiling_counts_down_and_settles_on_the_last_sample(cache_root: Path, 
     assert published[-1] is policy.snapshot
 
     stored = json.loads(HintStore(cache_root).path_for(pairing).read_text())
-    assert stored == {"version": 1, "target": "Gemma4-12B", "drafter": "Gemma4-12B-MTP",
+    assert stored == {"version": HINT_VERSION, "target": "Gemma4-12B", "drafter": "Gemma4-12B-MTP",
                       "hardware": "M5-16c", "block_size": 4, "verdict": "enable",
                       "acceptance_rate": 0.67, "samples": 4, "estimated_speedup": 2.0}
 
