@@ -33,13 +33,14 @@ class _MixerState:
 
     conv_input: mx.array
     """The block's conv input (the previous conv state, then the block's projections)."""
+    start: int
     end: int
-    """The conv state after this token is ``conv_input[:, end - (kernel - 1):end]``."""
+    """The conv state after this token is ``conv_input[:, start:end]`` (kernel - 1 rows)."""
     recurrent: mx.array
 
-    def cache_arrays(self, keep: int) -> list[mx.array]:
+    def cache_arrays(self) -> list[mx.array]:
         # Sliced only for the state a rollback restores: one op, not one per token.
-        return [mx.contiguous(self.conv_input[:, self.end - keep:self.end, :]), self.recurrent]
+        return [mx.contiguous(self.conv_input[:, self.start:self.end, :]), self.recurrent]
 
 
 def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
@@ -81,7 +82,7 @@ def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
                                           b[:, t:t + 1], mixer.A_log, mixer.dt_bias, state, None,
                                           use_kernel=not mixer.training)
             ys.append(y[:, 0])
-            states.append(_MixerState(conv_input, keep + t + 1, state))
+            states.append(_MixerState(conv_input, t + 1, keep + t + 1, state))
     else:
         beta = mx.sigmoid(b)
         g = compute_g(mixer.A_log, a, mixer.dt_bias)
@@ -92,8 +93,8 @@ def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
         for t in range(length):
             y, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state, None)
             ys.append(y)
-            states.append(_MixerState(conv_input, keep + t + 1, state))
-    cache[0], cache[1] = states[-1].cache_arrays(keep)
+            states.append(_MixerState(conv_input, t + 1, keep + t + 1, state))
+    cache[0], cache[1] = states[-1].cache_arrays()
     cache.advance(length)
     out = mixer.out_proj(mixer.norm(mx.stack(ys, axis=1), z).reshape(batch, length, -1))
     return out, states
@@ -177,8 +178,8 @@ class TargetModel:
         for c in cache:
             if c.is_trimmable():
                 c.trim(dropped)
-        for (index, mixer), mixer_states in zip(self.mixers, states, strict=True):
-            cache[index].cache = mixer_states[kept - 1].cache_arrays(mixer.inner.conv_kernel_size - 1)
+        for (index, _), mixer_states in zip(self.mixers, states, strict=True):
+            cache[index].cache = mixer_states[kept - 1].cache_arrays()
 
 
 # -- the exactness probe ------------------------------------------------------------
