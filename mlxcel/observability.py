@@ -49,6 +49,17 @@ class CacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelLimits:
+    """What a request may ask of the loaded model, published by the worker once it has loaded."""
+
+    vocab_size: int
+    """Width of the logits (the largest ``top_k`` that means anything is one less)."""
+    embedding_size: int
+    """Rows of the input embedding: a prompt token id must be below it."""
+    context_length: int
+
+
+@dataclass(frozen=True, slots=True)
 class SlotState:
     id: int
     is_processing: bool
@@ -85,6 +96,8 @@ class Observability:
         self.error: str | None = None
         self.cache = CacheStats()
         self.slots: tuple[SlotState, ...] = ()
+        self.limits: ModelLimits | None = None
+        """None until the model has loaded."""
         self.blas: str | None = None
         self.registry = CollectorRegistry()
         r = self.registry

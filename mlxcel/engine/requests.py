@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+ErrorType = Literal["server_error", "invalid_request_error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +64,8 @@ class Finish:
     timings: Timings = field(default_factory=Timings)
     error: str | None = None
     """Why the request ended early (reason ``error`` or ``cancelled``)."""
+    error_type: ErrorType = "server_error"
+    """Whose fault an ``error`` finish is: the server's (HTTP 500) or the request's (HTTP 400)."""
 
 
 Event = TextDelta | Finish

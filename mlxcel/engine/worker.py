@@ -23,7 +23,7 @@ import trio
 from ..hardware import detect_host
 from ..models.drafters import DrafterSpec
 from ..models.loader import CheckpointInfo, load_checkpoint
-from ..observability import CacheStats, Observability, SlotState
+from ..observability import CacheStats, ModelLimits, Observability, SlotState
 from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy, PairingKey, PolicySettings
 from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest, TextDelta, Timings
 from .text import StopStringFilter
@@ -224,6 +224,10 @@ class Worker:
             raise
         self.tokenizer = tokenizer
         self.eos_tokens = frozenset(tokenizer.eos_token_ids)
+        with mx.stream(self.stream):  # one token through the model: the width of its logits
+            vocab = int(self.model(mx.array([[0]])).shape[-1])
+        self.observability.limits = ModelLimits(vocab_size=vocab, embedding_size=vocab,
+                                                context_length=self.checkpoint.context_length)
         # Batching needs caches that merge; without it (or with --no-batch) sequences
         # decode solo, one at a time, first come first served.
         self._batching = self.settings.batch and self.settings.parallel > 1 and _batchable(self.model)
