@@ -14,7 +14,7 @@ import trio
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
 from .requests import Event, Finish, GenerationRequest
-from .worker import Cancel, Message, Stop, Submit, Worker, WorkerSettings
+from .worker import Cancel, LoadCancelled, Message, Stop, Submit, Worker, WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +32,13 @@ class Engine:
 
     ``run`` belongs in the server's nursery. Every MLX call happens inside it,
     on one OS thread started with ``trio.to_thread.run_sync`` for the whole life
-    of the server. Cancelling ``run`` (Ctrl-C, test teardown) stops the worker
-    at its next step and ends every open request with an error event.
+    of the server. Cancelling ``run`` (test teardown) stops the worker at its
+    next step (between prefill chunks, every few tokens of a solo generation,
+    between burst rounds) and ends every open request with an error event;
+    :meth:`stop` during the model load stops it between load slices.
+
+    The queue bound counts what the worker still holds: a request cancelled by
+    its client keeps its place until the worker has let go of it.
     """
 
     def __init__(self, checkpoint: CheckpointInfo, settings: WorkerSettings, observability: Observability,
@@ -51,6 +56,8 @@ class Engine:
         self._before_load = before_load
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._channels: dict[str, trio.MemorySendChannel[Event]] = {}
+        self._held: set[str] = set()
+        """Requests submitted whose Finish has not come back from the worker yet."""
         self._closing = False
         self._token: trio.lowlevel.TrioToken | None = None
 
@@ -59,9 +66,11 @@ class Engine:
         self._token = trio.lowlevel.current_trio_token()
         worker = Worker(self.settings, self.checkpoint, self.observability, self._inbox,
                         deliver=self._deliver_from_worker, on_ready=self._ready_from_worker,
-                        before_load=self._before_load)
+                        before_load=self._before_load, stopping=lambda: self._closing)
         try:
             await trio.to_thread.run_sync(worker.run, abandon_on_cancel=False)
+        except LoadCancelled:
+            logger.info("stopped before the model finished loading")
         except Exception as exc:
             # The model failed to load (or the worker broke): say so where operators look.
             self.observability.state = "failed"
@@ -79,7 +88,7 @@ class Engine:
             raise EngineUnavailable("the server is shutting down")
         if not self.ready.is_set():
             raise EngineUnavailable("the model is still loading")
-        if len(self._channels) >= self.capacity:
+        if len(self._held) >= self.capacity:
             raise QueueFull(f"all {self.capacity} request places are taken")
         if request.id in self._channels:
             raise ValueError(f"duplicate request id {request.id}")
@@ -87,6 +96,7 @@ class Engine:
         # events are bounded by its max_tokens anyway.
         send, receive = trio.open_memory_channel[Event](math.inf)
         self._channels[request.id] = send
+        self._held.add(request.id)
         self._inbox.put(Submit(request))
         return receive
 
@@ -110,13 +120,22 @@ class Engine:
     def _ready_from_worker(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         assert self._token is not None
-        self._token.run_sync_soon(self.ready.set)
+        with contextlib.suppress(trio.RunFinishedError):
+            self._token.run_sync_soon(self._became_ready)
 
     # -- back in trio -------------------------------------------------------------
+
+    def _became_ready(self) -> None:
+        # /health and submit flip together, on this thread; a server already stopping stays "stopping".
+        if not self._closing:
+            self.observability.state = "ready"
+        self.ready.set()
 
     def _dispatch(self, events: list[tuple[str, Event]]) -> None:
         # Runs as a trio system callback: it must never raise.
         for request_id, event in events:
+            if isinstance(event, Finish):
+                self._held.discard(request_id)
             channel = self._channels.get(request_id)
             if channel is None:
                 continue  # cancelled: nobody is listening any more
@@ -135,3 +154,4 @@ class Engine:
                 channel.send_nowait(Finish("error", 0, 0, error=error))
             channel.close()
             del self._channels[request_id]
+        self._held.clear()

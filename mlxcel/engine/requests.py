@@ -81,3 +81,5 @@ class BurstStats:
     round_seconds: float = 0.0
     classic_steps: int = 0
     classic_seconds: float = 0.0
+    classic_samples: int = 0
+    """Timings of classic decode taken (each of several pipelined steps)."""

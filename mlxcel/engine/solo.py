@@ -1,10 +1,14 @@
 """A sequence decoding alone: no batching machinery between it and the model.
 
-When one request is all the worker has, it decodes it here, one pipelined
-step at a time (the next step is queued on the device before the current token
-is read back, as mlx-lm's ``generate_step`` does). When another request
-arrives the worker *parks* the sequence (stops feeding it, so exactly one
-token, the next input, is left unfed) and hands its cache and that token to the
+When one request is all the worker has, it decodes it here: its prompt in
+chunks (one chunk per call, so the worker looks at its inbox between chunks),
+then one pipelined step at a time (the next step is queued on the device
+before the current token is read back, as mlx-lm's ``generate_step`` does), or
+MTP rounds (:mod:`.burst`). Classic steps call the model itself,
+``model(tokens, cache=cache)``: the family's own forward, with its logit
+soft-capping or scaling. When another request arrives the worker *parks* the
+sequence (nothing in flight; ``pending`` holds the tokens still to feed, the
+last of them the next input) and hands its cache and those tokens to the
 continuous batcher, which carries on from the same state.
 
 Runs on the worker thread only.
@@ -16,54 +20,54 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .mtp import Drafter, PendingRound, Selection, SpeculativeSampler, TargetModel, finish_round, start_round
-from .requests import BurstStats
+import mlx.core as mx
+
+from .burst import Burst, PendingRound
 
 Sampler = Callable[[Any], Any]
 
 
 class SoloDecoder:
-    """One sequence's cache and its pipelined decode steps.
+    """One sequence's cache and its steps.
 
-    Invariant while parked: ``cache`` holds exactly ``tokens_in_cache`` and
-    ``next_input`` is the one token still to feed. While running, one step
-    (the model fed the last emitted token) or one speculative round is in
-    flight, and those two fields catch up when it is read back.
+    Invariant while parked: ``cache`` holds exactly ``tokens_in_cache``, and
+    ``pending`` (never empty) the tokens still to feed. Prefilled: exactly one
+    pending token, the next input. While running, one step (the model fed the
+    last emitted token) or one round is in flight, and those fields catch up
+    when it is read back.
     """
 
-    def __init__(self, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],
-                 tokens_in_cache: list[int], next_input: int, drafter: Drafter | None = None) -> None:
+    def __init__(self, model: Any, stream: Any, sampler: Sampler | None, cache: list[Any],
+                 tokens_in_cache: list[int], pending: list[int], burst: Burst | None = None,
+                 before_step: Callable[[], None] | None = None) -> None:
         from mlx_lm.sample_utils import greedy_sampler
 
-        self.target = target
-        self.drafter = drafter
+        assert pending, "a sequence always has its next input to feed"
+        self.model = model
+        self.burst = burst
         self.stream = stream
         self.sampler: Sampler = sampler or greedy_sampler
         self.cache = cache
         self.tokens_in_cache = tokens_in_cache
-        self.next_input = next_input
+        self.pending = pending
+        self._before_step = before_step
         self._in_flight: tuple[Any, Any] | None = None
         self._round: PendingRound | None = None
 
-    @classmethod
-    def prefill(cls, target: TargetModel, stream: Any, sampler: Sampler | None, cache: list[Any],
-                cached_tokens: list[int], rest: list[int], step_size: int,
-                drafter: Drafter | None = None) -> SoloDecoder:
-        """Feed *rest* but its last token into *cache*, in chunks (the drafter sees them too)."""
-        import mlx.core as mx
-
-        with mx.stream(stream):
-            for start in range(0, len(rest) - 1, step_size):
-                end = min(start + step_size, len(rest) - 1)
-                _, hidden = target.forward(mx.array(rest[start:end])[None], cache)
-                if drafter is not None:
-                    drafter.add(hidden, mx.array(rest[start + 1:end + 1])[None])
-                mx.eval([c.state for c in cache])
-        return cls(target, stream, sampler, cache, cached_tokens + rest[:-1], rest[-1], drafter)
+    # -- state --------------------------------------------------------------------
 
     @property
     def parked(self) -> bool:
         return self._in_flight is None and self._round is None
+
+    @property
+    def prefilled(self) -> bool:
+        return len(self.pending) == 1
+
+    @property
+    def next_input(self) -> int:
+        assert self.prefilled
+        return self.pending[0]
 
     @property
     def round_in_flight(self) -> bool:
@@ -71,37 +75,64 @@ class SoloDecoder:
 
     @property
     def can_draft(self) -> bool:
-        """Whether the head has a target hidden state to draft from (not when the prompt came
+        """Whether the drafter has a target hidden state to draft from (not when the prompt came
         whole from the prefix cache: then a classic step provides one)."""
-        return self.drafter is not None and bool(self.drafter.pending_hidden)
+        return self.burst is not None and self.burst.drafter.ready
+
+    # -- prefill ------------------------------------------------------------------
+
+    def prefill_chunk(self, size: int) -> None:
+        """Feed up to *size* of the pending prompt tokens (all but the last), and wait for them."""
+        assert self.parked and not self.prefilled
+        chunk, rest = self.pending[:min(size, len(self.pending) - 1)], self.pending[min(size, len(self.pending) - 1):]
+        with mx.stream(self.stream):
+            tokens = mx.array([chunk])
+            if self.burst is None:
+                self.model(tokens, cache=self.cache)
+                wait: list[Any] = []
+            else:  # the drafter catches up on the same chunk, never on the whole prompt at once
+                _, hidden = self.burst.target.forward(tokens, self.cache)
+                self.burst.drafter.catch_up(hidden, mx.array([[*chunk[1:], rest[0]]]))
+                wait = self.burst.drafter.settle()
+            mx.eval(wait + [c.state for c in self.cache])
+        self.tokens_in_cache.extend(chunk)
+        self.pending = rest
+
+    # -- classic steps ------------------------------------------------------------------
 
     def _feed(self, token: Any) -> tuple[Any, Any]:
-        import mlx.core as mx
-
+        if self._before_step is not None:
+            self._before_step()
         with mx.stream(self.stream):
-            logits, hidden = self.target.forward(token.reshape(1, 1), self.cache)
-            logits = logits[:, -1, :]
+            tokens = token.reshape(1, 1)
+            if self.burst is None:
+                logits = self.model(tokens, cache=self.cache)[:, -1, :]
+                hidden = None
+            else:
+                logits, hidden = self.burst.target.forward(tokens, self.cache)
+                logits = logits[:, -1, :]
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             sampled = self.sampler(logprobs)
-            if self.drafter is not None:
-                self.drafter.add(hidden, sampled.reshape(1, 1))
+            if hidden is not None:
+                assert self.burst is not None
+                self.burst.drafter.catch_up(hidden, sampled.reshape(1, 1))
         mx.async_eval(sampled, logprobs)
         return sampled, logprobs
 
     def resume(self) -> None:
-        """Start decoding from the parked state: feed ``next_input``."""
-        import mlx.core as mx
-
-        assert self.parked
-        self._in_flight = self._feed(mx.array([self.next_input]))
-        self.tokens_in_cache.append(self.next_input)
+        """Start decoding from the parked, prefilled state: feed the next input."""
+        assert self.parked and self.prefilled
+        token = self.pending[0]
+        self._in_flight = self._feed(mx.array([token]))
+        self.tokens_in_cache.append(token)
+        self.pending = []
 
     def emit(self, feed_next: bool) -> tuple[int, Any]:
         """The next token and its log-probabilities (shape ``(1, vocab)``).
 
         With *feed_next*, the token is fed straight away (the following step
         runs while the caller handles this one); without it the decoder parks
-        with this token as ``next_input``.
+        with this token as the next input.
         """
         assert self._in_flight is not None
         sampled, logprobs = self._in_flight
@@ -110,32 +141,43 @@ class SoloDecoder:
         if feed_next:
             self.tokens_in_cache.append(token)
         else:
-            self.next_input = token
+            self.pending = [token]
         return token, logprobs
 
-    def classic_step(self) -> tuple[int, Any, float]:
-        """One unpipelined single-token step from the parked state: (token, logprobs, seconds)."""
-        started = time.perf_counter()
+    def classic_steps(self, count: int, timed: bool) -> list[int]:
+        """*count* pipelined classic steps from the parked state, parking after the last.
+
+        *timed*: the steady-state time of a step (from the first token read back
+        to the last; the first step's dispatch latency is not classic decode's
+        rate) goes into the burst's statistics as one classic sample.
+        """
         self.resume()
-        token, logprobs = self.emit(feed_next=False)
-        return token, logprobs, time.perf_counter() - started
+        tokens, stamps = [], []
+        for index in range(count):
+            token, _ = self.emit(feed_next=index < count - 1)
+            tokens.append(token)
+            stamps.append(time.perf_counter())
+        if timed and count > 1 and self.burst is not None:
+            stats = self.burst.stats
+            stats.classic_steps += count - 1
+            stats.classic_seconds += stamps[-1] - stamps[0]
+            stats.classic_samples += 1
+        return tokens
 
-    def start_round(self, width: int, selection: Selection) -> None:
+    # -- rounds ---------------------------------------------------------------------
+
+    def start_round(self, width: int) -> None:
         """Dispatch one speculative round of verify width *width* from the parked state."""
-        import mlx.core as mx
-
-        assert self.parked and self.can_draft and self.drafter is not None
+        assert self.parked and self.can_draft and self.burst is not None
         with mx.stream(self.stream):
-            self._round = start_round(self.target, self.cache, self.drafter, self.next_input, width, selection)
+            self._round = self.burst.start_round(self.cache, self.next_input, width)
 
-    def finish_round(self, stats: BurstStats | None, sampler: SpeculativeSampler | None = None) -> list[int]:
+    def finish_round(self, count: bool = True) -> list[int]:
         """Read back the round in flight and park; the tokens it emits (1 to its width)."""
-        import mlx.core as mx
-
-        assert self._round is not None and self.drafter is not None
+        assert self._round is not None and self.burst is not None
         with mx.stream(self.stream):
-            fed, emitted = finish_round(self._round, self.target, self.cache, self.drafter, stats, sampler)
+            fed, emitted = self.burst.finish_round(self._round, self.cache, count)
         self._round = None
         self.tokens_in_cache.extend(fed)
-        self.next_input = emitted[-1]
+        self.pending = [emitted[-1]]
         return emitted

@@ -14,6 +14,7 @@ import json
 import logging
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -106,10 +107,12 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
                           weight_bytes=sum(f.stat().st_size for f in weights))
 
 
-def load_checkpoint(info: CheckpointInfo) -> tuple[Any, Any]:
+def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) through mlx-lm, materialising weights with progress logs.
 
     Must run on the thread that will use the model (MLX streams are thread-bound).
+    *check* runs between the twenty slices the weights are read in: it raises
+    to abandon the load (a server stopped while loading).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -127,6 +130,8 @@ def load_checkpoint(info: CheckpointInfo) -> tuple[Any, Any]:
     step = max(1, len(parameters) // 20)
     last_report = time.perf_counter()
     for start in range(0, len(parameters), step):
+        if check is not None:
+            check()
         mx.eval(parameters[start:start + step])
         # Report at most once a second: silent for small models, steady for large ones.
         if time.perf_counter() - last_report >= 1.0:

@@ -237,8 +237,8 @@ async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkey
             policy = await _policy(client, url)
             timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
     detail = policy["decline_detail"]
-    assert isinstance(detail, str) and detail.startswith("verify block position ")
-    assert detail.endswith("Half-width verify did not make it exact either.")
+    assert isinstance(detail, str) and detail.startswith("With one K-wide verify forward, a width-")
+    assert "; with half-width verify (the K-wide block in two forwards" in detail
     assert policy == {**policy, "schema_version": 1, "state": "exactness_declined", "reason": None,
                       "verdict": None, "mtp_enabled": False, "target": model.name, "drafter": f"{model.name}#mtp",
                       "block_size": 8, "acceptance_rate": None, "samples": 0, "samples_required": 4,
@@ -248,10 +248,14 @@ async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkey
         f"MTP exactness probe declined the pairing: {detail}"]
 
     monkeypatch.setenv("MLXCEL_MTP_ALLOW_INEXACT", "1")
-    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=60) as client:
-        allowed = await _policy(client, url)
-        timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        async with running_server(["--model", str(model), "--mtp"]) as url, \
+                httpx.AsyncClient(timeout=60) as client:
+            allowed = await _policy(client, url)
+            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
     assert allowed["state"] == "profiling" and timings["draft_rounds"] > 0  # type: ignore[index,operator]
+    assert any("byte identity is forfeited" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.skipif(not OPENBLAS, reason="the retry path needs OpenBLAS (CI installs it)")

@@ -10,7 +10,10 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..speculative import DraftHead
 
 #: Target model types whose MTP head mlxcel can run, and the head's module.
 MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp"}
@@ -85,8 +88,8 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     return spec
 
 
-def load_drafter(spec: DrafterSpec, target: Path) -> Any:
-    """The MTP head as an mlx module (worker thread only)."""
+def load_drafter(spec: DrafterSpec, target: Path, model: Any) -> DraftHead:
+    """The drafter for the loaded target *model* (worker thread only)."""
     import mlx.core as mx
 
     from . import qwen3_5_mtp
@@ -101,4 +104,4 @@ def load_drafter(spec: DrafterSpec, target: Path) -> Any:
     except (ValueError, KeyError) as exc:
         raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
     mx.eval(head.parameters())
-    return head
+    return qwen3_5_mtp.Qwen35Drafter(head, model)

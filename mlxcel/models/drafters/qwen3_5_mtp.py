@@ -67,3 +67,63 @@ def build(config: dict[str, Any], weights: dict[str, mx.array], raw_layout: bool
                    for name, value in weights.items()}
     head.load_weights(list(weights.items()), strict=True)
     return head
+
+
+class Qwen35Drafter:
+    """The :class:`~mlxcel.models.speculative.DraftHead` of a Qwen 3.5 target: the head, with the
+    target's own embedding and LM head (the head has neither)."""
+
+    def __init__(self, head: Qwen35MTP, target: Any) -> None:
+        inner = getattr(target, "language_model", target)
+        self.head = head
+        self.embed = inner.model.embed_tokens
+        self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
+
+    def new_sequence(self) -> _SequenceDrafter:
+        return _SequenceDrafter(self)
+
+
+class _SequenceDrafter:
+    """One sequence's head state: its KV cache, the (hidden, token) pairs it has not read yet, and
+    the head's output at the last position it read."""
+
+    def __init__(self, drafter: Qwen35Drafter) -> None:
+        self._drafter = drafter
+        self._cache = drafter.head.make_cache()
+        self._pending: list[tuple[mx.array, mx.array]] = []
+        self._last: mx.array | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self._last is not None or bool(self._pending)
+
+    def catch_up(self, hidden: mx.array, tokens: mx.array) -> None:
+        # Deferred: pairs from single steps are read in one head forward, at the next draft.
+        self._pending.append((hidden, tokens))
+
+    def settle(self) -> list[mx.array]:
+        if self._pending:
+            d = self._drafter
+            hidden = mx.concatenate([h for h, _ in self._pending], axis=1)
+            tokens = mx.concatenate([t for _, t in self._pending], axis=1)
+            self._pending = []
+            self._last = d.head(d.embed(tokens), hidden, self._cache)[:, -1:, :]
+        return [] if self._last is None else [self._last]
+
+    def draft(self, count: int) -> mx.array:
+        d = self._drafter
+        self.settle()
+        assert self._last is not None
+        out = self._last
+        drafts = [mx.argmax(d.lm_head(out), axis=-1)]
+        for _ in range(count - 1):
+            out = d.head(d.embed(drafts[-1]), out, self._cache)
+            drafts.append(mx.argmax(d.lm_head(out), axis=-1))
+        return mx.concatenate(drafts, axis=1)
+
+    def accept(self, hidden: mx.array, tokens: mx.array, drafted: int) -> None:
+        # The chained drafts after the first went through the head's cache: take them out.
+        if drafted > 1:
+            for c in self._cache:
+                c.trim(drafted - 1)
+        self.catch_up(hidden, tokens)

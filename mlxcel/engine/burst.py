@@ -1,0 +1,106 @@
+"""The B=1 MTP burst's rounds: K-1 drafts on device, one K-wide verify, acceptance, rollback.
+
+Family-agnostic: the target and the drafter come in through the protocols of
+:mod:`mlxcel.models.speculative`. At temperature 0 acceptance is greedy (the
+longest prefix of drafts equal to the target's own argmax, plus the target's
+next token), so the output is classic decode's byte for byte *if* the verify is
+exact, which :mod:`.exactness` checks at boot. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from ..models.speculative import SequenceDrafter, SpeculativeTarget, Split, Verify
+from .requests import BurstStats
+from .sampling import SpeculativeSampler
+
+#: While profiling, classic decode is timed inside the burst: CLASSIC_SAMPLE_STEPS pipelined
+#: single-token steps after the first round (so that even a short request measures it), and
+#: again after every CLASSIC_SAMPLE_EVERY rounds.
+CLASSIC_SAMPLE_EVERY = 4
+CLASSIC_SAMPLE_STEPS = 3
+
+
+def classic_sample_due(stats: BurstStats) -> bool:
+    """Whether the burst owes the policy a timing of classic decode now (while profiling)."""
+    if stats.rounds == 0:
+        return False
+    owed = 1 + stats.rounds // CLASSIC_SAMPLE_EVERY
+    return stats.classic_samples < owed
+
+
+@dataclass(slots=True)
+class PendingRound:
+    """A round dispatched to the device and not yet read back."""
+
+    width: int
+    next_input: int
+    drafts: mx.array
+    verify: Verify
+    accepted: mx.array | None
+    """Sampled rounds: the accepted draft count, on device; greedy: None."""
+    last: mx.array
+    """Greedy: the target's argmax at every position; sampled: the round's final token."""
+    started: float
+
+
+class Burst:
+    """One sequence's speculative decoding state: its drafter, the verify split, the acceptance rule."""
+
+    def __init__(self, target: SpeculativeTarget, drafter: SequenceDrafter, split: Split,
+                 sampler: SpeculativeSampler | None, before_verify: Callable[[], None] | None = None) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.split = split
+        self.sampler = sampler
+        self.stats = BurstStats()
+        self._before_verify = before_verify
+
+    def start_round(self, cache: list[Any], next_input: int, width: int) -> PendingRound:
+        """Dispatch one round of verify width *width* (K, or less near max_tokens); nothing is read back."""
+        started = time.perf_counter()
+        drafts = self.drafter.draft(width - 1).astype(mx.int32)
+        if self._before_verify is not None:
+            self._before_verify()
+        block = mx.concatenate([mx.array([[next_input]], dtype=mx.int32), drafts], axis=1)
+        verify = self.target.verify(block, cache, self.split)
+        if self.sampler is None:
+            accepted, last = None, mx.argmax(verify.logits[0], axis=-1)
+            mx.async_eval(drafts, last)
+        else:
+            accepted, last = self.sampler(verify.logits[0], drafts[0])
+            mx.async_eval(drafts, accepted, last)
+        return PendingRound(width, next_input, drafts, verify, accepted, last, started)
+
+    def finish_round(self, round_: PendingRound, cache: list[Any], count: bool = True) -> tuple[list[int], list[int]]:
+        """Read back *round_*: (tokens the target kept, tokens emitted); caches rolled back to exactly those.
+
+        The last emitted token is left unfed (the caller's next input). The
+        round counts in :attr:`stats` (its wall time from dispatch) if *count*.
+        """
+        width = round_.width
+        drafts: list[int] = round_.drafts[0].tolist()  # type: ignore[assignment]
+        if round_.accepted is None:
+            target_tokens: list[int] = round_.last.tolist()  # type: ignore[assignment]
+            accepted = 0
+            while accepted < width - 1 and drafts[accepted] == target_tokens[accepted]:
+                accepted += 1
+            last = target_tokens[accepted]
+        else:
+            accepted, last = int(round_.accepted.item()), int(round_.last.item())  # type: ignore[arg-type]
+        fed = [round_.next_input, *drafts[:accepted]]
+        emitted = [*drafts[:accepted], last]
+        self.target.rollback(cache, round_.verify, kept=accepted + 1)
+        self.drafter.accept(round_.verify.hidden[:, :accepted + 1], mx.array([emitted]), drafted=width - 1)
+        if count:
+            self.stats.rounds += 1
+            self.stats.proposed += width - 1
+            self.stats.accepted += accepted
+            self.stats.round_seconds += time.perf_counter() - round_.started
+        return fed, emitted

@@ -1,0 +1,140 @@
+"""The exactness probe: is the burst byte-identical to classic decode on this machine?
+
+Temperature-0 MTP output equals classic output only if every verify computes
+the same bytes as the single-token chain (``model(token, cache)``, token after
+token), and every rollback lands on the chain's exact cache state. Kernels
+choose by shape (a BLAS's matmul by row count, attention by key length), so
+the probe covers what rounds actually do: every verify width from 1 (the
+burst's own classic steps) to K (rounds narrow near ``max_tokens``), at a short
+and a long cache offset, and the state after *every* rollback prefix. It runs
+once at boot, on the worker thread, and tries each verify split in turn; the
+first exact one is used. Milliseconds to seconds, once per process.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..models.speculative import DESCRIBE, SPLITS, SpeculativeTarget, Split
+
+#: Cache offsets the probe verifies at: a short prompt, and a long one (bounded by the context).
+OFFSETS = (12, 1024)
+PREFILL_CHUNK = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    split: Split | None
+    """The verify split that is exact, or None when none is."""
+    detail: str | None
+    """The one-line reason when the pairing was vetoed (None when exact)."""
+
+
+def _bytes(array: mx.array) -> np.ndarray:
+    """The array's bytes (numpy cannot hold bfloat16, so reinterpret as bytes in MLX first)."""
+    return np.array(mx.contiguous(array).view(mx.uint8)).reshape(-1)
+
+
+def _arrays(cache: list[Any]) -> list[mx.array]:
+    """Every cache's state arrays: keys and values up to the offset (a KV buffer holds stale rows
+    past it, which a later token overwrites), conv and recurrent states."""
+    states = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+              if getattr(c, "keys", None) is not None and c.is_trimmable() else c.state for c in cache]
+    leaves: list[tuple[str, Any]] = tree_flatten(states)  # type: ignore[assignment]
+    return [a for _, a in leaves if isinstance(a, mx.array)]
+
+
+def _state(cache: list[Any]) -> list[np.ndarray]:
+    return [_bytes(a) for a in _arrays(cache)]
+
+
+def _evaluated(cache: list[Any]) -> list[Any]:
+    mx.eval(_arrays(cache))
+    return cache
+
+
+def _compare_logits(got: mx.array, chain: list[np.ndarray], what: str) -> str | None:
+    for position in range(got.shape[1]):
+        row = _bytes(got[0, position])
+        differing = int((row != chain[position]).sum())
+        if differing:
+            return (f"{what}: position {position} differs from the single-token chain in {differing} of "
+                    f"{row.size} logit bytes")
+    return None
+
+
+class _Case:
+    """One starting state (a prompt of *offset* tokens) and the chain's answers from it."""
+
+    def __init__(self, model: Any, make_cache: Any, prompt: list[int], block: list[int]) -> None:
+        self.base = make_cache()
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            model(mx.array([prompt[start:start + PREFILL_CHUNK]]), cache=self.base)
+            _evaluated(self.base)
+        chain = copy.deepcopy(self.base)
+        self.logits: list[np.ndarray] = []
+        self.states: list[list[np.ndarray]] = []  # the state after each block token
+        for token in block:
+            logits = model(mx.array([[token]]), cache=chain)
+            mx.eval(logits)
+            self.logits.append(_bytes(logits[0, -1]))
+            self.states.append(_state(_evaluated(chain)))
+        self.block = block
+        self.offset = len(prompt)
+
+    def difference(self, target: SpeculativeTarget, split: Split) -> str | None:
+        where = f"offset {self.offset}"
+        one = copy.deepcopy(self.base)
+        logits, _ = target.forward(mx.array([self.block[:1]]), one)
+        if (found := _compare_logits(logits, self.logits, f"a single-token step at {where}")) is not None:
+            return found
+        for width in range(2, len(self.block) + 1):
+            verified = copy.deepcopy(self.base)
+            verify = target.verify(mx.array([self.block[:width]]), verified, split)
+            mx.eval(verify.logits)
+            _evaluated(verified)
+            found = _compare_logits(verify.logits, self.logits, f"a width-{width} verify at {where}")
+            if found is not None:
+                return found
+            for kept in range(1, width + 1):
+                rolled = copy.deepcopy(verified)
+                target.rollback(rolled, verify, kept)
+                if not _equal(_state(_evaluated(rolled)), self.states[kept - 1]):
+                    return (f"a width-{width} verify at {where} rolled back to {kept} kept token(s) differs from "
+                            f"the single-token chain's cache state")
+        return None
+
+
+def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, block_size: int, vocab: int,
+                    context_length: int, seed: int = 0) -> ProbeResult:
+    """The first verify split under which the burst is byte-identical to classic decode, if any.
+
+    *model* is the served mlx-lm model (``model(tokens, cache=...)`` is classic
+    decode); *target* its speculative adapter. At K = 2 there is only one split
+    (half of two is one token, which is the chain itself), so only ``wide`` is tried.
+    """
+    rng = np.random.default_rng(seed)
+    offsets = sorted({min(offset, max(1, context_length - block_size - 1)) for offset in OFFSETS})
+    cases = [_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
+                   rng.integers(0, vocab, size=block_size).tolist()) for offset in offsets]
+    splits = SPLITS if block_size > 2 else SPLITS[:1]
+    failures = []
+    for split in splits:
+        found = next((d for case in cases if (d := case.difference(target, split)) is not None), None)
+        if found is None:
+            return ProbeResult(split, None)
+        failures.append(f"with {DESCRIBE[split]}, {found}")
+    detail = "; ".join(failures)
+    if len(splits) == 1:
+        detail += f" (at K={block_size} there is no other split to try)"
+    return ProbeResult(None, detail[0].upper() + detail[1:] + ".")

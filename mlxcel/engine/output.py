@@ -1,0 +1,69 @@
+"""One request's output as tokens arrive: text, stop strings, logprobs, and when it ends.
+
+Plain Python over mlx-lm's streaming detokenizer; the same for every decode path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .requests import FinishReason, GenerationRequest, TextDelta
+from .text import StopStringFilter
+
+
+class SequenceOutput:
+    """Turns a request's tokens into :class:`TextDelta` events and notices when it is finished."""
+
+    def __init__(self, request: GenerationRequest, detokenizer: Any, eos_tokens: frozenset[int]) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        self.stop = StopStringFilter(request.stop)
+        self.eos_tokens = eos_tokens
+        self.generated = 0
+        self.first_token_at: float | None = None
+        self.finish_reason: FinishReason | None = None
+        self._tokens: list[int] = []
+        self._logprobs: list[float] = []
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - self.generated
+
+    def natural_finish(self, token: int) -> FinishReason | None:
+        """Why a sequence ends with *token* on its own: end of sequence, or max_tokens."""
+        if token in self.eos_tokens:
+            return "stop"
+        return "length" if self.remaining == 1 else None
+
+    def on_token(self, token: int, logprobs: Any, reason: FinishReason | None) -> TextDelta | None:
+        """Account for one generated token; the text it releases, if any.
+
+        *reason* is why the decode path ends the sequence with this token (a
+        ``stop`` reason is an end-of-sequence token: it ends the text and is
+        not part of it). Sets :attr:`finish_reason` when the sequence is done,
+        a stop string included.
+        """
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        text = ""
+        if reason != "stop":
+            self.generated += 1
+            self.detokenizer.add_token(token)
+            text = self.stop.feed(self.detokenizer.last_segment)
+            self._tokens.append(token)
+            if self.request.logprobs and logprobs is not None:
+                self._logprobs.append(logprobs.reshape(-1)[token].item())
+        if self.stop.stopped:
+            reason = "stop"
+        if reason is not None:
+            self.detokenizer.finalize()
+            if not self.stop.stopped:
+                text += self.stop.feed(self.detokenizer.last_segment) + self.stop.flush()
+            self.finish_reason = reason
+        if not text and not (reason is not None and self._tokens):
+            return None
+        delta = TextDelta(text, tuple(self._tokens), tuple(self._logprobs) if self.request.logprobs else None)
+        self._tokens.clear()
+        self._logprobs.clear()
+        return delta

@@ -1,0 +1,115 @@
+"""One sampling chain for every decode path: solo, the batch, and the burst's acceptance rule.
+
+Temperature, top-p and top-k are applied in one place, with mlx-lm's own
+``apply_top_p`` / ``apply_top_k``, so that classic decoding samples from
+exactly the distribution the speculative sampler preserves. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import mlx.core as mx
+
+from .requests import SamplingParams
+
+#: Below this temperature ``1 / temperature`` overflows float32 logits: treat it as greedy.
+GREEDY_BELOW = 1e-5
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < GREEDY_BELOW
+
+
+class SamplingChain:
+    """A request's sampler: ``chain(logprobs)`` draws the next token, shape (N,), from (N, V) logprobs.
+
+    Seeded requests carry their own key (split once per draw), so their text
+    does not depend on other requests; unseeded ones use MLX's global RNG.
+    A ``top_k`` at or above the vocabulary keeps every token, so it is no filter.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        assert not is_greedy(params), "greedy requests take the argmax, not a sampler"
+        self.scale = 1 / params.temperature
+        assert math.isfinite(self.scale)
+        self.top_p = params.top_p
+        self.top_k = params.top_k
+        self._key = mx.random.key(params.seed) if params.seed is not None else None
+
+    def next_key(self) -> mx.array | None:
+        if self._key is None:
+            return None
+        self._key, key = mx.random.split(self._key)
+        return key
+
+    def filtered(self, logprobs: mx.array) -> mx.array:
+        """*logprobs* with top-p and top-k applied (excluded tokens at -inf)."""
+        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+
+        if 0 < self.top_p < 1:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        return logprobs
+
+    def probabilities(self, logits: mx.array) -> mx.array:
+        """The distribution (N, V) a draw samples from, for logits (N, V)."""
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.softmax(self.filtered(logprobs) * self.scale, axis=-1)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        return mx.random.categorical(self.filtered(logprobs) * self.scale, key=self.next_key())
+
+
+class SpeculativeSampler:
+    """Speculative sampling for temperature > 0: the output distribution equals the target's.
+
+    The drafter drafts greedily, so its proposal q is a point mass on each
+    draft d. The standard rule then reads: accept d with probability
+    min(1, p(d) / q(d)) = p(d); on the first rejection, sample from the
+    residual max(0, p - q), i.e. p without d, renormalised; if every draft is
+    accepted, sample the bonus token from the last position's p. Here p is
+    :meth:`SamplingChain.probabilities`, the distribution classic decoding
+    samples from. Distribution-exact, not sample-exact: the random stream
+    differs from classic decoding's, so a seeded request's text depends on
+    whether it ran the burst.
+    """
+
+    def __init__(self, chain: SamplingChain) -> None:
+        self.chain = chain
+
+    def __call__(self, logits: mx.array, drafts: mx.array) -> tuple[mx.array, mx.array]:
+        """(accepted drafts, the token that ends the round) for verify logits (K, V) and drafts (K-1,).
+
+        Both stay on the device: the round is read back once, by the caller.
+        """
+        probs = self.chain.probabilities(logits.astype(mx.float32))
+        count = drafts.shape[0]
+        p_draft = probs[mx.arange(count), drafts]
+        draws = mx.random.uniform(shape=(count,), key=self.chain.next_key())
+        # The number of leading accepted drafts.
+        accepted = mx.sum(mx.cumprod((draws < p_draft).astype(mx.int32)))
+        row = mx.take(probs, accepted, axis=0)
+        rejected = mx.take(mx.concatenate([drafts, mx.array([-1], dtype=drafts.dtype)]), accepted)
+        row = mx.where(mx.arange(row.shape[0]) == rejected, 0, row)  # the residual: p without the draft
+        return accepted, mx.random.categorical(mx.log(row), key=self.chain.next_key())
+
+
+def make_sampler(params: SamplingParams) -> SamplingChain | None:
+    """None for greedy (the batch then takes the argmax for all greedy rows at once)."""
+    return None if is_greedy(params) else SamplingChain(params)
+
+
+def sampler_with_hook(sampler: Any, hook: Any) -> Any:
+    """*sampler* calling *hook* first (fault injection in tests); greedy gets mlx-lm's argmax."""
+    from mlx_lm.sample_utils import greedy_sampler
+
+    inner = sampler or greedy_sampler
+
+    def hooked(logprobs: mx.array) -> mx.array:
+        hook()
+        return inner(logprobs)
+
+    return hooked

@@ -1,0 +1,57 @@
+"""Setting up the B=1 burst at boot: the target adapter, the drafter, the exactness probe.
+
+Worker thread only. Knows no family: the adapter and the drafter come from
+:mod:`mlxcel.models.speculative` and :mod:`mlxcel.models.drafters`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from ..models.drafters import DrafterSpec
+from ..models.loader import CheckpointInfo
+from ..models.speculative import DESCRIBE, DraftHead, SpeculativeTarget, Split, speculative_target
+from ..policy import PairingKey
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """What the worker needs to run bursts for the served pairing."""
+
+    target: SpeculativeTarget
+    drafter: DraftHead
+    split: Split | None
+    """The verify split to run, or None: the probe vetoed and inexact bursts are not allowed."""
+    pairing: PairingKey
+    decline: str | None
+    """The probe's veto sentence (None when exact)."""
+
+
+def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: Any, hardware: str,
+           block_size: int, vocab: int, allow_inexact: bool) -> Speculation:
+    """Load the drafter for *model*, probe the verify's exactness, and log what the probe found."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..models.drafters.loader import load_drafter
+    from .exactness import probe_exactness
+
+    target = speculative_target(checkpoint.model_type, model)
+    drafter = load_drafter(spec, checkpoint.path, model)
+    with mx.stream(stream):
+        probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
+                                checkpoint.context_length)
+    split = probe.split
+    if split is not None:
+        logger.info("MTP exactness probe: at K=%d the burst is byte-identical to classic decode with %s "
+                    "(every width 1..%d, every rollback prefix)", block_size, DESCRIBE[split], block_size)
+    elif allow_inexact:
+        split = "wide"
+        logger.warning("MLXCEL_MTP_ALLOW_INEXACT=1: running the burst although the exactness probe vetoed it; "
+                       "temperature-0 output may differ from classic decode (byte identity is forfeited)")
+    return Speculation(target, drafter, split, PairingKey(checkpoint.name, spec.name, hardware, block_size),
+                       probe.detail)

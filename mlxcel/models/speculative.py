@@ -1,0 +1,114 @@
+"""What the B=1 MTP burst needs of a model family: a speculative target and a drafter.
+
+The engine knows these protocols and nothing of any family. A family adds a
+*target adapter* (the model's exact logits with the hidden states its drafter
+reads; a K-wide verify that keeps what a rollback needs; a rollback to any
+accepted prefix) and/or a *drafter* (catch up on target hidden states, draft
+K-1 tokens on device, accept what the target kept), each in one file under
+``mlxcel/models/``, and registers the adapter in :data:`TARGETS`.
+
+Shapes: token blocks are ``(1, S)``; logits ``(1, S, V)``; hidden ``(1, S, H)``.
+Everything here runs on the engine's worker thread, lazily: nothing is read
+back to the host, so a round is one graph the device runs while the worker
+handles the previous round's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal, Protocol
+
+Split = Literal["wide", "half"]
+"""How a verify block is computed: one K-wide forward, or two of at most ceil(K/2) tokens."""
+SPLITS: tuple[Split, ...] = ("wide", "half")
+DESCRIBE: dict[Split, str] = {
+    "wide": "one K-wide verify forward",
+    "half": "half-width verify (the K-wide block in two forwards of at most ceil(K/2) tokens)",
+}
+
+
+class Verify(Protocol):
+    """One verify forward's result: what the acceptance rule reads, and what a rollback restores."""
+
+    @property
+    def logits(self) -> Any:
+        """(1, W, V), byte for byte what the single-token chain would give."""
+        ...
+
+    @property
+    def hidden(self) -> Any:
+        """(1, W, H): what the drafter reads."""
+        ...
+
+
+class SpeculativeTarget(Protocol):
+    """The served model as the burst drives it."""
+
+    def forward(self, tokens: Any, cache: list[Any]) -> tuple[Any, Any]:
+        """(logits, hidden) for *tokens* appended to *cache*; logits byte for byte ``model(tokens, cache)``'s."""
+        ...
+
+    def verify(self, tokens: Any, cache: list[Any], split: Split) -> Verify:
+        """:meth:`forward` of a block, keeping whatever :meth:`rollback` needs to undo part of it."""
+        ...
+
+    def rollback(self, cache: list[Any], verify: Any, kept: int) -> None:
+        """Leave *cache* exactly as if only the first *kept* tokens of *verify*'s block had been fed."""
+        ...
+
+
+class SequenceDrafter(Protocol):
+    """One sequence's drafter state (its own cache, if it has one)."""
+
+    @property
+    def ready(self) -> bool:
+        """Whether it has a target hidden state to draft from."""
+        ...
+
+    def catch_up(self, hidden: Any, tokens: Any) -> None:
+        """Take target hidden states at positions i with the tokens at i+1, (1, S, H) and (1, S).
+
+        May defer the work (single steps are best read together, at the next draft).
+        """
+        ...
+
+    def settle(self) -> list[Any]:
+        """Do the deferred catch-up now; the arrays to evaluate with the target's prefill chunk, so
+        that a long prompt is caught up chunk by chunk, never in one forward."""
+        ...
+
+    def draft(self, count: int) -> Any:
+        """*count* greedy draft tokens, shape (1, count), built on device without a host sync."""
+        ...
+
+    def accept(self, hidden: Any, tokens: Any, drafted: int) -> None:
+        """After a round that drafted *drafted* tokens: forget the chain, catch up on what was kept."""
+        ...
+
+
+class DraftHead(Protocol):
+    """A loaded drafter: shared weights, and a fresh state per sequence."""
+
+    def new_sequence(self) -> SequenceDrafter: ...
+
+
+def _qwen3_5(model: Any) -> SpeculativeTarget:
+    from .qwen3_5 import Qwen35Target
+
+    return Qwen35Target(model)
+
+
+#: Target adapters by the target checkpoint's ``model_type``.
+TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_text": _qwen3_5,
+}
+
+
+def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
+    """The family's target adapter around the loaded mlx-lm *model*."""
+    try:
+        factory = TARGETS[model_type]
+    except KeyError:
+        raise ValueError(f"model_type {model_type!r} has no speculative target adapter") from None
+    return factory(model)
