@@ -26,7 +26,7 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from benchmarks._common import median, mtp_model  # noqa: E402
-from mlxcel.engine.mtp import TargetModel  # noqa: E402
+from mlxcel.models.qwen3_5 import Qwen35Target  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     args = parser.parse_args()
     path = mtp_model("aligned", 0.01)
     model, tokenizer = load(str(path))
-    target = TargetModel(model)
+    target = Qwen35Target(model)
     k = args.k
     cache = make_prompt_cache(model)
     target.forward(mx.array([tokenizer.encode("def wrap(text, width=70):" * 4)]), cache)
@@ -67,11 +67,11 @@ def main() -> None:
         for _ in range(args.repeats):
             saved = save()
             start = time.perf_counter()  # mlxcel: the verify keeps the states, the rollback selects
-            logits, hidden, states = target.verify(block, cache, "wide")
-            mx.eval(logits, hidden, [c.state for c in cache])
+            verified = target.verify(block, cache, "wide")
+            mx.eval(verified.logits, verified.hidden, [c.state for c in cache])
             verify.append(time.perf_counter() - start)
             start = time.perf_counter()
-            target.rollback(cache, states, kept=accepted + 1, dropped=k - 1 - accepted)
+            target.rollback(cache, verified, kept=accepted + 1)
             mx.eval([c.state for c in cache])
             rollback.append(time.perf_counter() - start)
             restore(saved, accepted + 1)

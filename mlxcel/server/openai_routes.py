@@ -37,7 +37,7 @@ async def _json_body() -> dict[str, Any]:
 
 
 def _finish_error(finish: Finish) -> ApiError:
-    return ApiError(503, finish.error or "generation failed", type="server_error", code="generation_failed")
+    return ApiError(500, finish.error or "generation failed", type="server_error", code="generation_failed")
 
 
 class _Generation:
@@ -208,6 +208,7 @@ class _Generation:
                 error = _finish_error(finish) if finish else ApiError(503, "generation ended early",
                                                                        type="server_error")
                 yield sse(error.body())
+                yield sse("[DONE]")
                 return
             last = self._choice("", self._reason(finish), None, delta=True)
             if self.chat:

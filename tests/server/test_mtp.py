@@ -31,7 +31,7 @@ def mtp_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "random": build_mtp_checkpoint(root / "qwen35-random", drafter="random", layers=12, hidden=128),
         # A deep target whose head always agrees: the burst pays off.
         "aligned": build_mtp_checkpoint(root / "qwen35-aligned", drafter="aligned", context_scale=0.0,
-                                        layers=12, hidden=128),
+                                        layers=24, hidden=128),
     }
 
 
@@ -274,12 +274,13 @@ async def test_probe_retries_with_half_width_verify(mtp_models: dict[str, Path],
 @pytest.mark.parametrize(("drafter", "verdict"), [("random", "decline"), ("aligned", "enable")])
 async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                                    drafter: str, verdict: str) -> None:
-    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
     async with running_server(["--model", str(mtp_models[drafter]), "--mtp"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
         for i in range(4):
             await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 64)
         policy = await _policy(client, url)
+    print(policy)
     assert (policy["state"], policy["verdict"]) == ("settled", verdict)
     assert policy["mtp_enabled"] is (verdict == "enable")
     if verdict == "enable":
