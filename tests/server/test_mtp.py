@@ -280,13 +280,31 @@ async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path], 
         for i in range(4):
             await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 64)
         policy = await _policy(client, url)
-    print(policy)
     assert (policy["state"], policy["verdict"]) == ("settled", verdict)
     assert policy["mtp_enabled"] is (verdict == "enable")
     if verdict == "enable":
         assert policy["acceptance_rate"] == 1.0 and policy["estimated_speedup"] >= 1.4  # type: ignore[operator]
     else:
         assert policy["estimated_speedup"] <= 1.0  # type: ignore[operator]
+
+
+@pytest.mark.slow
+async def test_answers_too_short_to_time_classic_decode_are_not_samples(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verdict is never settled from rounds alone: the static gate must not pass for a measurement."""
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    monkeypatch.setenv("MLXCEL_MTP_PROFILE_SAMPLES", "2")
+    async with running_server(["--model", str(mtp_models["aligned"]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=120) as client:
+        for i in range(4):  # a round, then the last token: no room for the three timed classic steps
+            timings = (await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 3))["timings"]
+            assert timings["draft_rounds"] >= 1  # type: ignore[index]  # the burst ran
+        short = await _policy(client, url)
+        for i in range(2):
+            await _complete(client, url, f"{PROMPTS[i]} # long {i}", 40)
+        settled = await _policy(client, url)
+    assert (short["state"], short["samples"], short["samples_remaining"]) == ("profiling", 0, 2)
+    assert (settled["state"], settled["samples"]) == ("settled", 2)
 
 
 @pytest.mark.slow
