@@ -4,8 +4,8 @@ Importing this package does not import mlx; the worker imports it on its own thr
 """
 
 from .engine import Engine, EngineUnavailable, QueueFull
+from .messages import WorkerSettings
 from .requests import Event, Finish, GenerationRequest, SamplingParams, TextDelta, Timings
-from .worker import WorkerSettings
 
 __all__ = [
     "Engine",

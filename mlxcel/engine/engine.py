@@ -13,8 +13,9 @@ import trio
 
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
+from .messages import Cancel, LoadCancelled, Message, Stop, Submit, WorkerSettings
 from .requests import Event, Finish, GenerationRequest
-from .worker import Cancel, LoadCancelled, Message, Stop, Submit, Worker, WorkerSettings
+from .worker import Worker
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .requests import FinishReason, GenerationRequest, TextDelta
+from .requests import BurstStats, Finish, FinishReason, GenerationRequest, TextDelta, Timings
 from .text import StopStringFilter
 
 
@@ -67,3 +67,18 @@ class SequenceOutput:
         self._tokens.clear()
         self._logprobs.clear()
         return delta
+
+    def finish(self, reason: FinishReason, admitted: float, cached: int, burst: BurstStats | None,
+               error: str | None = None) -> Finish:
+        """The request's last event: why it ended, its usage, and its timings in llama.cpp's names."""
+        now = time.perf_counter()
+        first = self.first_token_at or now
+        prompt = len(self.request.prompt_tokens)
+        return Finish(
+            reason=reason, prompt_tokens=prompt, completion_tokens=self.generated,
+            timings=Timings(
+                prompt_n=prompt - cached, prompt_ms=(first - admitted) * 1000, predicted_n=self.generated,
+                predicted_ms=(now - first) * 1000, cached_n=cached,
+                draft_n=burst.proposed if burst else 0, draft_n_accepted=burst.accepted if burst else 0,
+                draft_rounds=burst.rounds if burst else 0),
+            error=error)

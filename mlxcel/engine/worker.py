@@ -18,19 +18,19 @@ import logging
 import queue
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
 
 from ..hardware import detect_host
-from ..models.drafters import DrafterSpec
 from ..models.loader import CheckpointInfo, load_checkpoint
 from ..observability import ModelLimits, Observability, SlotState
-from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy, PolicySettings
+from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy
+from .batch import ContinuousBatch, batchable
+from .messages import LoadCancelled, Message, Stop, Submit, WorkerSettings
 from .output import SequenceOutput
-from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest, Timings
+from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
     from .solo import SoloDecoder
@@ -43,55 +43,9 @@ IDLE_POLL_SECONDS = 0.05
 #: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
 CANCEL_CHECK_TOKENS = 16
 
-#: ``fault_hook(point, request)`` is called at these points (tests raise there to check isolation).
-FAULT_POINTS = ("prefill", "solo_step", "verify", "sampler", "batch_step")
-FaultHook = Callable[[str, GenerationRequest], None]
-
-
-class LoadCancelled(Exception):
-    """The server was stopped while the model was loading."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSettings:
-    parallel: int = 4
-    """Sequences that decode together (1 with ``--no-batch``)."""
-    batch: bool = True
-    """False: the legacy single-sequence worker, which has no MTP path."""
-    prefix_cache_entries: int = 8
-    prefill_step_size: int = 512
-    policy: PolicySettings = field(default_factory=PolicySettings)
-    cache_root: Path | None = None
-    """Where persisted policy hints live, or None to keep verdicts in memory."""
-    drafter: DrafterSpec | None = None
-    """The MTP drafter (``--mtp`` / ``--draft-model``), or None: no MTP dispatch."""
-    block_size: int = 4
-    """K, the verify width of a speculative round (K-1 drafts)."""
-    fault_hook: FaultHook | None = field(default=None, compare=False)
-    """Tests only: called at each of :data:`FAULT_POINTS`; an exception it raises is a fault there."""
-
-
-@dataclass(frozen=True, slots=True)
-class Submit:
-    request: GenerationRequest
-
-
-@dataclass(frozen=True, slots=True)
-class Cancel:
-    request_id: str
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    reason: str = "server shutting down"
-
-
-Message = Submit | Cancel | Stop
-
-
 @dataclass
 class _Sequence:
-    """A request the worker is serving: waiting (``prompt_state``), alone (``solo``) or batched (``uid``)."""
+    """A request the worker is serving: waiting (``prompt_state``), alone (``solo``) or in the batch."""
 
     request: GenerationRequest
     output: SequenceOutput
@@ -99,7 +53,6 @@ class _Sequence:
     admitted: float
     cached: int
     """Prompt tokens reused from the prefix cache."""
-    uid: int | None = None
     solo: SoloDecoder | None = None
     prompt_state: tuple[Any, list[int], list[int]] | None = None
     """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
@@ -131,12 +84,10 @@ class Worker:
         self.stream: Any = None
         self.eos_tokens: frozenset[int] = frozenset()
         self.speculation: Speculation | None = None
-        self.generator: Any = None  # mlx-lm's BatchGenerator (continuous batching), if batching
+        self.batch: ContinuousBatch[_Sequence] | None = None  # when batching
         self.prefix: Any = None
-        self._batching = False
         self._parallel = 1
         self._sequences: dict[str, _Sequence] = {}
-        self._by_uid: dict[int, _Sequence] = {}
 
     # -- the thread -------------------------------------------------------------
 
@@ -150,8 +101,8 @@ class Worker:
             self._loop()
         finally:
             self.policy.on_worker_lost()
-            if self.generator is not None:
-                self.generator.close()
+            if self.batch is not None:
+                self.batch.close()
 
     def _check_stopping(self) -> None:
         if self._stopping():
@@ -179,12 +130,14 @@ class Worker:
         self._check_stopping()
         # Batching needs caches that merge; without it (or with --no-batch) sequences
         # decode solo, one at a time, first come first served.
-        self._batching = self.settings.batch and self.settings.parallel > 1 and _batchable(self.model)
-        if self.settings.batch and not self._batching and self.settings.parallel > 1:
+        batching = self.settings.batch and self.settings.parallel > 1 and batchable(self.model)
+        if self.settings.batch and not batching and self.settings.parallel > 1:
             logger.warning("%s keeps caches that cannot be merged into a batch: serving one sequence "
                            "at a time", self.checkpoint.name)
-        self._parallel = self.settings.parallel if self._batching else 1
-        self.generator = self._new_batch_generator() if self._batching else None
+        self._parallel = self.settings.parallel if batching else 1
+        if batching:
+            self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
+                                         self.settings.prefill_step_size, self.stream)
         self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
         self._publish_load()
         speculation = self.speculation
@@ -197,13 +150,6 @@ class Worker:
         self.observability.limits = ModelLimits(vocab_size=vocab, embedding_size=vocab,
                                                 context_length=self.checkpoint.context_length)
         self._on_ready(self.tokenizer)
-
-    def _new_batch_generator(self) -> Any:
-        from mlx_lm.generate import BatchGenerator
-
-        return BatchGenerator(self.model, stop_tokens=[[t] for t in sorted(self.eos_tokens)],
-                              completion_batch_size=self._parallel, prefill_batch_size=self._parallel,
-                              prefill_step_size=self.settings.prefill_step_size, stream=self.stream)
 
     def _fault(self, point: str, request: GenerationRequest) -> None:
         if self.settings.fault_hook is not None:
@@ -226,13 +172,12 @@ class Worker:
                     self._advance_solo(solo)
                 except Exception as exc:
                     self._fail([solo], exc)
-            elif self._sequences:
+            elif self._sequences and self.batch is not None:
                 try:
-                    self._batch_step()
+                    self._batch_step(self.batch)
                 except Exception as exc:
-                    self._fail([s for s in self._sequences.values() if s.uid is not None], exc)
-                    self.generator.close()
-                    self.generator = self._new_batch_generator()
+                    self._fail(self.batch.sequences, exc)
+                    self.batch.rebuild()
 
     def _fail(self, sequences: list[_Sequence], exc: Exception) -> None:
         """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
@@ -248,10 +193,10 @@ class Worker:
     def _solo_candidate(self) -> _Sequence | None:
         """The sequence to decode alone now, if any: batching, the only one if it started alone;
         not batching, the oldest (its prompt is prefilled when its turn comes)."""
-        if not self._sequences or (self._batching and len(self._sequences) != 1):
+        if not self._sequences or (self.batch is not None and len(self._sequences) != 1):
             return None
         sequence = next(iter(self._sequences.values()))
-        return None if sequence.uid is not None else sequence
+        return None if self.batch is not None and sequence in self.batch else sequence
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every message waiting (waiting a little if *block*); False on Stop."""
@@ -296,10 +241,10 @@ class Worker:
         from .sampling import make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
-        batch = self._batching and not alone
+        batch = self.batch is not None and not alone
         if batch:
             for sequence in list(self._sequences.values()):
-                if sequence.uid is None:
+                if sequence not in self.batch:  # type: ignore[operator]
                     try:
                         self._into_batch(sequence)
                     except Exception as exc:
@@ -329,11 +274,9 @@ class Worker:
         self.observability.cache = self.prefix.stats()
 
     def _insert(self, sequence: _Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
-        (sequence.uid,) = self.generator.insert([tokens], max_tokens=[max_tokens],
-                                                caches=[cache] if cache is not None else None,
-                                                all_tokens=[cached], samplers=[sequence.sampler])
+        assert self.batch is not None
+        self.batch.insert(sequence, tokens, cache, cached, max_tokens, sequence.sampler)
         sequence.ever_batched = True
-        self._by_uid[sequence.uid] = sequence
 
     def _into_batch(self, sequence: _Sequence) -> None:
         """Hand a parked solo sequence (prefilled, part-prefilled or not started) to the batch."""
@@ -463,16 +406,12 @@ class Worker:
         self.observability.cache = self.prefix.stats()
         self._publish_load()
 
-    def _batch_step(self) -> None:
-        for batched in self._by_uid.values():
-            self._fault("batch_step", batched.request)
-        _, responses = self.generator.next()
+    def _batch_step(self, batch: ContinuousBatch[_Sequence]) -> None:
+        for sequence in batch.sequences:
+            self._fault("batch_step", sequence.request)
         events: list[tuple[str, Event]] = []
         finished: list[tuple[_Sequence, Any]] = []
-        for response in responses:
-            sequence = self._by_uid.get(response.uid)
-            if sequence is None:
-                continue
+        for sequence, response in batch.step():
             delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
             self.observability.generated_tokens.inc()
             if delta is not None:
@@ -480,14 +419,12 @@ class Worker:
             if sequence.output.finish_reason is not None:
                 finished.append((sequence, response))
         if finished:
-            # Sequences stopped by a stop string are still in the batch: take them out with their caches.
-            still_batched = [s.uid for s, r in finished if r.finish_reason is None]
-            caches = self.generator.remove(still_batched, return_prompt_caches=True) if still_batched else {}
-            for sequence, response in finished:
-                cache, tokens = caches.get(sequence.uid, (response.prompt_cache, response.all_tokens))
+            kept = batch.take_out(finished)
+            for sequence, _ in finished:
+                cache, tokens = kept[id(sequence)]
                 if cache is not None and tokens:
                     self.prefix.store(tokens, cache)
-                self._forget(sequence, removed=True)
+                self._forget(sequence)
                 assert sequence.output.finish_reason is not None
                 events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
             self.observability.cache = self.prefix.stats()
@@ -495,32 +432,15 @@ class Worker:
         if events:
             self._deliver(events)
 
-    def _forget(self, sequence: _Sequence, removed: bool = False) -> None:
-        """Drop *sequence* from the worker (and from the batch unless the batch *removed* it already)."""
+    def _forget(self, sequence: _Sequence) -> None:
+        """Drop *sequence* from the worker, and from the batch if it is still there."""
         self._sequences.pop(sequence.request.id, None)
-        if sequence.uid is not None:
-            if self._by_uid.pop(sequence.uid, None) is not None and not removed:
-                try:
-                    self.generator.remove([sequence.uid])
-                except Exception:  # a broken batch is rebuilt by the caller
-                    logger.debug("could not remove %s from the batch", sequence.request.id, exc_info=True)
-            sequence.uid = None
+        if self.batch is not None:
+            self.batch.discard(sequence)
         sequence.solo = None
 
     def _finish(self, sequence: _Sequence, reason: FinishReason, error: str | None = None) -> Finish:
-        now = time.perf_counter()
-        output = sequence.output
-        first = output.first_token_at or now
-        burst = sequence.burst
-        prompt = len(sequence.request.prompt_tokens)
-        return Finish(
-            reason=reason, prompt_tokens=prompt, completion_tokens=output.generated,
-            timings=Timings(
-                prompt_n=prompt - sequence.cached, prompt_ms=(first - sequence.admitted) * 1000,
-                predicted_n=output.generated, predicted_ms=(now - first) * 1000, cached_n=sequence.cached,
-                draft_n=burst.proposed if burst else 0, draft_n_accepted=burst.accepted if burst else 0,
-                draft_rounds=burst.rounds if burst else 0),
-            error=error)
+        return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error)
 
     def _publish_load(self) -> None:
         """Slots, batch size and queue depth. Sequences are served in admission order, so
@@ -534,9 +454,3 @@ class Worker:
         self.observability.batch_size.set(len(serving))
         self.observability.queue_depth.set(len(self._sequences) - len(serving))
 
-
-def _batchable(model: Any) -> bool:
-    """Whether every cache of *model* can be merged into a batch (mlx-lm's own test)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    return all(hasattr(cache, "merge") for cache in make_prompt_cache(model))

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from mlxcel.cli import build_parser
-from mlxcel.engine.worker import FaultHook
+from mlxcel.engine.messages import FaultHook
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
 from tests.checkpoints import FAMILIES, build_checkpoint

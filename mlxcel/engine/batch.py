@@ -1,0 +1,99 @@
+"""Continuous batching: mlx-lm's ``BatchGenerator``, keyed by the worker's own sequences.
+
+Worker thread only. mlx-lm does the scheduling (prefill and decode batches,
+stop tokens, per-sequence samplers and caches); this wrapper maps its uids to
+whatever the worker tracks, and rebuilds the generator when a step failed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class ContinuousBatch(Generic[T]):
+    """The batch: sequences (of any type *T*) decoding together, one ``step`` at a time."""
+
+    def __init__(self, model: Any, eos_tokens: frozenset[int], parallel: int, prefill_step_size: int,
+                 stream: Any) -> None:
+        self._make: Callable[[], Any] = lambda: _generator(model, eos_tokens, parallel, prefill_step_size, stream)
+        self._generator = self._make()
+        self._by_uid: dict[int, T] = {}
+        self._uids: dict[int, int] = {}  # id(sequence) -> uid
+
+    def __contains__(self, sequence: T) -> bool:
+        return id(sequence) in self._uids
+
+    @property
+    def sequences(self) -> list[T]:
+        return list(self._by_uid.values())
+
+    def insert(self, sequence: T, tokens: list[int], cache: list[Any] | None, cached: list[int],
+               max_tokens: int, sampler: Any) -> None:
+        """Add *sequence*: *tokens* still to feed on top of *cache* (holding *cached*), or a fresh prompt."""
+        (uid,) = self._generator.insert([tokens], max_tokens=[max_tokens],
+                                        caches=[cache] if cache is not None else None,
+                                        all_tokens=[cached], samplers=[sampler])
+        self._by_uid[uid] = sequence
+        self._uids[id(sequence)] = uid
+
+    def step(self) -> list[tuple[T, Any]]:
+        """One decode step: (sequence, mlx-lm's response) for every sequence that produced a token."""
+        _, responses = self._generator.next()
+        return [(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid]
+
+    def take_out(self, finished: list[tuple[T, Any]]) -> dict[int, tuple[Any, list[int]]]:
+        """Remove *finished* sequences; the (cache, tokens) of each, by ``id(sequence)``, to keep.
+
+        A sequence mlx-lm finished itself (a stop token, max_tokens) left the
+        batch already and its response carries its cache; one the worker
+        ended (a stop string) is taken out here with its cache.
+        """
+        still = [(s, self._uids[id(s)]) for s, r in finished if r.finish_reason is None]
+        removed = self._generator.remove([uid for _, uid in still], return_prompt_caches=True) if still else {}
+        kept = {}
+        for sequence, response in finished:
+            uid = self._uids.pop(id(sequence))
+            self._by_uid.pop(uid, None)
+            kept[id(sequence)] = removed.get(uid, (response.prompt_cache, response.all_tokens))
+        return kept
+
+    def discard(self, sequence: T) -> None:
+        """Take *sequence* out without keeping anything (cancelled, failed)."""
+        uid = self._uids.pop(id(sequence), None)
+        if uid is None:
+            return
+        self._by_uid.pop(uid, None)
+        try:
+            self._generator.remove([uid])
+        except Exception:  # a broken generator is rebuilt by the worker anyway
+            logger.debug("could not remove a sequence from the batch", exc_info=True)
+
+    def rebuild(self) -> None:
+        """After a failed step: forget every sequence and start a fresh generator."""
+        self.close()
+        self._by_uid.clear()
+        self._uids.clear()
+        self._generator = self._make()
+
+    def close(self) -> None:
+        self._generator.close()
+
+
+def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_step_size: int, stream: Any) -> Any:
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel,
+                          prefill_batch_size=parallel, prefill_step_size=prefill_step_size, stream=stream)
+
+
+def batchable(model: Any) -> bool:
+    """Whether every cache of *model* can be merged into a batch (mlx-lm's own test)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return all(hasattr(cache, "merge") for cache in make_prompt_cache(model))

@@ -1,0 +1,56 @@
+"""What the worker is configured with and what it is sent: plain data, no mlx."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..models.drafters import DrafterSpec
+from ..policy import PolicySettings
+from .requests import GenerationRequest
+
+#: ``fault_hook(point, request)`` is called at these points (tests raise there to check isolation).
+FAULT_POINTS = ("prefill", "solo_step", "verify", "sampler", "batch_step")
+FaultHook = Callable[[str, GenerationRequest], None]
+
+
+class LoadCancelled(Exception):
+    """The server was stopped while the model was loading."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    parallel: int = 4
+    """Sequences that decode together (1 with ``--no-batch``)."""
+    batch: bool = True
+    """False: the legacy single-sequence worker, which has no MTP path."""
+    prefix_cache_entries: int = 8
+    prefill_step_size: int = 512
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    cache_root: Path | None = None
+    """Where persisted policy hints live, or None to keep verdicts in memory."""
+    drafter: DrafterSpec | None = None
+    """The MTP drafter (``--mtp`` / ``--draft-model``), or None: no MTP dispatch."""
+    block_size: int = 4
+    """K, the verify width of a speculative round (K-1 drafts)."""
+    fault_hook: FaultHook | None = field(default=None, compare=False)
+    """Tests only: called at each of :data:`FAULT_POINTS`; an exception it raises is a fault there."""
+
+
+@dataclass(frozen=True, slots=True)
+class Submit:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    reason: str = "server shutting down"
+
+
+Message = Submit | Cancel | Stop
