@@ -39,7 +39,9 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
         return (remaining > 1 and solo.can_draft and not sample_due() and not mail()
                 and output.eos_tokens.isdisjoint(tokens))
 
-    tokens: list[int] = []
+    def handle(token: int) -> bool:
+        return emit([token])
+
     while True:
         if not solo.round_in_flight:
             if mail():
@@ -47,15 +49,17 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
             trio.from_thread.check_cancelled()
             remaining = output.remaining
             if sample_due() and remaining >= CLASSIC_SAMPLE_STEPS:
-                tokens = solo.classic_steps(CLASSIC_SAMPLE_STEPS, timed=True)
-            elif round_next(remaining, []):
-                solo.start_round(min(block_size, remaining))
-            else:  # the last token, nothing to draft from yet, or a sample due too close to the end
-                tokens = solo.classic_steps(1, timed=False)
-        if solo.round_in_flight:
-            tokens = solo.finish_round()
-            left = output.remaining - len(tokens)
-            if round_next(left, tokens):
-                solo.start_round(min(block_size, left))
+                if solo.classic_steps(CLASSIC_SAMPLE_STEPS, True, handle):
+                    return
+                continue
+            if not round_next(remaining, []):  # the last token, nothing to draft from yet, a sample too late
+                if solo.classic_steps(1, False, handle):
+                    return
+                continue
+            solo.start_round(min(block_size, remaining))
+        tokens = solo.finish_round()
+        left = output.remaining - len(tokens)
+        if round_next(left, tokens):
+            solo.start_round(min(block_size, left))
         if emit(tokens):
             return

@@ -144,25 +144,30 @@ class SoloDecoder:
             self.pending = [token]
         return token, logprobs
 
-    def classic_steps(self, count: int, timed: bool) -> list[int]:
-        """*count* pipelined classic steps from the parked state, parking after the last.
+    def classic_steps(self, count: int, timed: bool, handle: Callable[[int], bool]) -> bool:
+        """Up to *count* pipelined classic steps from the parked state; True if *handle* finished the sequence.
 
-        *timed*: the steady-state time of a step (from the first token read back
-        to the last; the first step's dispatch latency is not classic decode's
-        rate) goes into the burst's statistics as one classic sample.
+        Each token goes to *handle* as soon as it is read back, while the next
+        step runs, exactly as classic decode handles its tokens. *timed*: the
+        time of the *count* steps, from the first dispatch to the last token
+        handled, goes into the burst's statistics as one classic sample. (Not
+        from the first token read back: MLX's read-back waits for the whole
+        stream on some backends, the step queued behind included, so intervals
+        between read-backs do not count steps reliably; the span from the
+        first dispatch always holds exactly *count* of them.)
         """
+        started = time.perf_counter()
         self.resume()
-        tokens, stamps = [], []
         for index in range(count):
             token, _ = self.emit(feed_next=index < count - 1)
-            tokens.append(token)
-            stamps.append(time.perf_counter())
-        if timed and count > 1 and self.burst is not None:
+            if handle(token):
+                return True  # a step may still be in flight: the sequence is done with this cache
+        if timed and self.burst is not None:
             stats = self.burst.stats
-            stats.classic_steps += count - 1
-            stats.classic_seconds += stamps[-1] - stamps[0]
+            stats.classic_steps += count
+            stats.classic_seconds += time.perf_counter() - started
             stats.classic_samples += 1
-        return tokens
+        return False
 
     # -- rounds ---------------------------------------------------------------------
 

@@ -45,7 +45,8 @@ def test_a_round_with_the_whole_prompt_cached_starts_with_a_classic_step(pairing
     burst = Burst(speculative_target("qwen3_5", model), head.new_sequence(), "half", None)
     solo = SoloDecoder(model, stream, None, cache, prompt[:-1], prompt[-1:], burst)
     assert solo.prefilled and not solo.can_draft  # so the burst starts with a classic step
-    first = solo.classic_steps(1, timed=False)
+    first: list[int] = []
+    assert not solo.classic_steps(1, False, lambda token: first.append(token) is not None)
     assert solo.can_draft  # which gave the head its state
     solo.start_round(4)
     second = solo.finish_round()
@@ -65,12 +66,13 @@ def test_prefill_goes_chunk_by_chunk_and_the_head_catches_up_with_it(pairing: tu
         chunks += 1
         assert len(solo.tokens_in_cache) == min(5 * chunks, len(prompt) - 1)
     assert chunks == 5 and solo.next_input == prompt[-1] and solo.can_draft
-    tokens = solo.classic_steps(3, timed=True)
+    tokens: list[int] = []
+    assert not solo.classic_steps(3, True, lambda token: tokens.append(token) is not None)
     while len(tokens) < 12:
         solo.start_round(3)
         tokens += solo.finish_round()
     assert tokens[:12] == _greedy(model, prompt, 12)
-    assert burst.stats.classic_samples == 1 and burst.stats.classic_steps == 2  # two timed intervals
+    assert burst.stats.classic_samples == 1 and burst.stats.classic_steps == 3
 
 
 def test_classic_steps_without_a_drafter_are_the_models_own_forward(pairing: tuple[Any, DraftHead]) -> None:
@@ -79,5 +81,7 @@ def test_classic_steps_without_a_drafter_are_the_models_own_forward(pairing: tup
     solo = SoloDecoder(model, mx.default_stream(mx.default_device()), None, make_prompt_cache(model), [],
                        list(prompt))
     solo.prefill_chunk(512)
-    assert solo.classic_steps(6, timed=False) == _greedy(model, prompt, 6)
+    tokens: list[int] = []
+    assert not solo.classic_steps(6, False, lambda token: tokens.append(token) is not None)
+    assert tokens == _greedy(model, prompt, 6)
     assert solo.parked and solo.tokens_in_cache == prompt + solo.tokens_in_cache[len(prompt):]

@@ -271,21 +271,31 @@ async def test_probe_retries_with_half_width_verify(mtp_models: dict[str, Path],
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("drafter", "verdict"), [("random", "decline"), ("aligned", "enable")])
-async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                                   drafter: str, verdict: str) -> None:
+async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both pairings settle on what was measured here. Whether the always-right head pays off on
+    this CPU is the machine's business (docs/benchmarks.md); that a never-right head cannot is not."""
+    from mlxcel.policy.estimator import DECLINE_AT_OR_BELOW, ENABLE_AT_OR_ABOVE
+
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
-    async with running_server(["--model", str(mtp_models[drafter]), "--mtp"]) as url, \
-            httpx.AsyncClient(timeout=120) as client:
-        for i in range(4):
-            await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 64)
-        policy = await _policy(client, url)
-    assert (policy["state"], policy["verdict"]) == ("settled", verdict)
-    assert policy["mtp_enabled"] is (verdict == "enable")
-    if verdict == "enable":
-        assert policy["acceptance_rate"] == 1.0 and policy["estimated_speedup"] >= 1.4  # type: ignore[operator]
-    else:
-        assert policy["estimated_speedup"] <= 1.0  # type: ignore[operator]
+    policies = {}
+    for drafter in ("random", "aligned"):
+        async with running_server(["--model", str(mtp_models[drafter]), "--mtp"]) as url, \
+                httpx.AsyncClient(timeout=120) as client:
+            for i in range(4):
+                await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 64)
+            policies[drafter] = await _policy(client, url)
+    random, aligned = policies["random"], policies["aligned"]
+    assert (random["state"], random["verdict"], random["mtp_enabled"]) == ("settled", "decline", False)
+    assert random["acceptance_rate"] == 0.0 and random["estimated_speedup"] <= 1.0  # type: ignore[operator]
+    assert (aligned["state"], aligned["samples"], aligned["acceptance_rate"]) == ("settled", 4, 1.0)
+    # Two tokens a round instead of one, for the same work: at least 1.5x the random head's estimate.
+    assert aligned["estimated_speedup"] >= 1.5 * random["estimated_speedup"]  # type: ignore[operator]
+    estimate = aligned["estimated_speedup"]
+    assert isinstance(estimate, float)
+    if estimate >= ENABLE_AT_OR_ABOVE or estimate <= DECLINE_AT_OR_BELOW:
+        assert aligned["verdict"] == ("enable" if estimate >= ENABLE_AT_OR_ABOVE else "decline")
+    assert aligned["mtp_enabled"] is (aligned["verdict"] == "enable")
 
 
 @pytest.mark.slow
