@@ -18,6 +18,10 @@ from mlxcel.policy import HintStore, HostInfo, PairingKey  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "mtp-policy-v1.schema.json").read_text())
+jsonschema.Draft202012Validator.check_schema(SCHEMA)
+# Built once: jsonschema.validate re-checks the schema itself on every call,
+# which dominated the property tests' time.
+_WIRE_VALIDATOR = jsonschema.Draft202012Validator(SCHEMA)
 
 APPLE_M5 = HostInfo(label="M5-16c", gpu_vendor="Apple", gpu_device="Apple M5",
                     gpu_architecture="applegpu_g17p", static_mtp_gate=True)
@@ -27,7 +31,7 @@ LINUX_CPU = HostInfo(label="cpu-openblas-x86_64-Unknown-0c", gpu_vendor="Unknown
 
 def validate_wire(body: dict[str, Any]) -> None:
     """Fail unless *body* conforms to the published schema-v1 JSON Schema."""
-    jsonschema.validate(body, SCHEMA, cls=jsonschema.Draft202012Validator)
+    _WIRE_VALIDATOR.validate(body)
 
 
 @pytest.fixture
