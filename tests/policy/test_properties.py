@@ -6,6 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,6 +166,12 @@ def run_sequence(settings_: PolicySettings, sequence: list[tuple[str, Any]]) -> 
         for kind, data in sequence:
             if kind == "ready":
                 if policy.snapshot.reason != "worker_not_ready":
+                    # A second ready is refused before anything changes (D14).
+                    before, count = policy.snapshot, len(published)
+                    with pytest.raises(RuntimeError, match="already ready"):
+                        policy.on_worker_ready(data)
+                    assert policy.snapshot is before and len(published) == count
+                    reference.check(policy)
                     policy.on_worker_lost()
                     reference.lost()
                 policy.on_worker_ready(data)
