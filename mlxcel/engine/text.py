@@ -74,7 +74,9 @@ class StopStringFilter:
     - the stop string itself is never emitted. Empty stop strings are ignored.
 
     Each character of text costs amortised O(number of stop strings); a
-    single `feed` costs at most O(total stop length + its text length).
+    single `feed` of m characters costs at most O(total stop length + m x the
+    number of stop strings), the first term being the matchers falling back
+    and the held text copied once.
     """
 
     def __init__(self, stops: tuple[str, ...]) -> None:

@@ -150,9 +150,9 @@ def test_long_stop_strings_cost_linear_work() -> None:
     """Four stop strings of 200 k characters, and 2 000 tokens that keep matching their prefix.
 
     The quadratic hold-back this replaced took about 0.2 s per token for ONE
-    such stop string (hours here). The filter's work is linear in the text fed,
-    well under a second on a loaded two-core machine; the bound is generous,
-    CPU time of this process, so other processes do not count.
+    such stop string (about half an hour for this test). The filter's work is
+    linear in the text fed: about a second on a loaded two-core machine. The
+    bound is generous, in CPU time of this process, so other processes do not count.
     """
     length = 200_000
     stops = tuple("a" * (length - 1) + chr(ord("b") + i) for i in range(4))
