@@ -166,6 +166,10 @@ def _validate(body: Any, key: PairingKey) -> str | None:
         return "it is not a JSON object"
     if body.get("version") != HINT_VERSION:
         return f"its version is {body.get('version')!r}, this server writes {HINT_VERSION}"
+    # Any unknown or missing field makes the file foreign. That is safe only
+    # because HINT_VERSION gates every format change: a release that adds a
+    # field must bump it (older servers then re-profile instead of reading a
+    # hint they half understand), never add the field at the same version.
     if set(body) != set(_FIELDS):
         return "its fields are not those of a hint"
     stored = (body["target"], body["drafter"], body["hardware"], body["block_size"])

@@ -103,7 +103,21 @@ class MtpPolicy:
     # -- events -----------------------------------------------------------
 
     def on_worker_ready(self, facts: BootFacts) -> MtpPolicySnapshot:
-        """Resolve the boot state from *facts*, first matching precedence row wins."""
+        """Resolve the boot state from *facts*, first matching precedence row wins.
+
+        Legal only while no worker is ready (``unavailable/worker_not_ready``):
+        the statechart has no arrow from a resolved state back through
+        ``resolve``. A worker that reloads calls :meth:`on_worker_lost` first,
+        so readers see that nothing is known meanwhile.
+
+        Raises:
+            RuntimeError: a worker is already ready. Checked before anything
+                changes: the policy, its snapshot and the published one stay as
+                they were.
+        """
+        if self.state != sc.INITIAL:
+            raise RuntimeError(f"MtpPolicy.on_worker_ready in state {self.state!r}: a worker is already "
+                               "ready; call on_worker_lost first")
         self._facts = facts
         self._window.clear()
         self._verdict = None

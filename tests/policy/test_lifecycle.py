@@ -111,6 +111,27 @@ def test_worker_loss_returns_to_not_ready_and_resolves_again(cache_root: Path, p
     assert policy.on_worker_lost() == policy.snapshot
 
 
+@pytest.mark.parametrize("second", [None, "same"])
+def test_a_second_ready_is_refused_and_changes_nothing(cache_root: Path, pairing: PairingKey,
+                                                       second: str | None) -> None:
+    published: list[MtpPolicySnapshot] = []
+    policy = _profiling(cache_root, pairing, published, samples_required=2)
+    policy.on_sample(sample(speedup=2.0))
+    before, count = policy.snapshot, len(published)
+    facts = BootFacts(host=LINUX_CPU, pairing=pairing if second else None)
+    with pytest.raises(RuntimeError, match="already ready; call on_worker_lost first"):
+        policy.on_worker_ready(facts)
+    # Nothing moved: not the state, not the snapshot, nothing published, not the window.
+    assert policy.state == "profiling" and policy.snapshot is before and len(published) == count
+    assert (before.target, before.gpu_vendor, before.samples) == (pairing.target, "Apple", 1)
+    policy.on_sample(sample(speedup=2.0))
+    assert (policy.snapshot.state, policy.snapshot.samples) == ("settled", 2)
+    # The documented way to re-resolve: lose the worker, then ready again.
+    policy.on_worker_lost()
+    policy.on_worker_ready(facts)
+    assert policy.snapshot.state == ("settled" if second else "unavailable")
+
+
 def test_unwritable_cache_keeps_the_verdict_in_memory(tmp_path: Path, pairing: PairingKey,
                                                       caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "not-a-directory"

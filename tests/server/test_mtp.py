@@ -225,7 +225,7 @@ async def test_sampled_requests_burst_and_logprob_requests_run_classic_decode(
         assert last["timings"]["draft_n"] >= last["timings"]["draft_n_accepted"]
 
 
-@pytest.mark.skipif(not OPENBLAS, reason="the inexact pairing needs OpenBLAS (CI installs it)")
+@pytest.mark.requires_openblas  # the inexact pairing needs it; CI requires it
 async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
     """A genuinely inexact pairing: OpenBLAS multiplies 4+ rows with another kernel than 1-3 rows, so an
@@ -258,7 +258,7 @@ async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkey
     assert any("byte identity is forfeited" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.skipif(not OPENBLAS, reason="the retry path needs OpenBLAS (CI installs it)")
+@pytest.mark.requires_openblas  # the retry path needs it; CI requires it
 async def test_probe_retries_with_half_width_verify(mtp_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "4")
