@@ -16,16 +16,28 @@ top-p, a filter ignored) give p-values below 1e-8 at these sample sizes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.sample_utils import apply_top_k, apply_top_p, make_sampler
 
-try:  # the engine rewrite moves the samplers to their own module
-    from mlxcel.engine.sampling import SpeculativeSampler
-except ImportError:
-    from mlxcel.engine.mtp import SpeculativeSampler
+from mlxcel.engine.requests import SamplingParams
+from mlxcel.engine.sampling import SamplingChain, SpeculativeSampler
+
+
+def speculative(temperature: float, top_p: float, top_k: int,
+                seed: int) -> Callable[[mx.array, list[int]], tuple[int, int]]:
+    """The burst's acceptance rule for one request, read back as (accepted drafts, last token)."""
+    sampler = SpeculativeSampler(SamplingChain(SamplingParams(temperature, top_p, top_k, seed)))
+
+    def draw(logits: mx.array, drafts: list[int]) -> tuple[int, int]:
+        accepted, token = sampler(logits, mx.array(drafts, dtype=mx.int32))
+        return int(accepted.item()), int(token.item())  # type: ignore[arg-type]
+
+    return draw
+
 
 TRIALS = 4000
 VOCAB = 8
@@ -138,12 +150,15 @@ def test_the_oracle_is_what_classic_decoding_samples(temperature: float, top_p: 
     masked = apply_top_p(logp, top_p) if 0 < top_p < 1 else logp
     masked = apply_top_k(masked, top_k) if top_k else masked
     np.testing.assert_array_equal(np.isfinite(np.array(masked)), probs > 0)
-    # And make_sampler's draws follow it (one call draws a token for each of TRIALS copies).
+    # And mlx-lm's make_sampler, and mlxcel's own chain (which classic decode, solo and batched,
+    # samples with), draw from it (one call draws a token for each of TRIALS copies).
     mx.random.seed(3)
-    sampler = make_sampler(temp=temperature, top_p=top_p, top_k=top_k)
-    for row in range(len(logits)):
-        tokens = np.array(sampler(mx.broadcast_to(logp[row], (TRIALS, VOCAB))))
-        assert_follows(np.bincount(tokens, minlength=VOCAB), probs[row], f"make_sampler row {row}")
+    chain = SamplingChain(SamplingParams(temperature, top_p, top_k, seed=5))
+    for name, sampler in (("make_sampler", make_sampler(temp=temperature, top_p=top_p, top_k=top_k)),
+                          ("SamplingChain", chain)):
+        for row in range(len(logits)):
+            tokens = np.array(sampler(mx.broadcast_to(logp[row], (TRIALS, VOCAB))))
+            assert_follows(np.bincount(tokens, minlength=VOCAB), probs[row], f"{name} row {row}")
 
 
 def _drafts(probs: np.ndarray, kind: str) -> list[int]:
@@ -168,7 +183,7 @@ def test_every_emitted_token_follows_classic_decoding(temperature: float, top_p:
     logits = _logits(0, 3)  # K = 3: two drafts and the bonus position
     probs = classic_distribution(logits, temperature, top_p, top_k)
     drafts = _drafts(probs, kind)
-    sampler = SpeculativeSampler(temperature, top_p, top_k, seed=11)
+    sampler = speculative(temperature, top_p, top_k, seed=11)
     rounds = [sampler(mx.array(logits), drafts) for _ in range(TRIALS)]
 
     for accepted, token in rounds:
@@ -199,10 +214,19 @@ def test_seeded_sampling_is_reproducible_and_the_seed_matters() -> None:
     logits = mx.array(_logits(1, 4))
 
     def run(seed: int) -> list[tuple[int, int]]:
-        sampler = SpeculativeSampler(1.0, 0.9, 0, seed=seed)
+        sampler = speculative(1.0, 0.9, 0, seed=seed)
         return [sampler(logits, [1, 2, 3]) for _ in range(50)]
 
     first, again, other = run(5), run(5), run(6)
     assert first == again
     assert first != other
     assert len(set(first)) > 1  # the rounds advance the key: not one draw repeated
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    # mlx-lm's apply_top_k raises for top_k >= vocab; the chain treats it as no filter (it is one).
+    logits = _logits(2, 1)
+    logp = mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True)
+    chain = SamplingChain(SamplingParams(1.0, 1.0, 100_000, seed=9))
+    tokens = np.array(chain(mx.broadcast_to(logp[0], (TRIALS, VOCAB))))
+    assert_follows(np.bincount(tokens, minlength=VOCAB), classic_distribution(logits, 1.0, 1.0, 0)[0], "top_k")
