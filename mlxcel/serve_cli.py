@@ -118,7 +118,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     from .models.loader import CheckpointError, inspect_checkpoint
     from .serve import ServeConfig
     from .server import ServerOptions
-    from .server.auth import read_keys
+    from .server.auth import KeyFileError, read_keys
     from .server.listener import ConnectionLimits
 
     model = args.model
@@ -126,10 +126,10 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         if not (BUNDLED_MODEL / "model.safetensors").is_file():
             raise UsageError("no --model given, and this installation has no bundled default model")
         model = BUNDLED_MODEL
-        if args.draft_model is None:
-            args.mtp = True
-        logger.info("no --model: serving the bundled default pairing %s with its MTP head (--mtp)",
-                    BUNDLED_MODEL.name)
+        implied = args.draft_model is None and not args.no_batch
+        args.mtp = args.mtp or implied
+        logger.info("no --model: serving the bundled default pairing %s%s", BUNDLED_MODEL.name,
+                    " with its MTP head (--mtp)" if implied else "")
     try:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:
@@ -141,13 +141,22 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         try:
             drafter = inspect_drafter(checkpoint.path, checkpoint.model_type, mtp=args.mtp,
                                       draft_model=args.draft_model)
-        except DrafterError as exc:
+        except (DrafterError, OSError) as exc:
             raise UsageError(str(exc)) from exc
-        logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
+        if args.no_batch:
+            # Not refused: a script may pass one flag set to several servers. Said once, not silently dropped.
+            logger.warning("--no-batch has no MTP path: %s is ignored and every request decodes classically",
+                           "--mtp" if args.mtp else "--draft-model")
+            drafter = None
+        else:
+            logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
+    if not (args.mtp or args.draft_model is not None) and args.draft_block_size is not None:
+        logger.warning("--draft-block-size %s has no effect without a drafter (--mtp or --draft-model)",
+                       args.draft_block_size)
     try:
         keys = read_keys(args.api_key, args.api_key_file)
-    except OSError as exc:
-        raise UsageError(f"cannot read --api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from exc
     if (args.api_key or args.api_key_file) and not keys:
         raise UsageError("--api-key/--api-key-file given, but no key in them")
     parallel = 1 if args.no_batch else args.parallel
