@@ -87,20 +87,26 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
 
 
 def raise_open_file_limit() -> int:
-    """Raise the soft open-file limit to the hard one (each connection is a descriptor); the new soft limit."""
+    """Raise the soft open-file limit as far as allowed (each connection is a descriptor); the new soft limit.
+
+    To the hard limit when the kernel accepts it; an unlimited hard limit is
+    refused as a soft one on some systems (macOS), so smaller steps follow.
+    """
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError) as exc:  # e.g. an unlimited hard limit some kernels refuse as a soft one
-            logger.warning("cannot raise the open-file limit from %d to %d: %s", soft, hard, exc)
+    steps = [] if hard == resource.RLIM_INFINITY else [hard]
+    for target in [*steps, 1 << 20, 65536, 10240, 4096]:
+        if soft < target and (hard == resource.RLIM_INFINITY or target <= hard):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                return target
+            except (ValueError, OSError):
+                continue
     return soft
 
 
 async def main(config: ServeConfig) -> None:
     """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
-    logger.debug("open-file limit: %d", raise_open_file_limit())
+    logger.info("open-file limit: %d", raise_open_file_limit())
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def on_signals() -> None:

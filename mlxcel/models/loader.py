@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import resource
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,10 +41,33 @@ class CheckpointInfo:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
-def _supported(model_type: str) -> bool:
-    from mlx_lm.utils import MODEL_REMAPPING
+def _mlx_lm_utils() -> Any:
+    """``mlx_lm.utils``, imported without its side effect on the open-file limit.
 
-    module = MODEL_REMAPPING.get(model_type, model_type)
+    Importing it sets RLIMIT_NOFILE to (2048, 4096) whatever the limit was: a
+    higher hard limit is lowered for good (the server then has 2048
+    descriptors, one per connection), and where the hard limit is below 4096
+    the import raises ValueError and startup fails. The server sets the limit
+    itself (``serve.raise_open_file_limit``). This is the first import of
+    ``mlx_lm.utils`` in ``mlxcel serve``, before any thread starts.
+    """
+    if "mlx_lm.utils" not in sys.modules:
+        real_setrlimit = resource.setrlimit
+
+        def setrlimit(which: int, limits: tuple[int, int]) -> None:
+            if which != resource.RLIMIT_NOFILE:
+                real_setrlimit(which, limits)
+
+        resource.setrlimit = setrlimit
+        try:
+            importlib.import_module("mlx_lm.utils")
+        finally:
+            resource.setrlimit = real_setrlimit
+    return sys.modules["mlx_lm.utils"]
+
+
+def _supported(model_type: str) -> bool:
+    module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
 
 

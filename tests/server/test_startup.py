@@ -7,12 +7,15 @@ should be: each raises (or, for a FIFO, would block in) ``open``.
 
 from __future__ import annotations
 
+import http.client
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -97,12 +100,18 @@ def test_out_of_range_options_are_refused_at_parse(option: str, value: str) -> N
     assert line.startswith(f"mlxcel serve: argument {option}: ") and repr(value) in line
 
 
-def _serve_until_ready(args: list[str], env: dict[str, str], log: Path) -> tuple[int, str]:
-    """Start `mlxcel serve`, wait for /health 200 (30 s at most), SIGTERM it; (exit status, log)."""
+def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofile: tuple[int, int] | None = None,
+                       while_ready: Callable[[int, int], None] | None = None) -> tuple[int, str]:
+    """Start `mlxcel serve`, wait for /health 200 (30 s at most), run *while_ready(port, pid)*, SIGTERM it.
+
+    *nofile*: the (soft, hard) open-file limit the process starts with. Returns (exit status, log).
+    """
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
+    ) as process:
         try:
             deadline = time.monotonic() + 30
             while True:
@@ -114,6 +123,8 @@ def _serve_until_ready(args: list[str], env: dict[str, str], log: Path) -> tuple
                 assert process.poll() is None, log.read_text()
                 assert time.monotonic() < deadline, f"not ready in 30 s:\n{log.read_text()}"
                 time.sleep(0.05)
+            if while_ready is not None:
+                while_ready(port, process.pid)
         finally:
             process.send_signal(signal.SIGTERM)
             try:
@@ -154,3 +165,63 @@ def test_ignored_option_combinations_warn_once(llama: Path, tmp_path: Path, args
     assert status == 0, log
     assert len([line for line in log.splitlines() if warning in line]) == 1, log
     assert "MTP drafter:" not in log
+
+
+@pytest.mark.slow
+def test_access_log_is_off_by_default_and_on_with_the_flag(llama: Path, tmp_path: Path) -> None:
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+    _, quiet = _serve_until_ready(["--model", str(llama)], env, tmp_path / "quiet.log")
+    _, logged = _serve_until_ready(["--model", str(llama), "--access-log"], env, tmp_path / "logged.log")
+    assert "GET /health" not in quiet
+    assert any("hypercorn.access" in line and '"GET /health 1.1" 200' in line for line in logged.splitlines()), logged
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit in /proc")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(llama: Path, tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    _, log = _serve_until_ready(["--model", str(llama)], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
+                                tmp_path / "serve.log", nofile=(256, 1500),
+                                while_ready=lambda _port, pid: seen.append(_open_files_limit(pid)))
+    assert seen == [(1500, 1500)], log
+    assert "does not fit the open-file limit" not in log  # 1024 connections + 128 fit in 1500
+
+
+@pytest.mark.slow
+def test_idle_connections_past_the_open_file_limit_do_not_starve_health(llama: Path, tmp_path: Path) -> None:
+    """The reported failure: idle keep-alive connections used every descriptor and nothing was answered."""
+    idle_count, limit = 400, 300
+    health_seconds: list[float] = []
+
+    def flood(port: int, _pid: int) -> None:
+        idle = []
+        try:
+            for _ in range(idle_count):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                connection.request("GET", "/")
+                assert connection.getresponse().read()
+                idle.append(connection)  # kept open: an idle keep-alive connection
+            started = time.monotonic()
+            health = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            health.request("GET", "/health")
+            assert health.getresponse().status == 200
+            health_seconds.append(time.monotonic() - started)
+            health.close()
+        finally:
+            for connection in idle:
+                connection.close()
+
+    status, log = _serve_until_ready(["--model", str(llama), "--keep-alive-timeout", "60"],
+                                     {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}, tmp_path / "serve.log",
+                                     nofile=(limit, limit), while_ready=flood)
+    assert status == 0, log
+    assert f"--max-connections 1024 does not fit the open-file limit {limit}" in log
+    assert health_seconds and health_seconds[0] < 2, health_seconds
