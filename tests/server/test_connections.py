@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.server.conftest import running_server
+from tests.server.conftest import open_stream, running_server
 
 KEY = "sekrit"
 HEALTH = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
@@ -192,6 +192,24 @@ async def test_many_idle_connections_do_not_starve_health(llama: Path) -> None:
                 await fresh.stream.send_all(HEALTH)
                 assert (await fresh.response() or (0,))[0] == 200
             await _assert_at_most_open(idle, limit)
+
+
+@pytest.mark.slow
+async def test_at_the_limit_with_no_idle_connection_a_new_one_waits_for_a_place(llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--max-connections", "1",
+                               "--keep-alive-timeout", "60"]) as url:
+        # A generation in progress holds the only place; it is not idle, so it is not closed.
+        busy = await open_stream(url, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4000,
+                                                          "stream": True, "temperature": 0})
+        async with await connect(url) as waiting:
+            await waiting.stream.send_all(HEALTH)
+            with trio.move_on_after(0.5) as still_waiting:
+                await waiting.response()
+            assert still_waiting.cancelled_caught
+            await busy.aclose()  # the client goes away: its request and connection end
+            with trio.fail_after(10):
+                answer = await waiting.response()
+            assert answer is not None and answer[0] == 200
 
 
 async def _assert_at_most_open(connections: list[Connection], limit: int) -> None:
