@@ -116,11 +116,14 @@ class _Connection(TCPServer):
     async def protocol_send(self, event: Event) -> None:
         if isinstance(event, Updated):
             self._connections.mark(self, idle=event.idle)
-        elif isinstance(event, Closed) and self._h11_state("our_state") is h11.SEND_BODY:
-            # h11 rejected bytes that arrived while the app is writing its answer
-            # (a request pipelined after `Connection: close`, garbage after a body).
-            # Closing now would break the answer mid-write; hypercorn closes the
-            # connection anyway once the answer is done, since the peer is in error.
+        elif (isinstance(event, Closed) and self._h11_state("our_state") is h11.SEND_BODY
+              and getattr(self.protocol.protocol, "stream", None) is not None):
+            # h11 rejected bytes that arrived while the app is still writing its
+            # answer (its stream is open; garbage after a body, say). Closing now
+            # would break the answer mid-write; hypercorn closes the connection
+            # anyway once the answer is done, since the peer is in error. (When the
+            # app ends without finishing its answer, hypercorn drops the stream
+            # first, and that close goes through.)
             return
         await super().protocol_send(event)
 
