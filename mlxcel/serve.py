@@ -61,7 +61,8 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
     engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
                     before_load=config.before_load)
     app = guard_transport(create_app(engine, observability, config.options),
-                          drain_limit=config.options.max_body_bytes)
+                          drain_limit=config.options.max_body_bytes,
+                          drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None

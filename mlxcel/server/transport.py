@@ -17,8 +17,9 @@ Two things go wrong with quart-trio on hypercorn without it:
   bytes on a keep-alive connection. When the app starts such a response, the
   guard waits (bounded in bytes and time) for the rest of the body, which
   quart's message reader is already consuming, so the connection can carry the
-  next request; if the body is too large, too slow or of unknown size it adds
-  ``Connection: close`` instead, so client and server agree the connection ends.
+  next request; if the body is over the limit (declared, or as a chunked body
+  arrives) or too slow, it adds ``Connection: close`` instead, so client and
+  server agree the connection ends.
 """
 
 from __future__ import annotations
@@ -33,10 +34,6 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 Asgi = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-#: How long an early answer waits for the rest of a request body before it closes instead.
-DRAIN_SECONDS = 5.0
-
 
 def _declared_length(scope: Scope) -> int | None:
     """The request's Content-Length; 0 without a body; None for a body of unknown length (chunked)."""
@@ -71,18 +68,26 @@ class _Body:
         self.changed.set()
         self.changed = trio.Event()
 
-    async def drained(self, limit: int, seconds: float) -> bool:
-        """Wait until the whole body has arrived; False if it is too large, too slow, or the client left."""
-        if self.declared is not None and self.declared > limit:
-            return self.complete
+    def _oversized(self, limit: int) -> bool:
+        return self.received > limit or (self.declared is not None and self.declared > limit)
+
+    async def reusable(self, limit: int, seconds: float) -> bool:
+        """Whether the connection can carry another request after this answer: the whole body has
+        arrived (waiting for it, bounded), and it is not over *limit* (then the answer always closes,
+        whether or not the rest happened to arrive)."""
         with trio.move_on_after(seconds):
-            while not (self.complete or self.disconnected or self.received > limit):
+            while not (self.complete or self.disconnected or self._oversized(limit)):
                 await self.changed.wait()
-        return self.complete
+        return self.complete and not self._oversized(limit)
 
 
-def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float = DRAIN_SECONDS) -> Asgi:
-    """Wrap *app* (see the module docstring). *drain_limit*: the largest body an early answer waits for."""
+def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float) -> Asgi:
+    """Wrap *app* (see the module docstring).
+
+    An early answer waits for at most *drain_limit* bytes of body and *drain_seconds*
+    (the server passes ``--max-body-bytes`` and the keep-alive timeout: as long as
+    it would wait for an idle client).
+    """
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -97,8 +102,8 @@ def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float = DRAIN_
 
         async def shielded_send(message: Message) -> None:
             with trio.CancelScope(shield=True):
-                if message["type"] == "http.response.start" and not body.complete \
-                        and not await body.drained(drain_limit, drain_seconds):
+                if message["type"] == "http.response.start" \
+                        and not await body.reusable(drain_limit, drain_seconds):
                     message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
                 await send(message)
 

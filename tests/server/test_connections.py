@@ -85,6 +85,8 @@ EARLY_ANSWERS = {
     "401 wrong key": (post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}', key="wrong"), 401),
     "405 method": (post("/v1/completions", b'{"prompt": "x"}', method="PUT"), 405),
     "404 path": (post("/v1/nowhere", b'{"prompt": "x"}'), 404),
+    "401 chunked body": (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n", 401),
 }
 
 
@@ -141,6 +143,35 @@ async def test_a_body_too_large_is_answered_413_and_the_connection_closed(llama:
                     assert answer[1]["connection"] == "close"
                     assert openai_error(answer[2])["code"] == "request_too_large"
                     assert await connection.closes()
+
+
+@pytest.mark.slow
+async def test_a_chunked_body_growing_too_large_is_answered_413_and_the_connection_closed(llama: Path) -> None:
+    chunk = b"x" * 600
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+               + b"".join(b"258\r\n" + chunk + b"\r\n" for _ in range(4)) + b"0\r\n\r\n")
+    async with running_server(["--model", str(llama), "--max-body-bytes", "1024",
+                               "--keep-alive-timeout", "30"]) as url, await connect(url) as connection:
+        await connection.stream.send_all(request + HEALTH)
+        with trio.fail_after(10):
+            answer = await connection.response()
+            assert answer is not None and answer[0] == 413 and answer[1]["connection"] == "close"
+            assert await connection.closes()
+
+
+@pytest.mark.slow
+async def test_an_early_answer_to_a_body_that_never_comes_closes_after_the_keep_alive_timeout(
+        llama: Path) -> None:
+    async with running_server(["--model", str(llama), "--api-key", KEY, "--keep-alive-timeout", "0.5"]) as url, \
+            await connect(url) as connection:
+        request = post("/v1/completions", b'{"prompt": "x", "max_tokens": 2}', key="wrong")
+        await connection.stream.send_all(request[:-10])  # ten bytes short, and they never come
+        started = trio.current_time()
+        with trio.fail_after(10):
+            answer = await connection.response()
+            assert answer is not None and answer[0] == 401 and answer[1]["connection"] == "close"
+            assert await connection.closes()
+        assert trio.current_time() - started >= 0.4
 
 
 @pytest.mark.slow
