@@ -22,6 +22,7 @@ tests in ``tests/server/test_connections.py`` pin the behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -45,6 +46,8 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wra
 
 logger = logging.getLogger(__name__)
 
+#: How long a closing connection keeps reading (and dropping) the rest of a body it will not use.
+LINGER_SECONDS = 2.0
 #: Descriptors kept for everything but connections (model files, the trio wakeup pipe, threads, logs).
 RESERVED_FDS = 128
 _OUT_OF_DESCRIPTORS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
@@ -105,6 +108,9 @@ class _Connection(TCPServer):
     def __init__(self, connections: _Connections, *args: Any) -> None:
         super().__init__(*args)
         self._connections = connections
+        self._reading = trio.CancelScope()
+        self._read_loop_running = False
+        self._lingering = False
 
     async def run(self) -> None:
         self._connections.add(self)
@@ -128,27 +134,33 @@ class _Connection(TCPServer):
         await super().protocol_send(event)
 
     async def _read_data(self) -> None:
-        """Hypercorn's read loop, dropping what arrives once the peer must close.
+        """Hypercorn's read loop, dropping what arrives once it can no longer be a request.
 
-        h11 rejects any bytes after the last request of a connection; they are
-        read and dropped until the answer in progress is done and hypercorn
-        closes (draining them also spares the client a reset that could
-        discard the answer).
+        h11 rejects any bytes after the last request of a connection, and once
+        the connection is closing (``_close``) the rest of an unread body is
+        not wanted either. Those bytes are read and dropped rather than left
+        unread: closing a socket with unread data sends a reset, which can make
+        the client lose the answer it has not read yet (a 413, typically).
         """
         protocol = self.protocol.protocol
         if isinstance(protocol, H11Protocol):
             # Hypercorn answers what h11 rejects with an empty body; make it OpenAI-shaped.
             protocol._send_error_response = partial(_send_openai_error, protocol)  # type: ignore[method-assign]
-        while True:
-            try:
-                with trio.fail_after(self.config.read_timeout or math.inf):
-                    data = await self.stream.receive_some(MAX_RECV)
-            except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
-                break
-            if self._h11_state("their_state") not in (h11.MUST_CLOSE, h11.ERROR):
-                await self.protocol.handle(RawData(bytes(data)))
-            if data == b"":
-                break
+        self._read_loop_running = True
+        try:
+            with self._reading:
+                while True:
+                    try:
+                        with trio.fail_after(self.config.read_timeout or math.inf):
+                            data = await self.stream.receive_some(MAX_RECV)
+                    except (trio.ClosedResourceError, trio.BrokenResourceError, trio.TooSlowError):
+                        break
+                    if not self._lingering and self._h11_state("their_state") not in (h11.MUST_CLOSE, h11.ERROR):
+                        await self.protocol.handle(RawData(bytes(data)))
+                    if data == b"":
+                        break
+        finally:
+            self._read_loop_running = False
         await self.protocol.handle(Closed())
 
     def _h11_state(self, side: str) -> object:
@@ -158,6 +170,18 @@ class _Connection(TCPServer):
     async def _close(self) -> None:
         # Never close under a write in progress (trio would fail the write as busy),
         # but do close when cancelled (server shutdown) or when a write is stuck.
+        if self._read_loop_running and not self._lingering \
+                and self._h11_state("their_state") is h11.SEND_BODY:
+            # The peer is still sending a body we will not read: say we are done
+            # and let the reading task drop what comes until the peer closes, or
+            # LINGER_SECONDS, before it closes the socket (see `_read_data`).
+            self._lingering = True
+            self._reading.deadline = trio.current_time() + LINGER_SECONDS
+            with trio.move_on_after(1, shield=True):
+                async with self.send_lock:
+                    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                        await self.stream.send_eof()
+            return
         with trio.move_on_after(1, shield=True):
             async with self.send_lock:
                 await super()._close()
@@ -210,7 +234,11 @@ async def _accept_loop(listener: trio.SocketListener, connections: _Connections,
                              errno.errorcode.get(exc.errno or 0, exc))
                 await trio.sleep(0.1)
             continue
-        await connections.make_room()
+        try:
+            await connections.make_room()
+        except BaseException:
+            await stream.aclose()  # cancelled while waiting for a place (shutdown)
+            raise
         nursery.start_soon(start, stream)
 
 

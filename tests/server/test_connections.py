@@ -146,6 +146,26 @@ async def test_a_body_too_large_is_answered_413_and_the_connection_closed(llama:
 
 
 @pytest.mark.slow
+async def test_a_client_that_sends_a_whole_large_body_before_reading_still_gets_its_413(llama: Path) -> None:
+    # More than the socket buffers hold: unless the server keeps reading after its
+    # answer, the writer gets a reset and the reader may never see the 413.
+    body = b"x" * (16 * 1024 * 1024)
+    async with running_server(["--model", str(llama), "--max-body-bytes", "1024",
+                               "--keep-alive-timeout", "30"]) as url, await connect(url) as connection:
+        answers: list[tuple[int, dict[str, str], bytes] | None] = []
+
+        async def read() -> None:
+            answers.append(await connection.response())
+            assert await connection.closes()
+
+        with trio.fail_after(20):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(read)
+                await connection.stream.send_all(post("/v1/completions", body))
+        assert answers[0] is not None and answers[0][0] == 413
+
+
+@pytest.mark.slow
 async def test_a_chunked_body_growing_too_large_is_answered_413_and_the_connection_closed(llama: Path) -> None:
     chunk = b"x" * 600
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
