@@ -13,11 +13,18 @@ lifespan and graceful shutdown), with its own accept loop:
 - running out of descriptors in ``accept`` closes an idle connection too;
 - a request hypercorn's HTTP/1.1 parser (h11) rejects (a tab in the path, a
   malformed header) gets an OpenAI-shaped JSON error body instead of
-  hypercorn's empty one.
+  hypercorn's empty one;
+- hypercorn never closes the socket under an answer still being written, and
+  a connection closing on a body it will not read drains it first (a
+  "lingering close"), so the client sees the answer rather than a reset.
 
-It uses hypercorn's worker classes (``TCPServer``, ``Lifespan``,
-``WorkerContext``, ``H11Protocol``) and two of their private methods: the
-tests in ``tests/server/test_connections.py`` pin the behaviour.
+It relies on hypercorn 0.18's worker internals: ``TCPServer`` (its
+``protocol``/``stream``/``send_lock`` attributes and the ``_read_data`` and
+``_close`` methods it overrides), ``H11Protocol`` (``connection``, ``stream``,
+``_send_error_response``, ``_send_h11_event``), ``Lifespan``,
+``WorkerContext`` and the ``Updated``/``Closed`` events. The tests in
+``tests/server/test_connections.py`` and ``test_startup.py`` pin the
+behaviour; re-run them on any hypercorn upgrade.
 """
 
 from __future__ import annotations
