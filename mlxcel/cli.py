@@ -7,12 +7,20 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_USAGE = 2
 
 
 class UsageError(ValueError):
     """A setting stops startup; ``str()`` is the one line printed before exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line on stderr (argparse adds the whole usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
 def _policy(args: argparse.Namespace) -> int:
@@ -109,7 +117,7 @@ def _first_error(exc: BaseException) -> BaseException:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlxcel", description="LLM inference server on MLX.")
+    parser = _Parser(prog="mlxcel", description="LLM inference server on MLX.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser(

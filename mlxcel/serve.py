@@ -3,7 +3,8 @@
     trio.run(main)
     └── nursery
         ├── engine.run()  ── trio.to_thread.run_sync(worker.run): every MLX call, one OS thread
-        └── hypercorn.trio.serve(app)  ── routes read Observability, submit to the engine
+        └── server.listener.serve(app)  ── hypercorn's worker, connections bounded; routes read
+                                           Observability, submit to the engine
 
 The port is bound before the model loads, so ``/health`` (503) and the policy
 endpoint (``unavailable/worker_not_ready``) answer from the first moment.
@@ -14,19 +15,22 @@ worker returns, the process exits 0.
 from __future__ import annotations
 
 import logging
+import resource
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve as hypercorn_serve
 
 from .engine import Engine, WorkerSettings
 from .models.loader import CheckpointInfo
 from .observability import Observability
 from .policy import MtpPolicy
 from .server import ServerOptions, create_app
+from .server.listener import ConnectionLimits
+from .server.listener import serve as serve_http
+from .server.transport import guard_transport
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +44,8 @@ class ServeConfig:
     port: int = 8080
     max_queue_depth: int = 16
     blas: str | None = None
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    access_log: bool = False
     before_load: Callable[[], None] | None = field(default=None, compare=False)
     """Runs on the worker thread before the model loads (tests hold a load here)."""
 
@@ -54,10 +60,12 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
     observability.blas = config.blas
     engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
                     before_load=config.before_load)
-    app = create_app(engine, observability, config.options)
+    app = guard_transport(create_app(engine, observability, config.options),
+                          drain_limit=config.options.max_body_bytes,
+                          drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"{config.host}:{config.port}"]
-    hypercorn.accesslog = None
+    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
     hypercorn.graceful_timeout = 5.0
 
@@ -68,8 +76,8 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.run)
-        urls = await nursery.start(lambda task_status: hypercorn_serve(
-            app, hypercorn, shutdown_trigger=stopped, task_status=task_status))
+        urls = await nursery.start(lambda task_status: serve_http(
+            app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
         logger.info("listening on %s", ", ".join(urls))
         task_status.started(urls)
         # The engine ends when the worker returns (after a stop) or fails; the
@@ -79,8 +87,27 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
         nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1
 
 
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit as far as allowed (each connection is a descriptor); the new soft limit.
+
+    To the hard limit when the kernel accepts it; an unlimited hard limit is
+    refused as a soft one on some systems (macOS), so smaller steps follow.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    steps = [] if hard == resource.RLIM_INFINITY else [hard]
+    for target in [*steps, 1 << 20, 65536, 10240, 4096]:
+        if soft < target and (hard == resource.RLIM_INFINITY or target <= hard):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+                return target
+            except (ValueError, OSError):
+                continue
+    return soft
+
+
 async def main(config: ServeConfig) -> None:
     """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
+    logger.info("open-file limit: %d", raise_open_file_limit())
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def on_signals() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -32,14 +33,28 @@ BUNDLED_MODEL = Path(__file__).parent / "models" / "bundled" / "qwen35-stdlib-4m
 BUNDLED_BLOCK_SIZE = 2
 
 
-def _positive(name: str, low: int = 1) -> Callable[[str], int]:
+def _positive(name: str, low: int = 1, high: int | None = None) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
             number = int(value)
         except ValueError:
             number = low - 1
-        if number < low:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= {low}, not {value!r}")
+        if number < low or (high is not None and number > high):
+            accepted = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{name} must be an integer {accepted}, not {value!r}")
+        return number
+    return parse
+
+
+def _seconds(name: str) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not (0 < number <= 24 * 3600):
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds above 0 (at most a day), "
+                                             f"not {value!r}")
         return number
     return parse
 
@@ -55,7 +70,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="MTP verify width K (K-1 drafts per round; default MLXCEL_DRAFT_BLOCK_SIZE, else 4, "
                              "or 2 for the bundled model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
-    parser.add_argument("--port", type=_positive("--port", 0), default=8080,
+    parser.add_argument("--port", type=_positive("--port", 0, 65535), default=8080,
                         help="port to bind; 0 picks a free one (default: %(default)s)")
     parser.add_argument("--parallel", type=_positive("--parallel"), default=4,
                         help="sequences decoded together (default: %(default)s)")
@@ -69,6 +84,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt prefix caches kept (default: %(default)s)")
     parser.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=4 * 1024 * 1024,
                         help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--max-connections", type=_positive("--max-connections"), default=1024,
+                        help="open HTTP connections at most; at the limit the longest-idle one is closed "
+                             "(default: %(default)s, lowered to fit the open-file limit)")
+    parser.add_argument("--keep-alive-timeout", type=_seconds("--keep-alive-timeout"), default=5.0,
+                        metavar="SECONDS", help="an idle keep-alive connection is closed after this long "
+                                                "(default: %(default)s)")
+    parser.add_argument("--access-log", action="store_true", help="log every request (hypercorn's access log)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEYS",
                         help="accepted API key(s), comma-separated; may repeat")
     parser.add_argument("--api-key-file", type=Path, help="file of accepted API keys, one per line")
@@ -96,17 +118,18 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     from .models.loader import CheckpointError, inspect_checkpoint
     from .serve import ServeConfig
     from .server import ServerOptions
-    from .server.auth import read_keys
+    from .server.auth import KeyFileError, read_keys
+    from .server.listener import ConnectionLimits
 
     model = args.model
     if model is None:
         if not (BUNDLED_MODEL / "model.safetensors").is_file():
             raise UsageError("no --model given, and this installation has no bundled default model")
         model = BUNDLED_MODEL
-        if args.draft_model is None:
-            args.mtp = True
-        logger.info("no --model: serving the bundled default pairing %s with its MTP head (--mtp)",
-                    BUNDLED_MODEL.name)
+        implied = args.draft_model is None and not args.no_batch
+        args.mtp = args.mtp or implied
+        logger.info("no --model: serving the bundled default pairing %s%s", BUNDLED_MODEL.name,
+                    " with its MTP head (--mtp)" if implied else "")
     try:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:
@@ -118,13 +141,22 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         try:
             drafter = inspect_drafter(checkpoint.path, checkpoint.model_type, mtp=args.mtp,
                                       draft_model=args.draft_model)
-        except DrafterError as exc:
+        except (DrafterError, OSError) as exc:
             raise UsageError(str(exc)) from exc
-        logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
+        if args.no_batch:
+            # Not refused: a script may pass one flag set to several servers. Said once, not silently dropped.
+            logger.warning("--no-batch has no MTP path: %s is ignored and every request decodes classically",
+                           "--mtp" if args.mtp else "--draft-model")
+            drafter = None
+        else:
+            logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
+    if not (args.mtp or args.draft_model is not None) and args.draft_block_size is not None:
+        logger.warning("--draft-block-size %s has no effect without a drafter (--mtp or --draft-model)",
+                       args.draft_block_size)
     try:
         keys = read_keys(args.api_key, args.api_key_file)
-    except OSError as exc:
-        raise UsageError(f"cannot read --api-key-file {args.api_key_file}: {exc.strerror or exc}") from exc
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from exc
     if (args.api_key or args.api_key_file) and not keys:
         raise UsageError("--api-key/--api-key-file given, but no key in them")
     parallel = 1 if args.no_batch else args.parallel
@@ -136,5 +168,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
+    connections = ConnectionLimits(max_connections=args.max_connections,
+                                   keep_alive_timeout=args.keep_alive_timeout)
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
-                       max_queue_depth=args.max_queue_depth, blas=blas)
+                       max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
+                       access_log=args.access_log)

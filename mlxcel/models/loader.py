@@ -12,7 +12,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import resource
 import struct
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,10 +42,33 @@ class CheckpointInfo:
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
-def _supported(model_type: str) -> bool:
-    from mlx_lm.utils import MODEL_REMAPPING
+def _mlx_lm_utils() -> Any:
+    """``mlx_lm.utils``, imported without its side effect on the open-file limit.
 
-    module = MODEL_REMAPPING.get(model_type, model_type)
+    Importing it sets RLIMIT_NOFILE to (2048, 4096) whatever the limit was: a
+    higher hard limit is lowered for good (the server then has 2048
+    descriptors, one per connection), and where the hard limit is below 4096
+    the import raises ValueError and startup fails. The server sets the limit
+    itself (``serve.raise_open_file_limit``). This is the first import of
+    ``mlx_lm.utils`` in ``mlxcel serve``, before any thread starts.
+    """
+    if "mlx_lm.utils" not in sys.modules:
+        real_setrlimit = resource.setrlimit
+
+        def setrlimit(which: int, limits: tuple[int, int]) -> None:
+            if which != resource.RLIMIT_NOFILE:
+                real_setrlimit(which, limits)
+
+        resource.setrlimit = setrlimit
+        try:
+            importlib.import_module("mlx_lm.utils")
+        finally:
+            resource.setrlimit = real_setrlimit
+    return sys.modules["mlx_lm.utils"]
+
+
+def _supported(model_type: str) -> bool:
+    module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
 
 
@@ -56,8 +81,22 @@ def _context_length(config: dict[str, Any]) -> int:
     return 4096
 
 
+def _unreadable(path: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"cannot read {path}: {exc.strerror or exc}")
+
+
 def _check_safetensors(path: Path) -> None:
-    """The header parses and the data it describes fits the file exactly."""
+    """A regular file whose header parses and whose data it describes fits the file exactly."""
+    try:
+        _read_safetensors_header(path)
+    except OSError as exc:  # a dangling link, a directory of that name, no permission
+        raise _unreadable(path, exc) from exc
+
+
+def _read_safetensors_header(path: Path) -> None:
+    if not path.is_file():
+        raise CheckpointError(f"{path} is not a regular file"
+                              + (" (a dangling symbolic link)" if path.is_symlink() and not path.exists() else ""))
     size = path.stat().st_size
     with path.open("rb") as f:
         head = f.read(8)
@@ -82,13 +121,22 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Check *path* is a servable checkpoint without loading it."""
     directory = Path(path).expanduser()
     if not directory.is_dir():
+        if directory.exists():
+            raise CheckpointError(f"--model {directory} is not a directory; expected a Hugging Face-layout "
+                                  "checkpoint directory")
         raise CheckpointError(f"model directory {directory} does not exist")
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise CheckpointError(f"{directory} has no config.json; expected a Hugging Face-layout checkpoint")
     try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        text = config_path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _unreadable(config_path, exc) from exc
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not UTF-8 text: {exc}") from exc
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from exc
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str) or not model_type:
@@ -100,8 +148,15 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{directory} has no model*.safetensors weights")
     for file in weights:
         _check_safetensors(file)
-    if not any((directory / name).exists() for name in _TOKENIZER_FILES):
+    tokenizers = [directory / name for name in _TOKENIZER_FILES if (directory / name).is_file()]
+    if not tokenizers:
         raise CheckpointError(f"{directory} has no tokenizer (tokenizer.json or tokenizer.model)")
+    for file in tokenizers:
+        try:
+            with file.open("rb") as f:
+                f.read(1)
+        except OSError as exc:
+            raise _unreadable(file, exc) from exc
     return CheckpointInfo(path=directory, name=directory.resolve().name, model_type=model_type,
                           context_length=_context_length(config), weight_files=weights,
                           weight_bytes=sum(f.stat().st_size for f in weights))

@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,12 +92,14 @@ class HintStore:
         """The stored hint for exactly *key*, or None (missing, unreadable, or foreign)."""
         path = self.path_for(key)
         try:
-            with path.open("rb") as f:
-                raw = f.read(_MAX_HINT_BYTES + 1)
+            raw = _read_regular(path, _MAX_HINT_BYTES + 1)
         except (FileNotFoundError, NotADirectoryError):
             return None  # nothing stored; a cache root that cannot hold files warns on save
         except OSError as exc:
             self._warn(path, f"cannot read it ({exc.strerror or exc})")
+            return None
+        if raw is None:
+            self._warn(path, "it is not a regular file")
             return None
         if len(raw) > _MAX_HINT_BYTES:
             self._warn(path, "it is too large to be a hint")
@@ -149,6 +152,23 @@ class HintStore:
         if message not in self._warned:
             self._warned.add(message)
             logger.warning("%s", message)
+
+
+def _read_regular(path: Path, limit: int) -> bytes | None:
+    """Up to *limit* bytes of *path*, or None if it is not a regular file.
+
+    Opened non-blocking and checked before reading: a FIFO (or a device) at a
+    hint's path would otherwise block the worker, and with it startup and
+    SIGTERM, for ever. O_NONBLOCK changes nothing for a regular file.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(limit)
+    finally:
+        os.close(fd)
 
 
 def _opt_float(value: Any) -> float | None:

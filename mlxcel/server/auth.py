@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hmac
+import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -10,11 +12,43 @@ from pathlib import Path
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
 
 
+class KeyFileError(ValueError):
+    """The key file cannot be used; ``str()`` is one line saying why."""
+
+
+#: A key file is a few lines; a larger one is a mistake (a model file, a log).
+_MAX_KEY_FILE_BYTES = 1024 * 1024
+
+
+def _read_key_file(path: Path) -> str:
+    """The file's text. Opened non-blocking and checked to be a regular file, so a FIFO cannot hang startup."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read --api-key-file {path}: {exc.strerror or exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KeyFileError(f"--api-key-file {path} is not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(_MAX_KEY_FILE_BYTES + 1)
+    except OSError as exc:
+        raise KeyFileError(f"cannot read --api-key-file {path}: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_KEY_FILE_BYTES:
+        raise KeyFileError(f"--api-key-file {path} is larger than {_MAX_KEY_FILE_BYTES} bytes; "
+                           "expected one key per line")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise KeyFileError(f"--api-key-file {path} is not UTF-8 text (byte {exc.start})") from exc
+
+
 def read_keys(inline: Iterable[str] = (), key_file: Path | None = None) -> tuple[str, ...]:
-    """Keys from comma lists and from a file (one per line, ``#`` comments)."""
+    """Keys from comma lists and from a file (one per line, ``#`` comments); :class:`KeyFileError` if unusable."""
     keys = [k.strip() for item in inline for k in item.split(",")]
     if key_file is not None:
-        for line in key_file.read_text(encoding="utf-8").splitlines():
+        for line in _read_key_file(key_file).splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
                 keys.append(line)

@@ -1,0 +1,227 @@
+"""Bad files and options at start, through the real command line: one line, exit status 2, before binding.
+
+Tests run as root, for whom no permission bit makes a file unreadable, so the
+unreadable files here are a directory, a dangling link or a FIFO where a file
+should be: each raises (or, for a FIFO, would block in) ``open``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import free_port, mlxcel
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel")]
+    assert len(lines) == 1, result.stderr
+    assert "listening" not in result.stderr and "Running on" not in result.stderr
+    return lines[0]
+
+
+def _broken_weights(llama: Path, root: Path, kind: str) -> Path:
+    model = root / kind
+    shutil.copytree(llama, model)
+    weights = model / "model.safetensors"
+    weights.unlink()
+    if kind == "directory":
+        weights.mkdir()
+    elif kind == "dangling-link":
+        weights.symlink_to(root / "nowhere.safetensors")
+    else:
+        os.mkfifo(weights)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["directory", "dangling-link", "fifo"])
+def test_unreadable_weights_exit_2(llama: Path, tmp_path: Path, kind: str) -> None:
+    model = _broken_weights(llama, tmp_path, kind)
+    line = _one_error_line(mlxcel("serve", "--model", str(model), "--port", str(free_port()), timeout=60))
+    assert f"{model / 'model.safetensors'} is not a regular file" in line
+
+
+@pytest.mark.slow
+def test_unreadable_tokenizer_exits_2(llama: Path, tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(llama, model)
+    (model / "tokenizer.json").unlink()
+    (model / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
+    line = _one_error_line(mlxcel("serve", "--model", str(model), "--port", str(free_port()), timeout=60))
+    assert "has no tokenizer" in line
+
+
+@pytest.mark.slow
+def test_model_that_is_a_file_says_so(llama: Path) -> None:
+    line = _one_error_line(mlxcel("serve", "--model", str(llama / "config.json"), "--port", str(free_port())))
+    assert "is not a directory" in line and "does not exist" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "expected"), [
+    ("latin-1", "is not UTF-8 text"),
+    ("fifo", "is not a regular file"),
+    ("directory", "is not a regular file"),
+    ("missing", "No such file or directory"),
+])
+def test_bad_api_key_file_exits_2(llama: Path, tmp_path: Path, kind: str, expected: str) -> None:
+    keys = tmp_path / "keys"
+    if kind == "latin-1":
+        keys.write_bytes("clé\n".encode("latin-1"))
+    elif kind == "fifo":
+        os.mkfifo(keys)
+    elif kind == "directory":
+        keys.mkdir()
+    line = _one_error_line(mlxcel("serve", "--model", str(llama), "--port", str(free_port()),
+                                  "--api-key-file", str(keys), timeout=60))
+    assert f"--api-key-file {keys}" in line and expected in line
+
+
+@pytest.mark.parametrize(("option", "value"), [
+    ("--port", "70000"), ("--port", "-1"), ("--max-connections", "0"),
+    ("--keep-alive-timeout", "0"), ("--keep-alive-timeout", "soon"),
+])
+def test_out_of_range_options_are_refused_at_parse(option: str, value: str) -> None:
+    line = _one_error_line(mlxcel("serve", "--model", "/nonexistent", option, value, timeout=60))
+    assert line.startswith(f"mlxcel serve: argument {option}: ") and repr(value) in line
+
+
+def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofile: tuple[int, int] | None = None,
+                       while_ready: Callable[[int, int], None] | None = None) -> tuple[int, str]:
+    """Start `mlxcel serve`, wait for /health 200 (30 s at most), run *while_ready(port, pid)*, SIGTERM it.
+
+    *nofile*: the (soft, hard) open-file limit the process starts with. Returns (exit status, log).
+    """
+    port = free_port()
+    with log.open("w") as out, subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
+    ) as process:
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert process.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, f"not ready in 30 s:\n{log.read_text()}"
+                time.sleep(0.05)
+            if while_ready is not None:
+                while_ready(port, process.pid)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            try:
+                status = process.wait(timeout=30)
+            finally:
+                process.kill()
+    return status, log.read_text()
+
+
+@pytest.mark.slow
+def test_a_fifo_at_the_hint_path_is_ignored_with_a_warning(tmp_path: Path) -> None:
+    from mlxcel.hardware import detect_host
+    from mlxcel.policy import PairingKey
+    from mlxcel.policy.hints import HINT_DIR
+    from mlxcel.serve_cli import BUNDLED_BLOCK_SIZE, BUNDLED_MODEL
+
+    # The bundled pairing's hint. ALLOW_INEXACT: the hint is read even where the exactness probe vetoes.
+    key = PairingKey(BUNDLED_MODEL.name, f"{BUNDLED_MODEL.name}#mtp", detect_host().label, BUNDLED_BLOCK_SIZE)
+    hint = tmp_path / "cache" / HINT_DIR / f"{key.digest()}.json"
+    hint.parent.mkdir(parents=True)
+    os.mkfifo(hint)
+    status, log = _serve_until_ready([], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"),
+                                          "MLXCEL_MTP_ALLOW_INEXACT": "1"}, tmp_path / "serve.log")
+    assert status == 0, log
+    assert f"ignoring the MTP policy hint {hint}: it is not a regular file" in log
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("args", "warning"), [
+    (["--draft-block-size", "3"], "--draft-block-size 3 has no effect without a drafter"),
+    (["--no-batch", "--mtp"], "--no-batch has no MTP path: --mtp is ignored"),
+], ids=["block-size-without-drafter", "no-batch-mtp"])
+def test_ignored_option_combinations_warn_once(llama: Path, tmp_path: Path, args: list[str],
+                                               warning: str) -> None:
+    model = ["--model", str(llama)] if "--mtp" not in args else []  # the bundled model has an MTP head
+    status, log = _serve_until_ready([*model, *args], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
+                                     tmp_path / "serve.log")
+    assert status == 0, log
+    assert len([line for line in log.splitlines() if warning in line]) == 1, log
+    assert "MTP drafter:" not in log
+
+
+@pytest.mark.slow
+def test_access_log_is_off_by_default_and_on_with_the_flag(llama: Path, tmp_path: Path) -> None:
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+    _, quiet = _serve_until_ready(["--model", str(llama)], env, tmp_path / "quiet.log")
+    _, logged = _serve_until_ready(["--model", str(llama), "--access-log"], env, tmp_path / "logged.log")
+    assert "GET /health" not in quiet
+    assert any("hypercorn.access" in line and '"GET /health 1.1" 200' in line for line in logged.splitlines()), logged
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open-file limit in /proc")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(llama: Path, tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    _, log = _serve_until_ready(["--model", str(llama)], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
+                                tmp_path / "serve.log", nofile=(256, 1500),
+                                while_ready=lambda _port, pid: seen.append(_open_files_limit(pid)))
+    assert seen == [(1500, 1500)], log
+    assert "does not fit the open-file limit" not in log  # 1024 connections + 128 fit in 1500
+
+
+@pytest.mark.slow
+def test_idle_connections_past_the_open_file_limit_do_not_starve_health(llama: Path, tmp_path: Path) -> None:
+    """The reported failure: idle keep-alive connections used every descriptor and nothing was answered."""
+    idle_count, limit = 400, 300
+    health_seconds: list[float] = []
+
+    def flood(port: int, _pid: int) -> None:
+        idle = []
+        try:
+            for _ in range(idle_count):
+                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+                connection.request("GET", "/")
+                assert connection.getresponse().read()
+                idle.append(connection)  # kept open: an idle keep-alive connection
+            started = time.monotonic()
+            health = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            health.request("GET", "/health")
+            assert health.getresponse().status == 200
+            health_seconds.append(time.monotonic() - started)
+            health.close()
+        finally:
+            for connection in idle:
+                connection.close()
+
+    status, log = _serve_until_ready(["--model", str(llama), "--keep-alive-timeout", "60"],
+                                     {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}, tmp_path / "serve.log",
+                                     nofile=(limit, limit), while_ready=flood)
+    assert status == 0, log
+    assert f"--max-connections 1024 does not fit the open-file limit {limit}" in log
+    assert health_seconds and health_seconds[0] < 2, health_seconds
