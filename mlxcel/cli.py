@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import NoReturn
 
 EXIT_USAGE = 2
+#: The model could not be loaded after the port was bound: the same status as a bad setting.
+EXIT_LOAD_FAILED = 2
 
 
 class UsageError(ValueError):
@@ -104,9 +106,9 @@ def _serve(args: argparse.Namespace) -> int:
         trio.run(serve_main, config)
     except KeyboardInterrupt:
         return 0
-    except BaseException as exc:  # the engine failed after the port was bound
+    except BaseException as exc:  # the model failed to load after the port was bound
         print(f"mlxcel serve: stopped: {_first_error(exc)}", file=sys.stderr)
-        return 1
+        return EXIT_LOAD_FAILED
     return 0
 
 

@@ -8,6 +8,7 @@ should be: each raises (or, for a FIFO, would block in) ``open``.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import resource
 import shutil
@@ -225,3 +226,17 @@ def test_idle_connections_past_the_open_file_limit_do_not_starve_health(llama: P
     assert status == 0, log
     assert f"--max-connections 1024 does not fit the open-file limit {limit}" in log
     assert health_seconds and health_seconds[0] < 2, health_seconds
+
+
+def test_a_model_that_fails_to_load_after_binding_exits_2_with_one_line(llama: Path, tmp_path: Path) -> None:
+    # The headers are fine (inspected before binding); the weights do not fit the config, which only
+    # the real load on the worker finds.
+    broken = tmp_path / "llama-misfit"
+    shutil.copytree(llama, broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    result = mlxcel("serve", "--model", str(broken), "--port", "0")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("mlxcel serve:")]
+    assert line.startswith(f"mlxcel serve: stopped: cannot load {broken}")
