@@ -1,7 +1,8 @@
 """What the engine publishes and the HTTP layer reads: no mlx, no trio.
 
-The engine's worker thread writes whole immutable values (the policy snapshot,
-cache statistics, slot states) with single attribute assignments; request
+The engine's worker thread writes whole immutable values (the policy snapshot
+with its wire body, cache statistics, slot states) with single attribute
+assignments; request
 handlers only read them, so nothing here needs a lock and no handler ever
 waits on the decode loop. Counters are prometheus_client metrics, which are
 thread-safe.
@@ -46,6 +47,14 @@ class CacheStats:
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedPolicy:
+    """A policy snapshot with its wire body, serialised once per change rather than per poll."""
+
+    snapshot: MtpPolicySnapshot
+    wire: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +124,13 @@ class Observability:
         r.register(_PolicyStateCollector(self))
 
     def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
-        """Swap in a new policy snapshot, with its wire body serialised once, not per poll."""
-        body = json.dumps(snapshot.to_wire(), separators=(",", ":")).encode()
-        self.policy, self.policy_wire = snapshot, body
+        """Swap in a new policy snapshot and its wire body, in one assignment."""
+        self.published = PublishedPolicy(snapshot, json.dumps(snapshot.to_wire(), separators=(",", ":")).encode())
+
+    @property
+    def policy(self) -> MtpPolicySnapshot:
+        return self.published.snapshot
+
+    @property
+    def policy_wire(self) -> bytes:
+        return self.published.wire

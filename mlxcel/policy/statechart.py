@@ -1,7 +1,7 @@
 """The adaptive MTP policy statechart, declared once, as data.
 
 Everything about *which* state follows *which* event lives here: the running
-policy (:mod:`mlxcel.policy._policy`) builds its machine from these tables, and
+policy (:mod:`mlxcel.policy.policy`) builds its machine from these tables, and
 ``mlxcel statechart`` renders the committed diagram from the very same tables,
 so the two cannot drift apart.
 

@@ -247,6 +247,19 @@ async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkey
     assert [r.getMessage() for r in caplog.records if "declined" in r.getMessage()] == [
         f"MTP exactness probe declined the pairing: {detail}"]
 
+    # Pinned on, the policy does not decline, so the worker says itself that no burst will run.
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        async with running_server(["--model", str(model), "--mtp"]) as url, \
+                httpx.AsyncClient(timeout=60) as client:
+            pinned = await _policy(client, url)
+            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    assert (pinned["state"], pinned["mtp_enabled"], timings["draft_rounds"]) == ("forced", True, 0)  # type: ignore[index]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+        f"MTP exactness probe vetoed the burst (MTP is forced, so no burst will run): {detail}"]
+    monkeypatch.delenv("MLXCEL_ENABLE_MTP_B1")
+
     monkeypatch.setenv("MLXCEL_MTP_ALLOW_INEXACT", "1")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="mlxcel"):
