@@ -91,6 +91,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "gptj": {"rotary_dim": 8},
     "granite": _GRANITE,
     "granitemoe": _GRANITE,
+    "granitemoehybrid": {**_GRANITE, "layer_types": ["mamba", "attention"], "mamba_n_heads": 8, "mamba_d_head": 16,
+                         "mamba_proj_bias": False, "mamba_d_state": 8, "mamba_d_conv": 4, "mamba_n_groups": 1,
+                         "mamba_conv_bias": True, "shared_intermediate_size": 64},
     "hunyuan": {"rope_scaling": {"type": "dynamic", "factor": 1.0, "alpha": 1.0}, "num_shared_expert": 1,
                 "use_mixed_mlp_moe": True, "use_cla": False, "cla_share_factor": 1},
     "lfm2": {"conv_L_cache": 3, "block_dim": 64, "block_multiple_of": 16, "block_ffn_dim_multiplier": 1.0,
@@ -100,6 +103,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minicpm": _MINICPM,
     "minicpm3": {**_MINICPM, "rope_scaling": {"original_max_position_embeddings": 4096}},
     "minimax": {"shared_intermediate_size": 64, "rotary_dim": 8},
+    "nemotron_h": {"hybrid_override_pattern": ["M", "*"], "mamba_num_heads": 8, "mamba_head_dim": 16,
+                   "mamba_proj_bias": False, "ssm_state_size": 8, "n_groups": 1, "time_step_limit": [0.0, 1000.0]},
     "olmo3": _TWO_KINDS,
     "phi3small": {"dense_attention_every_n_layers": 2, "ff_intermediate_size": 128, "gegelu_limit": 20.0},
     "phixtral": {"num_vocab": VOCAB_SIZE, "rotary_dim": 8},
@@ -107,6 +112,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # mlx-lm's own full forward and its rotating-cache decode disagree past plamo3's window
     # (by ~0.5 in the logits): a window longer than the test's sequences keeps the oracle valid.
     "plamo3": {"sliding_window": 64},
+    "rwkv7": {"a_low_rank_dim": 8, "v_low_rank_dim": 8, "gate_low_rank_dim": 8, "decay_low_rank_dim": 8},
     "recurrent_gemma": {"conv1d_width": 4, "logits_soft_cap": 30.0, "attention_window_size": 16,
                         "block_types": ["recurrent", "attention"]},
 }
@@ -127,7 +133,6 @@ SKIPPED: dict[str, str] = {
     'dbrx': _TODO + 'nested ffn_config and attn_config',
     'gemma3n': _TODO + "text_config's per-layer inputs, activation sparsity and 10 more",
     'glm_moe_dsa': _TODO + 'the DSA indexer: index_head_dim, index_n_heads, index_topk, ...',
-    'granitemoehybrid': _TODO + "layer_types and the mamba block's sizes",
     'jamba': _TODO + "attention and expert layer periods, the mamba block's sizes",
     'kimi_k3': _TODO + 'a config it subscripts that the toy leaves None',
     'kimi_linear': _TODO + 'linear_attn_config, model_max_length',
@@ -141,11 +146,9 @@ SKIPPED: dict[str, str] = {
     'mistral4': _TODO + 'a config it subscripts that the toy leaves None',
     'muse_spark': _TODO + "text_config's rope_parameters, layer_types and 5 more",
     'nemotron-nas': _TODO + 'one block_config per layer',
-    'nemotron_h': _TODO + "the mamba block's sizes",
     'olmo': "mlx-lm's olmo needs the ai2-olmo package, which is not installed",
     'openelm': _TODO + 'per-layer head counts and ffn multipliers',
     'phi3small': 'its forward segfaults in MLX on the CPU backend, even for a toy model',
-    'rwkv7': _TODO + 'the low-rank dims of its time mixing',
 }
 
 # Modules of mlx_lm.models that are not families.
