@@ -180,6 +180,7 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
         model, tokenizer = loaded
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
         raise CheckpointError(f"cannot load {info.path}: {exc}") from exc
+    tokenizer = _declared_tokenizer(info.path, tokenizer)
     flat: Any = tree_flatten(model.parameters())
     parameters = [array for _, array in flat]
     step = max(1, len(parameters) // 20)
@@ -196,3 +197,58 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     model.eval()
     logger.info("loaded %s in %.1fs", info.name, time.perf_counter() - started)
     return model, tokenizer
+
+
+def _declared_tokenizer(directory: Path, wrapper: Any) -> Any:
+    """*wrapper* (mlx-lm's ``TokenizerWrapper``) around the tokenizer the checkpoint's files declare.
+
+    transformers 5 chooses the tokenizer class from ``config.json``'s
+    ``model_type`` for many families (qwen2, qwen3_5, phi3, ...: its
+    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``), and a class with its own
+    ``__init__`` rebuilds the tokenizer from ``tokenizer.json``'s vocabulary and
+    merges with the class's own pre-tokenizer. A checkpoint whose
+    ``tokenizer.json`` splits text differently (the bundled model splits digits
+    the GPT-2 way) is then served with a tokenizer it was not trained on.
+    ``tokenizer.json`` is the whole tokenizer, so when there is one (and no
+    remote code is declared) transformers' generic ``TokenizersBackend`` loads
+    it as it is, with ``tokenizer_config.json``'s special tokens and chat
+    template. What mlx-lm derived besides (eos ids, chat template type, tool
+    parser) is kept.
+    """
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer
+    from transformers import TokenizersBackend
+
+    loaded = wrapper._tokenizer
+    rebuilt = isinstance(loaded, TokenizersBackend) and "__init__" in type(loaded).__dict__
+    if rebuilt and (directory / "tokenizer.json").is_file() and not _declares_remote_code(directory):
+        try:
+            declared = TokenizersBackend.from_pretrained(str(directory))
+        except Exception as exc:  # a tokenizer.json the tokenizers library cannot read
+            raise CheckpointError(f"cannot load {directory / 'tokenizer.json'}: {exc}") from exc
+        logger.info("serving %s with its tokenizer.json, not transformers' %s", directory.name,
+                    type(loaded).__name__)
+        wrapper._tokenizer = declared
+        if isinstance(wrapper._detokenizer, NaiveStreamingDetokenizer):
+            # It decodes through the tokenizer; the BPE and SentencePiece ones hold only
+            # the id -> token map, which is the same file's.
+            wrapper._detokenizer = NaiveStreamingDetokenizer(declared)
+    if type(wrapper._detokenizer) is BPEStreamingDetokenizer:
+
+        class ByteLevelDetokenizer(BPEStreamingDetokenizer):  # type: ignore[misc]
+            # mlx-lm drops the first token's leading space, as a SentencePiece decoder's
+            # `Strip` does. A byte-level decoder strips nothing, and the space of a
+            # completion's first token is text the model generated (`def f(x):` ->
+            # ` return`): without the trim the streamed text is tokenizers' decode.
+            def _maybe_trim_space(self, current_text: str) -> str:
+                return current_text
+
+        wrapper._detokenizer = ByteLevelDetokenizer(wrapper._tokenizer)
+    return wrapper
+
+
+def _declares_remote_code(directory: Path) -> bool:
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "auto_map" in config
