@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hardware import detect_host
+from ..models.families import BATCH_BROKEN
 from ..models.loader import CheckpointInfo, load_checkpoint
 from ..observability import ModelLimits, Observability, SlotState
 from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy
@@ -130,10 +131,11 @@ class Worker:
         self._check_stopping()
         # Batching needs caches that merge; without it (or with --no-batch) sequences
         # decode solo, one at a time, first come first served.
-        batching = self.settings.batch and self.settings.parallel > 1 and batchable(self.model)
+        broken = BATCH_BROKEN.get(self.checkpoint.model_type)
+        batching = self.settings.batch and self.settings.parallel > 1 and batchable(self.model) and not broken
         if self.settings.batch and not batching and self.settings.parallel > 1:
-            logger.warning("%s keeps caches that cannot be merged into a batch: serving one sequence "
-                           "at a time", self.checkpoint.name)
+            logger.warning("%s: serving one sequence at a time (%s)", self.checkpoint.name,
+                           broken or "its caches cannot be merged into a batch")
         self._parallel = self.settings.parallel if batching else 1
         if batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,

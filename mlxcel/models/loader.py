@@ -233,6 +233,8 @@ def _declared_tokenizer(directory: Path, wrapper: Any) -> Any:
             # the id -> token map, which is the same file's.
             wrapper._detokenizer = NaiveStreamingDetokenizer(declared)
     if type(wrapper._detokenizer) is BPEStreamingDetokenizer:
+        from mlx_lm.tokenizer_utils import _byte_decoder
+
 
         class ByteLevelDetokenizer(BPEStreamingDetokenizer):  # type: ignore[misc]
             # mlx-lm drops the first token's leading space, as a SentencePiece decoder's
@@ -241,6 +243,13 @@ def _declared_tokenizer(directory: Path, wrapper: Any) -> Any:
             # ` return`): without the trim the streamed text is tokenizers' decode.
             def _maybe_trim_space(self, current_text: str) -> str:
                 return current_text
+
+            # mlx-lm tests the decoded byte for truth, so the token of byte 0 ("Ā") came out as
+            # the character itself; every byte, 0 included, is decoded here.
+            def _decode_bytes(self, seq: str) -> str:
+                decoder = _byte_decoder()
+                return b"".join(bytes([decoder[c]]) if c in decoder else c.encode() for c in seq).decode(
+                    "utf-8", "replace")
 
         wrapper._detokenizer = ByteLevelDetokenizer(wrapper._tokenizer)
     return wrapper

@@ -9,8 +9,9 @@ logit scales) are exactly the ones a decode path that skips ``__call__`` gets
 wrong; families whose body is not ``model.model`` fail at startup there.
 
 :data:`FAMILIES` is the one list of families known to be served: the README
-names these. Every family of mlx-lm's is in it, in :data:`BATCH_BROKEN` (served,
-but mlx-lm's batch is wrong for it) or in ``tests.families.SKIPPED``, each
+names these. Every family of mlx-lm's is in it, in
+:data:`mlxcel.models.families.BATCH_BROKEN` (served one sequence at a time,
+since mlx-lm's batch is wrong for it) or in ``tests.families.SKIPPED``, each
 with a reason.
 """
 
@@ -24,6 +25,7 @@ import httpx
 import pytest
 import trio
 
+from mlxcel.models.families import BATCH_BROKEN
 from tests.families import SKIPPED, all_families, build_family_checkpoint
 from tests.server.conftest import open_stream, running_server
 
@@ -43,25 +45,14 @@ FAMILIES = (
 
 # Served, and right alone, but mlx-lm's batch is wrong for them: the batch tests are expected to
 # fail until it is fixed upstream or mlxcel serves them one at a time.
-BATCH_BROKEN = {
-    "gemma2": "mlx-lm's gemma2 attention cannot take the batch's mask: broadcast_shapes (B,1,1,L) "
-              "against (B,n_kv,n_rep,1,L) raises, and the engine stops",
-    "gpt_bigcode": "mlx-lm's gpt_bigcode takes positions from cache[0].offset, which is an array in a "
-                   "batch cache: ValueError, and the engine stops",
-    # The next four: mlx-lm's own BatchGenerator, given prompts of different lengths, decodes
-    # them differently from model(x) (seen without mlxcel).
-    "afm7": "mlx-lm's batched decode differs from model(x)",
-    "mamba": "mlx-lm's batched decode differs from model(x)",
-    "nemotron_h": "mlx-lm's batched decode differs from model(x)",
-    "olmo_hybrid": "mlx-lm's batched decode differs from model(x)",
-}
 SERVED = (*FAMILIES, *BATCH_BROKEN)
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
 # Candidates for the request that keeps the batch busy; the first whose greedy continuation
 # has no end-of-sequence token for BLOCKER_TOKENS tokens is used.
 BLOCKERS = ["# A long comment that keeps the batch busy", "x = 1\n", "    def __init__(self):", "return [",
-            "for i in range(10):", "if __name__ == "]
+            "for i in range(10):", "if __name__ == ", "for line in lines:", "import os\n", "def f(x):",
+            "while True:", "class A:", "print("]
 BLOCKER_TOKENS = 200
 MAX_TOKENS = 8
 TOLERANCE = 1e-4  # float32 logits; the batch and the oracle differ only in summation order
@@ -153,7 +144,8 @@ def _oracle(directory: Path, family: str) -> Oracle:
         model, tokenizer = loaded
         # mlx-lm's own test of whether caches can join a batch (the server falls back to
         # one sequence at a time without it).
-        batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        # What mlxcel batches: caches that merge, and a batch mlx-lm gets right for the family.
+        batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model)) and family not in BATCH_BROKEN
         _oracles[family] = Oracle(model, set(tokenizer.eos_token_ids), batchable)
     return _oracles[family]
 
@@ -256,7 +248,7 @@ def _check(family: str, answers: list[dict[str, Any]], oracle: Oracle, prompts: 
 
 
 def _batch_params() -> list[Any]:
-    return [*FAMILIES, *(pytest.param(f, marks=pytest.mark.xfail(reason=why)) for f, why in BATCH_BROKEN.items())]
+    return [*FAMILIES, *BATCH_BROKEN]  # the broken-batch ones are served one at a time, and checked so
 
 
 @pytest.mark.slow

@@ -1,0 +1,25 @@
+"""What mlxcel knows about mlx-lm's families beyond what their caches say.
+
+mlx-lm decides whether a model's caches can merge into a batch; for a few
+families its batched decode is wrong even so (found by
+``tests/server/test_families.py``, and reproduced with mlx-lm's own
+``BatchGenerator``, without mlxcel). mlxcel serves those one sequence at a
+time, like a model whose caches cannot merge. Remove an entry when mlx-lm fixes
+it: the test then checks its batch again.
+"""
+
+from __future__ import annotations
+
+#: model_type -> why mlx-lm's continuous batch is wrong for it (mlx-lm 0.32.x).
+BATCH_BROKEN = {
+    "gemma2": "mlx-lm's gemma2 attention cannot take the batch's mask: broadcast_shapes (B,1,1,L) "
+              "against (B,n_kv,n_rep,1,L) raises",
+    "gpt_bigcode": "mlx-lm's gpt_bigcode takes positions from cache[0].offset, which is an array in a "
+                   "batch cache (ValueError)",
+    # mlx-lm's own BatchGenerator, given prompts of different lengths, decodes these
+    # differently from model(x).
+    "afm7": "mlx-lm's batched decode differs from model(x)",
+    "mamba": "mlx-lm's batched decode differs from model(x)",
+    "nemotron_h": "mlx-lm's batched decode differs from model(x)",
+    "olmo_hybrid": "mlx-lm's batched decode differs from model(x)",
+}
