@@ -123,6 +123,17 @@ class Observability:
                                          registry=r)
         r.register(_PolicyStateCollector(self))
 
+    def publish_load(self, sequences: list[tuple[int, int]], parallel: int) -> None:
+        """Slots, batch size and queue depth from the (prompt tokens, decoded) of every sequence held,
+        in admission order: the first *parallel* hold the slots, the rest wait."""
+        serving = sequences[:parallel]
+        self.slots = tuple(SlotState(id=i, is_processing=i < len(serving),
+                                     n_prompt_tokens=serving[i][0] if i < len(serving) else 0,
+                                     n_decoded=serving[i][1] if i < len(serving) else 0)
+                           for i in range(parallel))
+        self.batch_size.set(len(serving))
+        self.queue_depth.set(len(sequences) - len(serving))
+
     def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
         """Swap in a new policy snapshot and its wire body, in one assignment."""
         self.published = PublishedPolicy(snapshot, json.dumps(snapshot.to_wire(), separators=(",", ":")).encode())

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ..policy import BurstSample
+
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 ErrorType = Literal["server_error", "invalid_request_error"]
 
@@ -83,3 +85,9 @@ class BurstStats:
     classic_seconds: float = 0.0
     classic_samples: int = 0
     """Timings of classic decode taken (each of several pipelined steps)."""
+
+    def sample(self) -> BurstSample:
+        """The policy's frozen record of this burst."""
+        return BurstSample(rounds=self.rounds, proposed=self.proposed, accepted=self.accepted,
+                           round_seconds=self.round_seconds, classic_steps=self.classic_steps,
+                           classic_seconds=self.classic_seconds)

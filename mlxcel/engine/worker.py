@@ -23,12 +23,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..hardware import detect_host
-from ..models.families import BATCH_BROKEN
-from ..models.loader import CheckpointInfo, load_checkpoint
-from ..observability import ModelLimits, Observability, SlotState
-from ..policy import BootFacts, BurstSample, HintStore, MtpPolicy
-from .batch import ContinuousBatch, batchable
+from ..models.loader import CheckpointInfo
+from ..observability import ModelLimits, Observability
+from ..policy import BootFacts, HintStore, MtpPolicy
+from .batch import ContinuousBatch
 from .messages import LoadCancelled, Message, Stop, Submit, WorkerSettings
 from .output import SequenceOutput
 from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest
@@ -110,46 +108,28 @@ class Worker:
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
-        import mlx.core as mx
-
+        from .loading import load
         from .prefix_cache import PrefixCache
 
         if self._before_load is not None:
             self._before_load()
-        self.model, self.tokenizer = load_checkpoint(self.checkpoint, check=self._check_stopping)
-        host = detect_host()
-        self.stream = mx.new_stream(mx.default_device())
-        self.eos_tokens = frozenset(self.tokenizer.eos_token_ids)
-        with mx.stream(self.stream):  # one token through the model: the width of its logits
-            vocab = int(self.model(mx.array([[0]])).shape[-1])
-        spec = self.settings.drafter
-        if spec is not None and self.settings.batch:  # the legacy worker has no MTP path
-            from .speculation import set_up
-
-            self.speculation = set_up(spec, self.checkpoint, self.model, self.stream, host.label,
-                                      self.settings.block_size, vocab, self.settings.policy.allow_inexact)
-        self._check_stopping()
-        # Batching needs caches that merge; without it (or with --no-batch) sequences
-        # decode solo, one at a time, first come first served.
-        broken = BATCH_BROKEN.get(self.checkpoint.model_type)
-        batching = self.settings.batch and self.settings.parallel > 1 and batchable(self.model) and not broken
-        if self.settings.batch and not batching and self.settings.parallel > 1:
-            logger.warning("%s: serving one sequence at a time (%s)", self.checkpoint.name,
-                           broken or "its caches cannot be merged into a batch")
-        self._parallel = self.settings.parallel if batching else 1
-        if batching:
+        loaded = load(self.settings, self.checkpoint, self._check_stopping)
+        self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
+        self.eos_tokens, self.speculation = loaded.eos_tokens, loaded.speculation
+        self._parallel = loaded.parallel
+        if loaded.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
         self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
         self._publish_load()
         speculation = self.speculation
-        self.policy.on_worker_ready(BootFacts(host=host, pairing=speculation.pairing if speculation else None,
+        self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=speculation.pairing if speculation else None,
                                               probe_decline=speculation.decline if speculation else None))
         if speculation is not None and speculation.decline is not None and self.policy.state != "exactness_declined":
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
                            self.policy.state, speculation.decline)
-        self.observability.limits = ModelLimits(vocab_size=vocab, embedding_size=vocab,
+        self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.vocab,
                                                 context_length=self.checkpoint.context_length)
         self._on_ready(self.tokenizer)
 
@@ -397,10 +377,7 @@ class Worker:
         if stats is not None:
             # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
             if stats.rounds and stats.classic_steps and not sequence.ever_batched:
-                self.policy.on_sample(BurstSample(
-                    rounds=stats.rounds, proposed=stats.proposed, accepted=stats.accepted,
-                    round_seconds=stats.round_seconds, classic_steps=stats.classic_steps,
-                    classic_seconds=stats.classic_seconds))
+                self.policy.on_sample(stats.sample())
             self.observability.draft_tokens.inc(stats.proposed)
             self.observability.draft_accepted.inc(stats.accepted)
         assert sequence.output.finish_reason is not None
@@ -445,14 +422,6 @@ class Worker:
         return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error)
 
     def _publish_load(self) -> None:
-        """Slots, batch size and queue depth. Sequences are served in admission order, so
-        the first ``parallel`` of them hold the slots and the rest wait."""
-        serving = list(self._sequences.values())[:self._parallel]
-        self.observability.slots = tuple(
-            SlotState(id=i, is_processing=i < len(serving),
-                      n_prompt_tokens=len(serving[i].request.prompt_tokens) if i < len(serving) else 0,
-                      n_decoded=serving[i].output.generated if i < len(serving) else 0)
-            for i in range(self._parallel))
-        self.observability.batch_size.set(len(serving))
-        self.observability.queue_depth.set(len(self._sequences) - len(serving))
-
+        # Sequences are served in admission order: the first ``parallel`` hold the slots, the rest wait.
+        self.observability.publish_load([(len(s.request.prompt_tokens), s.output.generated)
+                                         for s in self._sequences.values()], self._parallel)

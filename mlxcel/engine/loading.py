@@ -1,0 +1,60 @@
+"""The worker's start: the model, its stream, the MTP set-up, and whether it batches. Worker thread only."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..hardware import HostInfo, detect_host
+from ..models.families import BATCH_BROKEN
+from ..models.loader import CheckpointInfo, load_checkpoint
+from .batch import batchable
+from .messages import WorkerSettings
+from .speculation import Speculation
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    model: Any
+    tokenizer: Any
+    stream: Any
+    """The MLX stream every call of the worker runs on."""
+    eos_tokens: frozenset[int]
+    vocab: int
+    """The width of the model's logits."""
+    host: HostInfo
+    speculation: Speculation | None
+    batching: bool
+    parallel: int
+    """Sequences decoding at once: ``--parallel`` when batching, else 1."""
+
+
+def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:
+    """Load *checkpoint* and set up what serving it needs; *check* raises to abandon (a stop)."""
+    import mlx.core as mx
+
+    model, tokenizer = load_checkpoint(checkpoint, check=check)
+    host = detect_host()
+    stream = mx.new_stream(mx.default_device())
+    with mx.stream(stream):  # one token through the model: the width of its logits
+        vocab = int(model(mx.array([[0]])).shape[-1])
+    speculation = None
+    if settings.drafter is not None and settings.batch:  # the legacy worker has no MTP path
+        from .speculation import set_up
+
+        speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
+                             settings.policy.allow_inexact)
+    check()
+    # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
+    # --no-batch) sequences decode solo, one at a time, first come first served.
+    broken = BATCH_BROKEN.get(checkpoint.model_type)
+    batching = settings.batch and settings.parallel > 1 and batchable(model) and not broken
+    if settings.batch and not batching and settings.parallel > 1:
+        logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name,
+                       broken or "its caches cannot be merged into a batch")
+    return Loaded(model, tokenizer, stream, frozenset(tokenizer.eos_token_ids), vocab, host, speculation, batching,
+                  settings.parallel if batching else 1)
