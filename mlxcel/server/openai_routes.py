@@ -177,6 +177,8 @@ class _Generation:
             if not prompt:
                 raise bad_request("the prompt is empty", param="prompt")
             return await self._encode(prompt, completion)
+        if len(prompt) + completion > self.ctx.options.context_length:  # before looking at every id
+            raise self._too_long(f"{len(prompt)}", completion)
         rows = limits.embedding_size
         if not prompt or any(not isinstance(t, int) or not 0 <= t < rows for t in prompt):
             raise bad_request(f"prompt token ids must be a non-empty list of integers from 0 to {rows - 1}",

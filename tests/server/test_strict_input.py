@@ -31,6 +31,7 @@ REFUSED = [
      "stream_options"),
     (json.dumps({"prompt": [1, VOCAB_SIZE]}), 400, "invalid_request", "prompt"),
     (json.dumps({"prompt": [-1]}), 400, "invalid_request", "prompt"),
+    (json.dumps({"prompt": [1] * 5000}), 400, "context_length_exceeded", "prompt"),
     (json.dumps({"prompt": PROMPT, "top_logprobs": 2}), 400, "unsupported_parameter", "top_logprobs"),
     (json.dumps({"prompt": PROMPT, "suffix": "x"}), 400, "unsupported_parameter", "suffix"),
     (json.dumps({"prompt": PROMPT, "n": True}), 400, "invalid_request", "n"),
