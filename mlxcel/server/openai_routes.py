@@ -143,11 +143,9 @@ class _Generation:
             least = await tokens.min_tokens(tokenizer, text)
             if least + completion > self.ctx.options.context_length:
                 raise self._too_long(f"at least {least}", completion)
-        try:
-            return list(await tokens.run(lambda: tokenizer.encode(text, **kwargs)))
-        except Exception as exc:
-            raise bad_request(f"the tokenizer cannot encode this prompt: {exc}",
-                              param="messages" if self.chat else "prompt") from exc
+        # The text is UTF-8 without lone surrogates (checked with the body): if the tokenizer still
+        # fails, that is the server's fault, a 500.
+        return list(await tokens.run(lambda: tokenizer.encode(text, **kwargs)))
 
     async def _prompt_tokens(self, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
                              completion: int) -> list[int]:
