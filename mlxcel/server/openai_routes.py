@@ -145,7 +145,7 @@ class _Generation:
                 raise self._too_long(f"at least {least}", completion)
         # The text is UTF-8 without lone surrogates (checked with the body): if the tokenizer still
         # fails, that is the server's fault, a 500.
-        return list(await tokens.run(lambda: tokenizer.encode(text, **kwargs)))
+        return await tokens.encode(tokenizer, text, **kwargs)
 
     async def _prompt_tokens(self, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
                              completion: int) -> list[int]:

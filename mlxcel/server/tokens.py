@@ -3,17 +3,19 @@
 Hugging Face fast tokenizers are not safe to use from several threads at once
 (``RuntimeError: Already borrowed``, huggingface/tokenizers#537), and trio
 would otherwise run up to 40 handlers' tokenizations in parallel threads. So
-every call goes through one :class:`trio.CapacityLimiter`; the event loop
+every call goes through a :class:`trio.CapacityLimiter` of one; the event loop
 never calls the tokenizer itself. The worker's detokenizer, on the MLX thread,
 is outside this gate (the engine owns it).
 
-Before a long prompt is tokenized, :meth:`Tokens.min_tokens` gives a lower
-bound on its token count from its length alone, so that a prompt that cannot
-fit the context is refused without building a token list of a million ids.
+Long texts have a lane of their own (see :class:`Tokens`). Before a long
+prompt is tokenized, :meth:`Tokens.min_tokens` gives a lower bound on its
+token count from its length alone, so that a prompt that cannot fit the
+context is refused without building a token list of a million ids.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from collections.abc import Callable, Sequence
@@ -95,17 +97,43 @@ def chars_per_token(tokenizer: Any) -> int | None:
     return longest * factor if longest else None
 
 
+LONG_TEXT = 65_536
+"""Characters from which a text is encoded in the long lane, by its own copy of the tokenizer."""
+
+
 class Tokens:
-    """Every tokenizer call from the HTTP layer, serialised; the length bound, computed once."""
+    """Every tokenizer call from the HTTP layer, one at a time per lane; the length bound, computed once.
+
+    Two lanes, so that a long prompt (a 4 MiB one takes seconds to encode)
+    does not hold up every other request's tokenizing: texts of
+    :data:`LONG_TEXT` characters or more are encoded one at a time by a
+    private copy of the tokenizer, made when the first one comes; everything
+    else goes through the shared tokenizer, one call at a time. No tokenizer
+    object is ever used by two threads at once.
+    """
 
     def __init__(self) -> None:
         self._limiter = trio.CapacityLimiter(1)
+        self._long_limiter = trio.CapacityLimiter(1)
+        self._long_copy: Any = None
         self._bound: tuple[int | None] | None = None  # (chars_per_token,) once computed
         self._pieces: dict[int, str] = {}
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` in a worker thread, never beside another tokenizer call from here."""
+        """``fn(*args)`` in a worker thread, never beside another call on the shared tokenizer."""
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def encode(self, tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+        """``tokenizer.encode(text, **kwargs)``, in the lane its length calls for."""
+        if len(text) < LONG_TEXT:
+            return list(await self.run(lambda: tokenizer.encode(text, **kwargs)))
+
+        def encode_long() -> list[int]:
+            if self._long_copy is None:
+                self._long_copy = copy.deepcopy(tokenizer)
+            return list(self._long_copy.encode(text, **kwargs))
+
+        return await trio.to_thread.run_sync(encode_long, limiter=self._long_limiter)
 
     async def min_tokens(self, tokenizer: Any, text: str) -> int:
         """A lower bound on ``len(tokenizer.encode(text))``, from the length of *text* alone (0 if none)."""

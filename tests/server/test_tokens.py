@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -45,6 +46,23 @@ async def test_tokenizer_calls_never_overlap() -> None:
         for _ in range(8):
             nursery.start_soon(tokens.run, call)
     assert most == 1
+
+
+async def test_a_long_text_does_not_hold_up_short_ones(tokenizer: Any) -> None:
+    tokens = Tokens()
+    long_text = "def wrap(text, width=70): " * 40_000  # about a second to encode
+    done: list[str] = []
+
+    async def encode(name: str, text: str) -> None:
+        ids = await tokens.encode(tokenizer, text)
+        assert ids == tokenizer.encode(text)  # the long lane's own copy encodes the same
+        done.append(name)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(encode, "long", long_text)
+        await trio.testing.wait_all_tasks_blocked()  # the long one is in its thread
+        nursery.start_soon(encode, "short", "def f(x):")
+    assert done == ["short", "long"]
 
 
 def test_the_test_tokenizer_has_a_bound(tokenizer: Any) -> None:
