@@ -210,9 +210,13 @@ class _Generation:
         return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
                 "total_tokens": finish.prompt_tokens + finish.completion_tokens}
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.options.model_name,
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: bool = False) -> dict[str, Any]:
+        """A body or chunk; with *usage* (a stream with include_usage) it says ``"usage": null``, as OpenAI's."""
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.options.model_name,
                 "choices": choices}
+        if usage:
+            body["usage"] = None
+        return body
 
     @staticmethod
     def _reason(finish: Finish) -> str:
@@ -246,14 +250,14 @@ class _Generation:
             async with events:
                 if self.chat:
                     first = self._envelope(obj, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}])
+                                                  "logprobs": None, "finish_reason": None}], include_usage)
                     yield sse(first)
                 async for event in events:
                     if isinstance(event, TextDelta):
                         choice = self._choice(event.text, None, await self._logprobs([event]), delta=True)
                         if self.chat:
                             del choice["delta"]["role"]
-                        yield sse(self._envelope(obj, [choice]))
+                        yield sse(self._envelope(obj, [choice], include_usage))
                         continue
                     finish = event
             if finish is None or finish.reason in ("error", "cancelled"):
@@ -265,7 +269,7 @@ class _Generation:
             last = self._choice("", self._reason(finish), None, delta=True)
             if self.chat:
                 last["delta"] = {}
-            chunk = self._envelope(obj, [last])
+            chunk = self._envelope(obj, [last], include_usage)
             chunk["timings"] = asdict(finish.timings)
             yield sse(chunk)
             if include_usage:

@@ -94,6 +94,10 @@ async def test_values_the_engine_cannot_take_are_brought_into_range(llama: Path)
         streamed = await client.post(f"{url}/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
         assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+        chunks = [json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: {")]
+        # As OpenAI: "usage" is null on every chunk but the last, which carries it and no choices.
+        assert all(c["usage"] is None for c in chunks[:-1]) and len(chunks) > 1
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 3
         assert (await client.get(f"{url}/health")).status_code == 200
 
 
