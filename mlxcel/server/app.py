@@ -11,7 +11,7 @@ from werkzeug.exceptions import HTTPException
 from ..observability import Observability
 from . import openai_routes, status_routes
 from .auth import PUBLIC_PATHS, credential, key_matches
-from .context import EngineApi, ServerContext, ServerOptions
+from .context import EngineApi, RequestScope, ServerContext, ServerOptions
 from .errors import HTTP_ERROR_TYPES, ApiError, error_response
 
 logger = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ def create_app(engine: EngineApi, observability: Observability, options: ServerO
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = 60
     ctx = ServerContext(engine=engine, observability=observability, options=options)
+    # Every request gets a scope whose cleanups run however its call ends (see context.at_request_end).
+    app.asgi_app = RequestScope(app.asgi_app)  # type: ignore[method-assign]
 
     @app.before_request
     async def require_key() -> Response | None:

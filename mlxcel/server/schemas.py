@@ -1,9 +1,10 @@
-"""OpenAI request bodies, validated with pydantic in strict mode.
+"""OpenAI request bodies, validated with pydantic in strict mode, and the bounds mlxcel sets.
 
 Strict: a string where a number belongs is an error, not a guess. Fields mlxcel
 does not know are ignored (OpenAI clients send many); fields it knows but
 cannot honour (``n > 1``, ``logit_bias``, tools, ...) are rejected by
-:func:`unsupported`, so a client never silently gets something else.
+:func:`unsupported`, so a client never silently gets something else. Every
+bound here is documented in ``docs/http-api.md``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,18 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-MAX_STOP_STRINGS = 16
+from ..engine import SamplingParams
+
+MAX_STOP_STRINGS = 32
+"""More than OpenAI's 4 (vLLM and llama.cpp take more); the engine checks every one per token."""
+MAX_STOP_CHARS = 1000
+"""Per stop string. Matching costs grow with the square of a stop string's length (review D3)."""
+MAX_JSON_DEPTH = 64
+"""Nesting of arrays and objects in a body; a real request needs four."""
+GREEDY_BELOW = 1e-5
+"""Temperatures below this decode greedily, as vLLM does: ``1/temperature`` would overflow the logits."""
+SEED_RANGE = (-(2**63), 2**63)
+"""OpenAI's int64; MLX's random keys take [0, 2**64), so the seed is taken modulo 2**64."""
 
 
 class _Request(BaseModel):
@@ -23,7 +35,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
     top_k: int = Field(default=0, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], lt=SEED_RANGE[1])
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
@@ -31,9 +43,12 @@ class _Request(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> str | list[str] | None:
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+    def _stop_bounds(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters")
         return value
 
     def stop_strings(self) -> tuple[str, ...]:
@@ -43,6 +58,17 @@ class _Request(BaseModel):
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
+
+    def sampling(self, vocab_size: int) -> SamplingParams:
+        """The engine's parameters, brought into the ranges MLX and mlx-lm accept.
+
+        ``top_k`` at or above the vocabulary keeps every token, which is what 0
+        (off) means; mlx-lm would raise for it. A seed becomes ``seed % 2**64``.
+        """
+        temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        return SamplingParams(temperature=temperature, top_p=self.top_p,
+                              top_k=0 if self.top_k >= vocab_size else self.top_k,
+                              seed=None if self.seed is None else self.seed % 2**64)
 
 
 class CompletionRequest(_Request):
@@ -76,26 +102,27 @@ class ChatCompletionRequest(_Request):
     logprobs: bool = False
 
 
-#: Parameters mlxcel knows and cannot honour, with the value that is harmless.
-_UNSUPPORTED_UNLESS = {
-    "n": 1,
-    "best_of": 1,
-    "echo": False,
-    "suffix": None,
-    "logit_bias": None,
-    "tools": None,
-    "functions": None,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "top_logprobs": None,
+#: Parameters mlxcel knows and cannot honour, with the values that are harmless.
+_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "n": (1,),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "logit_bias": ({},),
+    "tools": ([],),
+    "functions": ([],),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "top_logprobs": (0,),
 }
 
 
 def unsupported(body: dict[str, Any]) -> str | None:
-    """The first parameter in *body* that mlxcel cannot honour, if any."""
+    """The first parameter in *body* that mlxcel cannot honour, if any (absent and null are harmless)."""
     for name, harmless in _UNSUPPORTED_UNLESS.items():
-        value = body.get(name, harmless)
-        if value not in (harmless, None) and value != {} and value != []:
+        value = body.get(name)
+        # `type(v) is type(h)`: True == 1 in Python, but `"n": true` is not harmless.
+        if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
             return name
     response_format = body.get("response_format")
     if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
@@ -109,3 +136,31 @@ def describe(error: ValidationError) -> tuple[str, str | None]:
     location = ".".join(str(part) for part in first["loc"])
     param = str(first["loc"][0]) if first["loc"] else None
     return f"{location}: {first['msg']}" if location else first["msg"], param
+
+
+def json_problem(body: Any) -> str | None:
+    """Why a parsed body cannot be served although it is JSON, if it cannot.
+
+    Nesting deeper than :data:`MAX_JSON_DEPTH` (anywhere, unknown fields
+    included: nothing downstream should recurse into it) and strings with a
+    lone UTF-16 surrogate (``"\\ud800"`` is valid JSON, but no UTF-8 text, so no
+    tokenizer can take it). The walk is iterative, so depth costs no stack.
+    """
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            if not value.isascii():
+                try:
+                    value.encode()
+                except UnicodeEncodeError:
+                    return "the request contains a lone UTF-16 surrogate, which is not text"
+        elif isinstance(value, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
+    return None

@@ -205,3 +205,46 @@ async def test_a_lone_sequence_handed_to_the_batch_mid_stream_keeps_its_text(
         assert second.status_code == 200
         assert await handoffs() == 1
         assert interrupted == alone
+
+
+async def _metric(client: httpx.AsyncClient, url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = text_string_to_metric_families((await client.get(f"{url}/metrics")).text)
+    (family,) = [f for f in families if f.name == name]
+    return float(family.samples[0].value)
+
+
+async def test_a_client_that_leaves_at_once_leaves_nothing_decoding(llama: Path) -> None:
+    """Review D15, and a Cancel that overtakes its Submit: the client sends a stream request and leaves.
+
+    Where it leaves decides which path the server takes: before the body is
+    read, while the prompt is tokenized, between submission and the first
+    event, or mid-stream. The delays sweep those windows (a few milliseconds on
+    this machine; a sleep is the only way to place a disconnect in them). In
+    every case the sequence must stop within a few tokens, not decode its
+    2,500 tokens for nobody while holding the only place.
+    """
+    from urllib.parse import urlsplit
+
+    async with running_server(["--model", str(llama), "--parallel", "1", "--max-queue-depth", "0", "--slots",
+                               "--metrics"]) as url, httpx.AsyncClient(timeout=60) as client:
+        parts = urlsplit(url)
+        payload = json.dumps({"prompt": PROMPTS[0] * 120, "max_tokens": 2500, "temperature": 0,
+                              "stream": True}).encode()
+        generated = 0.0
+        for step in range(16):
+            stream = await trio.open_tcp_stream(parts.hostname or "127.0.0.1", parts.port or 80)
+            await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: "
+                                  b"application/json\r\nContent-Length: " + str(len(payload)).encode()
+                                  + b"\r\n\r\n" + payload)
+            await trio.sleep(step * 0.0005)
+            await stream.aclose()
+            with trio.fail_after(10):  # the place frees: a short request is served, not refused
+                while (after := await client.post(f"{url}/v1/completions",
+                                                  json={"prompt": "x", "max_tokens": 1})).status_code == 503:
+                    await trio.sleep(0.01)
+            assert after.status_code == 200, after.text
+            now = await _metric(client, url, "mlxcel_generated_tokens")
+            assert now - generated <= 50, (step, now - generated)
+            generated = now

@@ -102,7 +102,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "invalid_request", "temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": 3}, 400, "invalid_request", "temperature"),
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "invalid_request", "stream"),
-    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 17}, 400, "invalid_request", "stop"),
+    ("/v1/completions", {"prompt": "x", "stop": ["a"] * 33}, 400, "invalid_request", "stop"),
     ("/v1/completions", {"prompt": ""}, 400, "invalid_request", "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "invalid_request", "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
