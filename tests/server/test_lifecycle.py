@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from tests.conftest import validate_wire
 from tests.server.conftest import free_port, mlxcel, running_server, wait_ready
@@ -40,6 +41,25 @@ async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path
         validate_wire(ready)
         assert (ready["state"], ready["reason"], ready["mtp_enabled"]) == ("unavailable", "no_mtp_dispatch", False)
         assert (await client.get(f"{url}/v1/health")).status_code == 200
+
+
+async def test_a_shutdown_during_the_model_load_stops_it_between_slices(
+        llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from mlxcel.serve import run_server
+    from tests.server.conftest import serve_config
+
+    release = threading.Event()
+    shutdown = trio.Event()
+    config = serve_config(["--model", str(llama)], before_load=lambda: release.wait(30))
+    with caplog.at_level("INFO", logger="mlxcel"), trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: run_server(config, shutdown=shutdown, task_status=task_status))
+            shutdown.set()  # Ctrl-C / SIGTERM while the worker is about to read the weights
+            await trio.testing.wait_all_tasks_blocked()  # the engine was told to stop; the load not begun
+            release.set()
+    messages = [r.getMessage() for r in caplog.records]
+    assert "stopped before the model finished loading" in messages
+    assert not any(m.startswith("loaded ") for m in messages)  # it never read all the weights
 
 
 async def test_no_batch_worker_serves_one_at_a_time_and_has_no_mtp(llama: Path) -> None:
