@@ -119,7 +119,9 @@ class Observability:
                                 registry=r)
         self.queue_depth = Gauge("mlxcel_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.batch_size = Gauge("mlxcel_batch_size", "Sequences decoding together", registry=r)
+        # Generations take seconds to minutes: prometheus' default buckets stop at 10 s.
         self.request_seconds = Histogram("mlxcel_request_seconds", "Generation request duration",
+                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                          registry=r)
         r.register(_PolicyStateCollector(self))
 

@@ -374,12 +374,9 @@ class Worker:
         self.prefix.store(solo.tokens_in_cache, solo.cache)
         self._forget(sequence)
         stats = sequence.burst
-        if stats is not None:
-            # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
-            if stats.rounds and stats.classic_steps and not sequence.ever_batched:
-                self.policy.on_sample(stats.sample())
-            self.observability.draft_tokens.inc(stats.proposed)
-            self.observability.draft_accepted.inc(stats.accepted)
+        # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
+        if stats is not None and stats.rounds and stats.classic_steps and not sequence.ever_batched:
+            self.policy.on_sample(stats.sample())
         assert sequence.output.finish_reason is not None
         events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
         self.observability.cache = self.prefix.stats()
@@ -413,7 +410,10 @@ class Worker:
 
     def _forget(self, sequence: _Sequence) -> None:
         """Drop *sequence* from the worker, and from the batch if it is still there."""
-        self._sequences.pop(sequence.request.id, None)
+        if self._sequences.pop(sequence.request.id, None) is not None and sequence.burst is not None:
+            # Every burst counts, however its request ended (finished, batched, cancelled, failed).
+            self.observability.draft_tokens.inc(sequence.burst.proposed)
+            self.observability.draft_accepted.inc(sequence.burst.accepted)
         if self.batch is not None:
             self.batch.discard(sequence)
         sequence.solo = None
