@@ -60,7 +60,8 @@ class SamplingChain:
         return mx.softmax(self.filtered(logprobs) * self.scale, axis=-1)
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        return mx.random.categorical(self.filtered(logprobs) * self.scale, key=self.next_key())
+        # In float32: 1/temperature can overflow fp16 logits long before float32 ones.
+        return mx.random.categorical(self.filtered(logprobs.astype(mx.float32)) * self.scale, key=self.next_key())
 
 
 class SpeculativeSampler:
