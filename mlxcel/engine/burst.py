@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from ..models.speculative import SequenceDrafter, SpeculativeTarget, Split, Verify
 from .requests import BurstStats
-from .sampling import SpeculativeSampler
+from .sampling import SpeculativeSampler, log_probabilities
 
 #: While profiling, classic decode is timed inside the burst: CLASSIC_SAMPLE_STEPS pipelined
 #: single-token steps after the first round (so that even a short request measures it), and
@@ -33,6 +33,13 @@ def classic_sample_due(stats: BurstStats) -> bool:
         return False
     owed = 1 + stats.rounds // CLASSIC_SAMPLE_EVERY
     return stats.classic_samples < owed
+
+
+def greedy_tokens(logits: mx.array) -> mx.array:
+    """Classic decode's greedy token at every position of verify logits (1, W, V): the argmax of
+    its log-probabilities, each computed on a (1, V) row exactly as a single step computes it."""
+    return mx.concatenate([mx.argmax(log_probabilities(logits[:, i, :]), axis=-1)
+                           for i in range(logits.shape[1])])
 
 
 @dataclass(slots=True)
@@ -71,7 +78,7 @@ class Burst:
         block = mx.concatenate([mx.array([[next_input]], dtype=mx.int32), drafts], axis=1)
         verify = self.target.verify(block, cache, self.split)
         if self.sampler is None:
-            accepted, last = None, mx.argmax(verify.logits[0], axis=-1)
+            accepted, last = None, greedy_tokens(verify.logits)
             mx.async_eval(drafts, last)
         else:
             accepted, last = self.sampler(verify.logits[0], drafts[0])

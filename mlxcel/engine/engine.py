@@ -62,7 +62,6 @@ class Engine:
         self._closing = False
         self._token: trio.lowlevel.TrioToken | None = None
 
-
     async def run(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
         worker = Worker(self.settings, self.checkpoint, self.observability, self._inbox,

@@ -26,6 +26,8 @@ class Loaded:
     eos_tokens: frozenset[int]
     vocab: int
     """The width of the model's logits."""
+    embedding_rows: int
+    """Token ids below this have an input embedding."""
     host: HostInfo
     speculation: Speculation | None
     batching: bool
@@ -56,5 +58,19 @@ def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[
     if settings.batch and not batching and settings.parallel > 1:
         logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name,
                        broken or "its caches cannot be merged into a batch")
-    return Loaded(model, tokenizer, stream, frozenset(tokenizer.eos_token_ids), vocab, host, speculation, batching,
-                  settings.parallel if batching else 1)
+    return Loaded(model, tokenizer, stream, frozenset(tokenizer.eos_token_ids), vocab, _embedding_rows(model, vocab),
+                  host, speculation, batching, settings.parallel if batching else 1)
+
+
+def _embedding_rows(model: Any, vocab: int) -> int:
+    """Rows of the model's token embedding (``embed_tokens``, or gpt2's ``wte``, ...), else the logits' width.
+
+    The smallest such table that a token id indexes: an id past it is read as garbage, not refused, by MLX.
+    """
+    import mlx.nn as nn
+
+    rows = [module.weight.shape[0] for name, module in model.named_modules()
+            if isinstance(module, nn.Embedding | nn.QuantizedEmbedding)
+            and name.rsplit(".", 1)[-1] in ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
+                                           "embedding", "emb")]
+    return min(rows, default=vocab)

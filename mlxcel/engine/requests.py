@@ -8,6 +8,9 @@ from typing import Literal
 from ..policy import BurstSample
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+#: Below this temperature ``1 / temperature`` overflows the logits: such a request is greedy.
+GREEDY_BELOW = 1e-5
 ErrorType = Literal["server_error", "invalid_request_error"]
 
 

@@ -12,10 +12,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from .requests import SamplingParams
+from .requests import GREEDY_BELOW, SamplingParams
 
-#: Below this temperature ``1 / temperature`` overflows float32 logits: treat it as greedy.
-GREEDY_BELOW = 1e-5
+
+def log_probabilities(logits: mx.array) -> mx.array:
+    """Classic decode's log-probabilities of logits (1, V): what its greedy argmax and its samplers read.
+
+    The burst computes its own per position with this same function on the same
+    (1, V) shape, so that its greedy choice is classic decode's to the bit (in
+    bf16 the subtraction can round two logits to one value, and the tie then
+    goes to the lower index whatever the raw logits said).
+    """
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -56,7 +64,7 @@ class SamplingChain:
 
     def probabilities(self, logits: mx.array) -> mx.array:
         """The distribution (N, V) a draw samples from, for logits (N, V)."""
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (N, V) at once: sampled, not exact
         return mx.softmax(self.filtered(logprobs) * self.scale, axis=-1)
 
     def __call__(self, logprobs: mx.array) -> mx.array:

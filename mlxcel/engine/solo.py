@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from .burst import Burst, PendingRound
+from .sampling import log_probabilities
 
 Sampler = Callable[[Any], Any]
 
@@ -111,7 +112,7 @@ class SoloDecoder:
             else:
                 logits, hidden = self.burst.target.forward(tokens, self.cache)
                 logits = logits[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = log_probabilities(logits)
             sampled = self.sampler(logprobs)
             if hidden is not None:
                 assert self.burst is not None

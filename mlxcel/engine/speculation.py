@@ -38,13 +38,16 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     from mlx_lm.models.cache import make_prompt_cache
 
     from ..models.drafters.loader import load_drafter
-    from .exactness import probe_exactness
+    from .exactness import ProbeResult, probe_exactness
 
     target = speculative_target(checkpoint.model_type, model)
     drafter = load_drafter(spec, checkpoint.path, model)
-    with mx.stream(stream):
-        probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
-                                checkpoint.context_length)
+    try:
+        with mx.stream(stream):
+            probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
+                                    checkpoint.context_length)
+    except Exception as exc:  # a probe that cannot run proves nothing: no burst, and the server serves on
+        probe = ProbeResult(None, f"The exactness probe could not run: {type(exc).__name__}: {exc}.")
     split = probe.split
     if split is not None:
         logger.info("MTP exactness probe: at K=%d the burst is byte-identical to classic decode with %s "

@@ -32,6 +32,7 @@ from .output import SequenceOutput
 from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
+    from .sampling import SamplingChain
     from .solo import SoloDecoder
     from .speculation import Speculation
 
@@ -48,7 +49,11 @@ class _Sequence:
 
     request: GenerationRequest
     output: SequenceOutput
+    chain: SamplingChain | None
+    """The request's sampling chain (None: greedy); the burst's acceptance rule draws from the same one,
+    so a seeded request never reuses a key."""
     sampler: Callable[[Any], Any] | None
+    """What classic decode calls: the chain (with the test hook around it, if any)."""
     admitted: float
     cached: int
     """Prompt tokens reused from the prefix cache."""
@@ -93,6 +98,8 @@ class Worker:
     def run(self) -> None:
         try:
             self._load()
+        except LoadCancelled:
+            raise  # a stop, not a failure: the state stays "stopping"
         except BaseException:
             self.observability.state = "failed"
             raise
@@ -129,7 +136,7 @@ class Worker:
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
                            self.policy.state, speculation.decline)
-        self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.vocab,
+        self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length)
         self._on_ready(self.tokenizer)
 
@@ -139,9 +146,7 @@ class Worker:
 
     def _burst_allowed(self, request: GenerationRequest) -> bool:
         """The runtime gates of the B=1 burst, below the policy's live gate."""
-        return (self.speculation is not None and self.speculation.split is not None
-                and bool(self.policy.mtp_enabled)
-                and not request.logprobs)  # logprobs come from classic decode
+        return bool(self.policy.mtp_enabled) and not request.logprobs  # logprobs come from classic decode
 
     def _loop(self) -> None:
         while True:
@@ -159,7 +164,16 @@ class Worker:
                     self._batch_step(self.batch)
                 except Exception as exc:
                     self._fail(self.batch.sequences, exc)
-                    self.batch.rebuild()
+                    self._rebuild_batch()
+
+    def _rebuild_batch(self) -> None:
+        assert self.batch is not None
+        try:
+            self.batch.rebuild()
+        except Exception as exc:  # no batch to be had: serve on, one sequence at a time
+            logger.error("the continuous batch could not be rebuilt (%s: %s): serving one sequence at a time",
+                         type(exc).__name__, exc)
+            self.batch, self._parallel = None, 1
 
     def _fail(self, sequences: list[_Sequence], exc: Exception) -> None:
         """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
@@ -234,11 +248,12 @@ class Worker:
         for request in requests:
             tokens = list(request.prompt_tokens)
             try:
-                sampler = make_sampler(request.sampling)
+                chain = make_sampler(request.sampling)
+                sampler: Callable[[Any], Any] | None = chain
                 if self.settings.fault_hook is not None:
-                    sampler = sampler_with_hook(sampler, lambda r=request: self._fault("sampler", r))
+                    sampler = sampler_with_hook(chain, lambda r=request: self._fault("sampler", r))
                 cache, rest = self.prefix.fetch(tokens)
-                sequence = _Sequence(request=request, sampler=sampler,
+                sequence = _Sequence(request=request, chain=chain, sampler=sampler,
                                      output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
@@ -321,9 +336,9 @@ class Worker:
         speculation = self.speculation
         if speculation is not None and speculation.split is not None and self._burst_allowed(request):
             from .burst import Burst
-            from .sampling import SpeculativeSampler, make_sampler
+            from .sampling import SpeculativeSampler
 
-            chain = make_sampler(request.sampling)
+            chain = sequence.chain
             burst = Burst(speculation.target, speculation.drafter.new_sequence(), speculation.split,
                           SpeculativeSampler(chain) if chain is not None else None,
                           before_verify=lambda: self._fault("verify", request))
@@ -371,7 +386,7 @@ class Worker:
         """A solo sequence finished: keep its cache, report its burst, send its Finish."""
         if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
             solo.finish_round(count=False)
-        self.prefix.store(solo.tokens_in_cache, solo.cache)
+        self._keep(solo.tokens_in_cache, solo.cache)
         self._forget(sequence)
         stats = sequence.burst
         # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
@@ -383,30 +398,50 @@ class Worker:
         self._publish_load()
 
     def _batch_step(self, batch: ContinuousBatch[_Sequence]) -> None:
+        """One step of the batch. If the step itself raises, the caller fails the batch and rebuilds
+        it; a failure in one sequence's own handling (its text, its logprobs) ends that one only."""
         for sequence in batch.sequences:
             self._fault("batch_step", sequence.request)
+        responses = batch.step()
         events: list[tuple[str, Event]] = []
         finished: list[tuple[_Sequence, Any]] = []
-        for sequence, response in batch.step():
-            delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
+        failed: list[tuple[_Sequence, Exception]] = []
+        for sequence, response in responses:
+            try:
+                delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
+            except Exception as exc:
+                failed.append((sequence, exc))
+                continue
             self.observability.generated_tokens.inc()
             if delta is not None:
                 events.append((sequence.request.id, delta))
             if sequence.output.finish_reason is not None:
                 finished.append((sequence, response))
-        if finished:
-            kept = batch.take_out(finished)
-            for sequence, _ in finished:
-                cache, tokens = kept[id(sequence)]
-                if cache is not None and tokens:
-                    self.prefix.store(tokens, cache)
-                self._forget(sequence)
-                assert sequence.output.finish_reason is not None
-                events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
-            self.observability.cache = self.prefix.stats()
-        self._publish_load()
-        if events:
-            self._deliver(events)
+        try:
+            if finished:  # a take_out that raises leaves them in the batch, which then fails whole
+                kept = batch.take_out(finished)
+                for sequence, _ in finished:
+                    cache, tokens = kept[id(sequence)]
+                    self._keep(tokens, cache)
+                    self._forget(sequence)
+                    assert sequence.output.finish_reason is not None
+                    events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
+                self.observability.cache = self.prefix.stats()
+        finally:  # what was built is delivered, whatever happens after
+            self._publish_load()
+            if events:
+                self._deliver(events)
+        for sequence, error in failed:
+            self._fail([sequence], error)
+
+    def _keep(self, tokens: list[int], cache: Any) -> None:
+        """Offer a finished sequence's cache to the prefix cache; a failure loses only the reuse."""
+        if cache is None or not tokens:
+            return
+        try:
+            self.prefix.store(tokens, cache)
+        except Exception:
+            logger.exception("could not keep a finished prompt cache")
 
     def _forget(self, sequence: _Sequence) -> None:
         """Drop *sequence* from the worker, and from the batch if it is still there."""

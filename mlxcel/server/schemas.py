@@ -14,15 +14,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ..engine import SamplingParams
+from ..engine.requests import GREEDY_BELOW  # below it a temperature decodes greedily, as in vLLM
 
 MAX_STOP_STRINGS = 32
 """More than OpenAI's 4 (vLLM and llama.cpp take more); the engine checks every one per token."""
 MAX_STOP_CHARS = 1000
-"""Per stop string. Matching costs grow with the square of a stop string's length (review D3)."""
+"""Per stop string. Bounded because the engine checks every stop string at every token."""
 MAX_JSON_DEPTH = 64
 """Nesting of arrays and objects in a body; a real request needs four."""
-GREEDY_BELOW = 1e-5
-"""Temperatures below this decode greedily, as vLLM does: ``1/temperature`` would overflow the logits."""
 SEED_RANGE = (-(2**63), 2**63)
 """OpenAI's int64; MLX's random keys take [0, 2**64), so the seed is taken modulo 2**64."""
 
