@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -26,47 +24,22 @@ import trio
 from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
+from .admission import Admission
 from .batch import ContinuousBatch
-from .messages import LoadCancelled, Message, Stop, Submit, WorkerSettings
-from .output import SequenceOutput
-from .requests import BurstStats, Event, Finish, FinishReason, GenerationRequest
+from .messages import LoadCancelled, Message, WorkerSettings
+from .requests import Event, Finish, FinishReason, GenerationRequest
+from .sequence import Sequence
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
-    from .sampling import SamplingChain
     from .solo import SoloDecoder
     from .speculation import Speculation
 
 logger = logging.getLogger(__name__)
 
-#: How long an idle worker waits for work before checking for cancellation.
-IDLE_POLL_SECONDS = 0.05
 #: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
 CANCEL_CHECK_TOKENS = 16
 
-@dataclass
-class _Sequence:
-    """A request the worker is serving: waiting (``prompt_state``), alone (``solo``) or in the batch."""
-
-    request: GenerationRequest
-    output: SequenceOutput
-    chain: SamplingChain | None
-    """The request's sampling chain (None: greedy); the burst's acceptance rule draws from the same one,
-    so a seeded request never reuses a key."""
-    sampler: Callable[[Any], Any] | None
-    """What classic decode calls: the chain (with the test hook around it, if any)."""
-    admitted: float
-    cached: int
-    """Prompt tokens reused from the prefix cache."""
-    solo: SoloDecoder | None = None
-    prompt_state: tuple[Any, list[int], list[int]] | None = None
-    """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
-    ever_batched: bool = False
-    """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""
-    burst: BurstStats | None = None
-    """Its MTP burst's statistics, if it ran one."""
-
-
-class Worker:
+class Worker(Admission):
     """Owns MLX for the server. :meth:`run` is the thread's whole life."""
 
     def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
@@ -88,10 +61,10 @@ class Worker:
         self.stream: Any = None
         self.eos_tokens: frozenset[int] = frozenset()
         self.speculation: Speculation | None = None
-        self.batch: ContinuousBatch[_Sequence] | None = None  # when batching
+        self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
         self._parallel = 1
-        self._sequences: dict[str, _Sequence] = {}
+        self._sequences: dict[str, Sequence] = {}
 
     # -- the thread -------------------------------------------------------------
 
@@ -175,7 +148,7 @@ class Worker:
                          type(exc).__name__, exc)
             self.batch, self._parallel = None, 1
 
-    def _fail(self, sequences: list[_Sequence], exc: Exception) -> None:
+    def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
         """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
         events: list[tuple[str, Event]] = []
         for sequence in sequences:
@@ -186,7 +159,7 @@ class Worker:
         self._publish_load()
         self._deliver(events)
 
-    def _solo_candidate(self) -> _Sequence | None:
+    def _solo_candidate(self) -> Sequence | None:
         """The sequence to decode alone now, if any: batching, the only one if it started alone;
         not batching, the oldest (its prompt is prefilled when its turn comes)."""
         if not self._sequences or (self.batch is not None and len(self._sequences) != 1):
@@ -194,117 +167,9 @@ class Worker:
         sequence = next(iter(self._sequences.values()))
         return None if self.batch is not None and sequence in self.batch else sequence
 
-    def _take_messages(self, block: bool) -> bool:
-        """Handle every message waiting (waiting a little if *block*); False on Stop."""
-        events: list[tuple[str, Event]] = []
-        submitted: dict[str, GenerationRequest] = {}
-        try:
-            message = self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return True
-        try:
-            while True:
-                if isinstance(message, Stop):
-                    self._end_all("error", message.reason, events)
-                    for request in submitted.values():
-                        events.append((request.id, Finish("error", len(request.prompt_tokens), 0,
-                                                          error=message.reason)))
-                    self._deliver(events)
-                    return False
-                if isinstance(message, Submit):
-                    submitted[message.request.id] = message.request
-                elif message.request_id in submitted:
-                    request = submitted.pop(message.request_id)
-                    # Cancelled in the same drain as its Submit: never admitted, never generated.
-                    events.append((request.id, Finish("cancelled", len(request.prompt_tokens), 0,
-                                                      error="the client went away")))
-                else:
-                    self._cancel(message.request_id, events)
-                message = self.inbox.get_nowait()
-        except queue.Empty:
-            pass
-        if submitted:
-            self._admit(list(submitted.values()), events)
-        self._publish_load()
-        if events:
-            self._deliver(events)
-        return True
-
-    # -- requests ---------------------------------------------------------------
-
-    def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
-        """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
-        from .sampling import make_sampler, sampler_with_hook
-
-        alone = not self._sequences and len(requests) == 1
-        batch = self.batch is not None and not alone
-        if batch:
-            for sequence in list(self._sequences.values()):
-                if sequence not in self.batch:  # type: ignore[operator]
-                    try:
-                        self._into_batch(sequence)
-                    except Exception as exc:
-                        self._fail([sequence], exc)
-        for request in requests:
-            tokens = list(request.prompt_tokens)
-            try:
-                chain = make_sampler(request.sampling)
-                sampler: Callable[[Any], Any] | None = chain
-                if self.settings.fault_hook is not None:
-                    sampler = sampler_with_hook(chain, lambda r=request: self._fault("sampler", r))
-                cache, rest = self.prefix.fetch(tokens)
-                sequence = _Sequence(request=request, chain=chain, sampler=sampler,
-                                     output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
-                                     admitted=time.perf_counter(), cached=len(tokens) - len(rest))
-                cached_tokens = tokens[:len(tokens) - len(rest)]
-                if batch:
-                    self._insert(sequence, rest, cache, cached_tokens, request.max_tokens)
-                else:
-                    sequence.prompt_state = (cache, cached_tokens, rest)  # prefilled on its solo turn
-            except Exception as exc:  # a request the model cannot take must not stop the worker
-                logger.error("request %s could not be admitted: %s: %s", request.id, type(exc).__name__, exc)
-                events.append((request.id, Finish("error", len(tokens), 0,
-                                                  error=f"cannot start generation: {exc}")))
-                continue
-            self._sequences[request.id] = sequence
-            self.observability.prompt_tokens.inc(len(tokens))
-        self.observability.cache = self.prefix.stats()
-
-    def _insert(self, sequence: _Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
-        assert self.batch is not None
-        self.batch.insert(sequence, tokens, cache, cached, max_tokens, sequence.sampler)
-        sequence.ever_batched = True
-
-    def _into_batch(self, sequence: _Sequence) -> None:
-        """Hand a parked solo sequence (prefilled, part-prefilled or not started) to the batch."""
-        solo = sequence.solo
-        remaining = sequence.output.remaining
-        if solo is None:  # not started: the batch prefills it
-            assert sequence.prompt_state is not None
-            cache, cached_tokens, rest = sequence.prompt_state
-            sequence.prompt_state = None
-            self._insert(sequence, rest, cache, cached_tokens, remaining)
-            return
-        assert solo.parked
-        sequence.solo = None
-        self._insert(sequence, solo.pending, solo.cache, solo.tokens_in_cache, remaining)
-        self.observability.handoffs.inc()
-
-    def _cancel(self, request_id: str, events: list[tuple[str, Event]]) -> None:
-        sequence = self._sequences.get(request_id)
-        if sequence is None:
-            return
-        self._forget(sequence)
-        events.append((request_id, self._finish(sequence, "cancelled", "the client went away")))
-
-    def _end_all(self, reason: FinishReason, error: str, events: list[tuple[str, Event]]) -> None:
-        for sequence in list(self._sequences.values()):
-            self._forget(sequence)
-            events.append((sequence.request.id, self._finish(sequence, reason, error)))
-
     # -- decoding -----------------------------------------------------------------
 
-    def _advance_solo(self, sequence: _Sequence) -> None:
+    def _advance_solo(self, sequence: Sequence) -> None:
         """Start, prefill (a chunk at a time, watching the inbox) and decode the lone sequence."""
         if sequence.solo is None:
             sequence.solo = self._start_solo(sequence)
@@ -323,7 +188,7 @@ class Worker:
         else:
             self._run_classic(sequence, solo)
 
-    def _start_solo(self, sequence: _Sequence) -> SoloDecoder:
+    def _start_solo(self, sequence: Sequence) -> SoloDecoder:
         from mlx_lm.models.cache import make_prompt_cache
 
         from .solo import SoloDecoder
@@ -347,7 +212,7 @@ class Worker:
                            cache if cache is not None else make_prompt_cache(self.model), list(cached_tokens),
                            list(rest), burst, before_step=lambda: self._fault("solo_step", request))
 
-    def _run_classic(self, sequence: _Sequence, solo: SoloDecoder) -> None:
+    def _run_classic(self, sequence: Sequence, solo: SoloDecoder) -> None:
         """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""
         output = sequence.output
         solo.resume()
@@ -363,7 +228,7 @@ class Worker:
                 self._publish_load()
                 trio.from_thread.check_cancelled()
 
-    def emit(self, sequence: _Sequence, tokens: list[int], logprobs: Any = None) -> bool:
+    def emit(self, sequence: Sequence, tokens: list[int], logprobs: Any = None) -> bool:
         """Deliver a solo sequence's new *tokens*; retire it if they finish it. True when finished."""
         events: list[tuple[str, Event]] = []
         output = sequence.output
@@ -382,7 +247,7 @@ class Worker:
             self._deliver(events)
         return finished
 
-    def _retire_solo(self, sequence: _Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
+    def _retire_solo(self, sequence: Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
         """A solo sequence finished: keep its cache, report its burst, send its Finish."""
         if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
             solo.finish_round(count=False)
@@ -397,15 +262,15 @@ class Worker:
         self.observability.cache = self.prefix.stats()
         self._publish_load()
 
-    def _batch_step(self, batch: ContinuousBatch[_Sequence]) -> None:
+    def _batch_step(self, batch: ContinuousBatch[Sequence]) -> None:
         """One step of the batch. If the step itself raises, the caller fails the batch and rebuilds
         it; a failure in one sequence's own handling (its text, its logprobs) ends that one only."""
         for sequence in batch.sequences:
             self._fault("batch_step", sequence.request)
         responses = batch.step()
         events: list[tuple[str, Event]] = []
-        finished: list[tuple[_Sequence, Any]] = []
-        failed: list[tuple[_Sequence, Exception]] = []
+        finished: list[tuple[Sequence, Any]] = []
+        failed: list[tuple[Sequence, Exception]] = []
         for sequence, response in responses:
             try:
                 delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
@@ -443,7 +308,7 @@ class Worker:
         except Exception:
             logger.exception("could not keep a finished prompt cache")
 
-    def _forget(self, sequence: _Sequence) -> None:
+    def _forget(self, sequence: Sequence) -> None:
         """Drop *sequence* from the worker, and from the batch if it is still there."""
         if self._sequences.pop(sequence.request.id, None) is not None and sequence.burst is not None:
             # Every burst counts, however its request ended (finished, batched, cancelled, failed).
@@ -453,7 +318,7 @@ class Worker:
             self.batch.discard(sequence)
         sequence.solo = None
 
-    def _finish(self, sequence: _Sequence, reason: FinishReason, error: str | None = None) -> Finish:
+    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None) -> Finish:
         return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error)
 
     def _publish_load(self) -> None:

@@ -1,0 +1,37 @@
+"""The worker's record of one request it is serving. Plain data; worker thread only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .output import SequenceOutput
+from .requests import BurstStats, GenerationRequest
+
+if TYPE_CHECKING:
+    from .sampling import SamplingChain
+    from .solo import SoloDecoder
+
+
+@dataclass
+class Sequence:
+    """A request the worker is serving: waiting (``prompt_state``), alone (``solo``) or in the batch."""
+
+    request: GenerationRequest
+    output: SequenceOutput
+    chain: SamplingChain | None
+    """The request's sampling chain (None: greedy); the burst's acceptance rule draws from the same one,
+    so a seeded request never reuses a key."""
+    sampler: Callable[[Any], Any] | None
+    """What classic decode calls: the chain (with the test hook around it, if any)."""
+    admitted: float
+    cached: int
+    """Prompt tokens reused from the prefix cache."""
+    solo: SoloDecoder | None = None
+    prompt_state: tuple[Any, list[int], list[int]] | None = None
+    """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
+    ever_batched: bool = False
+    """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""
+    burst: BurstStats | None = None
+    """Its MTP burst's statistics, if it ran one."""
