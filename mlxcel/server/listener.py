@@ -73,6 +73,8 @@ class _Connections:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.idle_since: dict[_Connection, float | None] = {}
+        self.starting = 0
+        """Accepted connections whose task has not run yet: they count against the limit too."""
         self._changed = trio.Event()
 
     def _notify(self) -> None:
@@ -104,7 +106,7 @@ class _Connections:
 
     async def make_room(self) -> None:
         """Return once a new connection fits: evict idle ones, else wait for one to end."""
-        while len(self.idle_since) >= self.limit:
+        while len(self.idle_since) + self.starting >= self.limit:
             if not await self.evict_one():
                 await self._changed.wait()
 
@@ -246,6 +248,7 @@ async def _accept_loop(listener: trio.SocketListener, connections: _Connections,
         except BaseException:
             await stream.aclose()  # cancelled while waiting for a place (shutdown)
             raise
+        connections.starting += 1  # counted from now: a burst of accepts cannot overshoot the limit
         nursery.start_soon(start, stream)
 
 
@@ -271,6 +274,8 @@ async def serve(app: Any, config: Config, limits: ConnectionLimits, *,
                 listeners.append(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
 
             async def start(stream: trio.SocketStream) -> None:
+                # No checkpoint from here to the connection's add(): it moves from starting to open at once.
+                connections.starting -= 1
                 await _Connection(connections, asgi, config, context, ConnectionState(lifespan_state.copy()),
                                   stream)
 

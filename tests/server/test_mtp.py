@@ -371,3 +371,31 @@ def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp
         assert elsewhere["state"] == "profiling" and str(elsewhere["hardware"]).startswith("cpu-openblas-")
     restored = policy_after("off", request=False)
     assert restored == measured
+
+
+async def test_a_probe_that_cannot_run_vetoes_instead_of_ending_the_server(
+        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.models import speculative
+
+    real = speculative.TARGETS["qwen3_5"]
+
+    class Broken:
+        """A target adapter whose verify fails (as one whose cache kept no per-token states would)."""
+
+        def __init__(self, model: object) -> None:
+            self.inner = real(model)
+            self.forward = self.inner.forward
+            self.rollback = self.inner.rollback
+
+        def verify(self, *args: object) -> object:
+            raise RuntimeError("this verify cannot run here")
+
+    monkeypatch.setitem(speculative.TARGETS, "qwen3_5", Broken)
+    async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        policy = await _policy(client, url)
+        body = await _complete(client, url, PROMPTS[0], 12)
+    assert policy["state"] == "exactness_declined"
+    assert policy["decline_detail"] == ("The exactness probe could not run: RuntimeError: this verify cannot "
+                                        "run here.")
+    assert body["timings"]["draft_rounds"] == 0  # type: ignore[index]  # classic decode serves
