@@ -7,6 +7,7 @@ Worker thread only. Knows no family: the adapter and the drafter come from
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,9 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
 
     target = speculative_target(checkpoint.model_type, model)
     drafter = load_drafter(spec, checkpoint.path, model)
+    started = time.perf_counter()
+    logger.info("MTP exactness probe: checking every verify width up to K=%d against single-token decode",
+                block_size)
     try:
         with mx.stream(stream):
             probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
@@ -51,7 +55,8 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     split = probe.split
     if split is not None:
         logger.info("MTP exactness probe: at K=%d the burst is byte-identical to classic decode with %s "
-                    "(every width 1..%d, every rollback prefix)", block_size, DESCRIBE[split], block_size)
+                    "(every width 1..%d, every rollback prefix; %.1fs)", block_size, DESCRIBE[split], block_size,
+                    time.perf_counter() - started)
     elif allow_inexact:
         split = "wide"
         logger.warning("MLXCEL_MTP_ALLOW_INEXACT=1: running the burst although the exactness probe vetoed it; "
