@@ -65,6 +65,28 @@ def _statechart(args: argparse.Namespace) -> int:
     return 0
 
 
+def _split_mtp(args: argparse.Namespace) -> int:
+    from .blas import load_fast_blas
+    from .config import ConfigError, parse_draft_block_size
+
+    try:
+        block_size = parse_draft_block_size("--block-size", args.block_size)
+    except ConfigError as exc:
+        print(f"mlxcel split-mtp: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    load_fast_blas()  # before mlx is imported, as everywhere
+    from .models.drafters.loader import DrafterError
+    from .models.drafters.split import split_mtp
+
+    try:
+        split_mtp(args.model.expanduser(), args.out.expanduser(), block_size=block_size, force=args.force,
+                  report=lambda line: print(f"mlxcel split-mtp: {line}", file=sys.stderr))
+    except (DrafterError, OSError) as exc:
+        print(f"mlxcel split-mtp: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from .config import ConfigError, load_env
 
@@ -150,6 +172,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="exit 1 if the committed diagram or docs are stale")
     chart.add_argument("--root", default=".", help="the repository root (default: %(default)s)")
     chart.set_defaults(run=_statechart)
+
+    split = commands.add_parser(
+        "split-mtp", help="extract a raw checkpoint's MTP head into a standalone drafter directory",
+        description="Write the MTP head of a raw checkpoint (its mtp.* tensors) as a standalone drafter "
+                    "directory for --draft-model: config.json, model.safetensors and the tokenizer files. "
+                    "Conversions that dropped the head (quantized ones, mlx-lm's) can then be served with it.")
+    split.add_argument("-m", "--model", type=Path, required=True, metavar="RAW_DIR",
+                       help="the raw checkpoint, with its mtp.* tensors")
+    split.add_argument("-o", "--out", type=Path, required=True, metavar="OUT_DIR", help="the drafter directory")
+    split.add_argument("--block-size", default="3", metavar="N",
+                       help="the K the drafter's config names (2 to 32; default %(default)s)")
+    split.add_argument("--force", action="store_true", help="replace a checkpoint already in OUT_DIR")
+    split.set_defaults(run=_split_mtp)
 
     config = commands.add_parser(
         "config", help="show the settings the MLXCEL_* environment variables resolve to",

@@ -107,8 +107,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     try:
         env = load_env()
         default_block_size = DEFAULT_DRAFT_BLOCK_SIZE if args.model is not None else BUNDLED_BLOCK_SIZE
-        block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
-                      if args.draft_block_size is not None else env.draft_block_size or default_block_size)
+        chosen_block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
+                             if args.draft_block_size is not None else env.draft_block_size)
         blas = load_fast_blas()  # before anything imports mlx
     except (ConfigError, BlasError) as exc:
         raise UsageError(str(exc)) from exc
@@ -135,6 +135,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     except CheckpointError as exc:
         raise UsageError(str(exc)) from exc
     drafter = None
+    block_size = chosen_block_size or default_block_size
     if args.mtp or args.draft_model is not None:
         from .models.drafters.loader import DrafterError, inspect_drafter
 
@@ -143,6 +144,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
                                       draft_model=args.draft_model)
         except (DrafterError, OSError) as exc:
             raise UsageError(str(exc)) from exc
+        # K: the flag, else the environment, else what a standalone drafter's config names, else the default.
+        block_size = chosen_block_size or drafter.block_size or default_block_size
         if args.no_batch:
             # Not refused: a script may pass one flag set to several servers. Said once, not silently dropped.
             logger.warning("--no-batch has no MTP path: %s is ignored and every request decodes classically",

@@ -35,6 +35,10 @@ class DrafterSpec:
     path: Path
     name: str
     in_checkpoint: bool
+    standalone: bool = False
+    """A standalone ``qwen3_5_mtp`` directory (``mlxcel split-mtp``): the head's own tensors and config."""
+    block_size: int | None = None
+    """The K the drafter's config names, if any (the default when neither flag nor environment does)."""
 
 
 def _headers(directory: Path) -> dict[Path, dict[str, Any]]:
@@ -72,6 +76,9 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
         directory = draft_model.expanduser()
         if not directory.is_dir():
             raise DrafterError(f"draft model directory {directory} does not exist")
+        standalone = _standalone_config(directory)
+        if standalone is not None:
+            return _inspect_standalone(directory, standalone, target)
         spec = DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False)
     else:
         assert mtp
@@ -88,19 +95,77 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     return spec
 
 
+def _standalone_config(directory: Path) -> dict[str, Any] | None:
+    """A drafter directory's config, if it is a standalone head; a clear error if it is something else."""
+    from .qwen3_5_mtp import STANDALONE_TYPE
+
+    path = directory / "config.json"
+    if not path.is_file():
+        return None  # safetensors holding mtp.* tensors, beside nothing else
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DrafterError(f"{path} is not valid JSON: {exc}") from exc
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type == STANDALONE_TYPE:
+        return config  # type: ignore[no-any-return]
+    if any(k.startswith(PREFIX) for header in _headers(directory).values() for k in header):
+        return None  # a full checkpoint with its head inside: its mtp.* tensors are used
+    raise DrafterError(f"{directory} does not look like a standalone {STANDALONE_TYPE} head: its config.json "
+                       f"says model_type {model_type!r} and it holds no {PREFIX}* tensors "
+                       "(make one with `mlxcel split-mtp`)")
+
+
+def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path) -> DrafterSpec:
+    """Strict inventory: exactly the tensors (names and shapes) a head of this config holds."""
+    from .qwen3_5_mtp import STANDALONE_TYPE, inventory, text_config
+
+    try:
+        found = {name: tuple(t["shape"]) for header in _headers(directory).values() for name, t in header.items()}
+    except (OSError, ValueError, struct.error) as exc:
+        raise DrafterError(f"cannot read the safetensors in {directory}: {exc}") from exc
+    try:
+        expected = inventory(config)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise DrafterError(f"{directory / 'config.json'} is not a usable {STANDALONE_TYPE} config: {exc}") from exc
+    if found != expected:
+        unknown, missing = sorted(set(found) - set(expected)), sorted(set(expected) - set(found))
+        misshapen = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
+        what = "; ".join(f"{label}: {', '.join(names[:3])}{' ...' if len(names) > 3 else ''}"
+                         for label, names in (("unexpected", unknown), ("missing", missing),
+                                              ("wrong shape", misshapen)) if names)
+        raise DrafterError(f"{directory} does not look like a standalone {STANDALONE_TYPE} head "
+                           f"({len(found)} tensors; {what})")
+    target_text = text_config(json.loads((target / "config.json").read_text(encoding="utf-8")))
+    for key in ("hidden_size", "vocab_size"):
+        if text_config(config).get(key) != target_text.get(key):
+            raise DrafterError(f"the head in {directory} was split from another model: {key} "
+                               f"{text_config(config).get(key)} != the target's {target_text.get(key)}")
+    block_size = config.get("block_size")
+    return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False, standalone=True,
+                       block_size=block_size if isinstance(block_size, int) and 2 <= block_size <= 32 else None)
+
+
 def load_drafter(spec: DrafterSpec, target: Path, model: Any) -> DraftHead:
     """The drafter for the loaded target *model* (worker thread only)."""
     import mlx.core as mx
 
     from . import qwen3_5_mtp
 
-    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
     weights: dict[str, Any] = {}
-    for file in _mtp_files(spec.path):
-        tensors: dict[str, Any] = mx.load(str(file))  # type: ignore[assignment]
-        weights.update({k[len(PREFIX):]: v for k, v in tensors.items() if k.startswith(PREFIX)})
+    if spec.standalone:  # the head's own tensors, norms already shifted, under its own config
+        config = json.loads((spec.path / "config.json").read_text(encoding="utf-8"))
+        for file in sorted(spec.path.glob("*.safetensors")):
+            weights.update(mx.load(str(file)))  # type: ignore[arg-type]
+        raw = False
+    else:
+        config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+        for file in _mtp_files(spec.path):
+            tensors: dict[str, Any] = mx.load(str(file))  # type: ignore[assignment]
+            weights.update({k[len(PREFIX):]: v for k, v in tensors.items() if k.startswith(PREFIX)})
+        raw = _raw_layout(target)
     try:
-        head = qwen3_5_mtp.build(config, weights, raw_layout=_raw_layout(target))
+        head = qwen3_5_mtp.build(config, weights, raw_layout=raw)
     except (ValueError, KeyError) as exc:
         raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
     mx.eval(head.parameters())

@@ -60,13 +60,49 @@ def text_args(config: dict[str, Any]) -> TextModelArgs:
 def build(config: dict[str, Any], weights: dict[str, mx.array], raw_layout: bool) -> Qwen35MTP:
     """The head from its ``mtp.``-stripped *weights*; *raw_layout* adds 1 to zero-centred norms."""
     args = text_args(config)
-    layer_ids = {int(name.split(".")[1]) for name in weights if name.startswith("layers.")}
-    head = Qwen35MTP(args, num_layers=len(layer_ids) or int(config.get("mtp_num_hidden_layers", 1)))
-    if raw_layout:
-        weights = {name: (value + 1.0 if value.ndim == 1 and name.endswith(NORM_SUFFIXES) else value)
-                   for name, value in weights.items()}
-    head.load_weights(list(weights.items()), strict=True)
+    head = Qwen35MTP(args, num_layers=_layer_count(config, weights))
+    head.load_weights(list((shift_norms(weights) if raw_layout else weights).items()), strict=True)
     return head
+
+
+def shift_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Hugging Face stores these norms zero-centred; the model (as mlx-lm's) wants 1 + w."""
+    return {name: (value + 1.0 if value.ndim == 1 and name.endswith(NORM_SUFFIXES) else value)
+            for name, value in weights.items()}
+
+
+def _layer_count(config: dict[str, Any], weights: dict[str, Any] | None = None) -> int:
+    layer_ids = {int(name.split(".")[1]) for name in weights or () if name.startswith("layers.")}
+    if layer_ids:
+        return len(layer_ids)
+    return int(config.get("mtp_num_hidden_layers") or text_config(config).get("mtp_num_hidden_layers") or 1)
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    nested: dict[str, Any] = config.get("text_config", config)
+    return nested
+
+
+# -- the standalone layout (``mlxcel split-mtp``; mlx-community's ``*-MTP-bf16`` directories) ----------
+
+STANDALONE_TYPE = "qwen3_5_mtp"
+
+
+def standalone_config(target_config: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """A standalone head's ``config.json``: the target's text config nested, norms already shifted."""
+    text = text_config(target_config)
+    tied = bool(text.get("tie_word_embeddings", target_config.get("tie_word_embeddings", False)))
+    return {"model_type": STANDALONE_TYPE, "block_size": block_size, "tie_word_embeddings": tied,
+            "text_config": {**text, "mtp_num_hidden_layers": _layer_count(target_config)}}
+
+
+def inventory(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor (name -> shape) a head of *config* holds: what a standalone directory must hold."""
+    from mlx.utils import tree_flatten
+
+    head = Qwen35MTP(text_args(config), num_layers=_layer_count(config))
+    leaves: list[tuple[str, mx.array]] = tree_flatten(head.parameters())  # type: ignore[assignment]
+    return {name: tuple(value.shape) for name, value in leaves}
 
 
 class Qwen35Drafter:

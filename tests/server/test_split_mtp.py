@@ -1,0 +1,114 @@
+"""`mlxcel split-mtp` and standalone `qwen3_5_mtp` drafter directories, through the real CLI and server."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+from safetensors import safe_open
+
+from tests.checkpoints import build_checkpoint, build_mtp_checkpoint
+from tests.server.conftest import mlxcel, running_server
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:"]
+
+
+@pytest.fixture(scope="module")
+def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_mtp_checkpoint(tmp_path_factory.mktemp("split") / "qwen35-partial", drafter="aligned",
+                                context_scale=0.05)
+
+
+def _split(raw: Path, out: Path, *extra: str) -> None:
+    result = mlxcel("split-mtp", "-m", str(raw), "-o", str(out), *extra)
+    assert result.returncode == 0, result.stderr
+    assert "wrote 15 tensors" in result.stderr  # progress and the result, for a person
+
+
+async def _run(argv: list[str]) -> tuple[list[dict[str, object]], dict[str, object]]:
+    async with running_server(argv) as url, httpx.AsyncClient(timeout=60) as client:
+        bodies = [(await client.post(f"{url}/v1/completions", json={
+            "prompt": p, "max_tokens": 40, "temperature": 0})).json() for p in PROMPTS]
+        policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    return bodies, policy
+
+
+@pytest.mark.slow
+async def test_a_split_head_drafts_exactly_as_the_in_checkpoint_one(raw: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    head = tmp_path / "qwen35-partial-MTP"
+    _split(raw, head, "--block-size", "3")
+    config = json.loads((head / "config.json").read_text())
+    assert (config["model_type"], config["block_size"]) == ("qwen3_5_mtp", 3)
+    with safe_open(str(head / "model.safetensors"), "np") as f:
+        names = set(f.keys())
+        norm = f.get_tensor("norm.weight")
+    with safe_open(str(raw / "model.safetensors"), "np") as f:
+        raw_norm = f.get_tensor("mtp.norm.weight")
+    assert len(names) == 15 and not any(n.startswith("mtp.") for n in names)
+    assert (norm == raw_norm + 1.0).all()  # the split layout is the model's own: zero-centred norms shifted
+
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    inside, _ = await _run(["--model", str(raw), "--mtp", "--draft-block-size", "3"])
+    split, policy = await _run(["--model", str(raw), "--draft-model", str(head)])  # K from the head's config
+    assert (policy["drafter"], policy["block_size"]) == ("qwen35-partial-MTP", 3)
+    for a, b in zip(inside, split, strict=True):
+        assert a["choices"] == b["choices"]  # type: ignore[index]
+        # The same drafts, accepted the same way: the same head, not merely the same text.
+        assert a["timings"]["draft_n_accepted"] == b["timings"]["draft_n_accepted"] > 0  # type: ignore[index]
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    classic, _ = await _run(["--model", str(raw), "--draft-model", str(head)])
+    assert [b["choices"] for b in classic] == [b["choices"] for b in split]  # temperature 0: byte identity
+
+
+@pytest.mark.slow
+def test_split_mtp_refuses_clearly(raw: Path, tmp_path: Path) -> None:
+    llama = build_checkpoint(tmp_path / "llama-tiny", "llama")
+    stripped = tmp_path / "qwen35-converted"
+    build_mtp_checkpoint(stripped, drafter="aligned", context_scale=0.05)
+    with safe_open(str(stripped / "model.safetensors"), "np") as f:
+        kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("mtp.")}
+    from safetensors.numpy import save_file
+
+    save_file(kept, str(stripped / "model.safetensors"))
+    cases = [
+        (["-m", str(llama), "-o", str(tmp_path / "a")], "is a 'llama' checkpoint; split-mtp extracts the MTP head"),
+        (["-m", str(stripped), "-o", str(tmp_path / "b")],
+         "was converted without its MTP layer; use the raw checkpoint"),
+        (["-m", str(raw), "-o", str(llama)], "already holds a checkpoint (it has a config.json); pass --force"),
+        (["-m", str(raw), "-o", str(tmp_path / "c"), "--block-size", "1"], "--block-size"),
+        (["-m", str(raw), "-o", str(raw), "--force"], "the output directory is the source checkpoint"),
+    ]
+    for argv, expected in cases:
+        result = mlxcel("split-mtp", *argv)
+        assert result.returncode == 2, (argv, result.stderr)
+        (line,) = result.stderr.strip().splitlines()
+        assert line.startswith("mlxcel split-mtp: ") and expected in line, line
+    assert json.loads((llama / "config.json").read_text())["model_type"] == "llama"  # untouched
+
+
+@pytest.mark.slow
+def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, tmp_path: Path) -> None:
+    head = tmp_path / "head"
+    _split(raw, head)
+    extra = tmp_path / "extra"
+    shutil.copytree(head, extra)
+    with safe_open(str(head / "model.safetensors"), "np") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    from safetensors.numpy import save_file
+
+    save_file({**tensors, "lm_head.weight": tensors["fc.weight"]}, str(extra / "model.safetensors"))
+    other = tmp_path / "other"
+    shutil.copytree(head, other)
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (other / "model.safetensors").unlink()
+    for directory, expected in [(extra, "does not look like a standalone qwen3_5_mtp head (16 tensors; "
+                                         "unexpected: lm_head.weight)"),
+                                (other, "does not look like a standalone qwen3_5_mtp head: its config.json says "
+                                        "model_type 'llama'")]:
+        result = mlxcel("serve", "--model", str(raw), "--draft-model", str(directory), "--port", "0")
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr and "Traceback" not in result.stderr
