@@ -70,7 +70,8 @@ def test_split_mtp_refuses_clearly(raw: Path, tmp_path: Path) -> None:
     stripped = tmp_path / "qwen35-converted"
     build_mtp_checkpoint(stripped, drafter="aligned", context_scale=0.05)
     with safe_open(str(stripped / "model.safetensors"), "np") as f:
-        kept = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("mtp.")}
+        names = f.keys()  # a safe_open handle is not itself iterable
+        kept = {k: f.get_tensor(k) for k in names if not k.startswith("mtp.")}
     from safetensors.numpy import save_file
 
     save_file(kept, str(stripped / "model.safetensors"))
@@ -97,7 +98,8 @@ def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, tmp_pat
     extra = tmp_path / "extra"
     shutil.copytree(head, extra)
     with safe_open(str(head / "model.safetensors"), "np") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+        names = f.keys()
+        tensors = {k: f.get_tensor(k) for k in names}
     from safetensors.numpy import save_file
 
     save_file({**tensors, "lm_head.weight": tensors["fc.weight"]}, str(extra / "model.safetensors"))
