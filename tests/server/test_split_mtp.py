@@ -114,3 +114,32 @@ def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, tmp_pat
         result = mlxcel("serve", "--model", str(raw), "--draft-model", str(directory), "--port", "0")
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", [4, 8])
+async def test_a_quantized_conversion_serves_the_burst_with_the_split_head(
+        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+    """mlx-lm's own converter drops the head (as community conversions do); the split head brings it back.
+    Whatever the probe says of a quantized verify here, the server says it and stays right."""
+    from mlx_lm import convert
+
+    quantized = tmp_path / f"qwen35-partial-{bits}bit"
+    convert(str(raw), mlx_path=str(quantized), quantize=True, q_bits=bits, q_group_size=32)
+    assert json.loads((quantized / "config.json").read_text())["quantization"]["bits"] == bits
+    head = tmp_path / "head"
+    _split(raw, head, "--block-size", "2")
+    refused = mlxcel("split-mtp", "-m", str(quantized), "-o", str(tmp_path / "nothing"))
+    assert refused.returncode == 2 and "converted without its MTP layer" in refused.stderr
+
+    _, probed = await _run(["--model", str(quantized), "--draft-model", str(head)])  # what the probe says
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    on, _ = await _run(["--model", str(quantized), "--draft-model", str(head)])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    off, _ = await _run(["--model", str(quantized), "--draft-model", str(head)])
+    if probed["state"] != "exactness_declined":  # the quantized verify is exact on this machine
+        assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
+        assert [b["choices"] for b in on] == [b["choices"] for b in off]
+    else:  # vetoed: said in the body, and even pinned on, classic decode serves
+        assert isinstance(probed["decline_detail"], str)
+        assert all(b["timings"]["draft_rounds"] == 0 for b in on)  # type: ignore[index]
