@@ -40,6 +40,7 @@ def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[
     import mlx.core as mx
 
     model, tokenizer = load_checkpoint(checkpoint, check=check)
+    _warn_if_slow_here(model, checkpoint.name)
     host = detect_host()
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):  # one token through the model: the width of its logits
@@ -74,3 +75,18 @@ def _embedding_rows(model: Any, vocab: int) -> int:
             and name.rsplit(".", 1)[-1] in ("embed_tokens", "wte", "tok_embeddings", "word_embeddings", "embeddings",
                                            "embedding", "emb")]
     return min(rows, default=vocab)
+
+
+def _warn_if_slow_here(model: Any, name: str) -> None:
+    """Half-precision weights on the CPU backend serve correctly but slowly: say so, once, at start."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    if mx.default_device() != mx.cpu:
+        return
+    leaves: list[tuple[str, mx.array]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    dtypes = {array.dtype for _, array in leaves if array.dtype in (mx.bfloat16, mx.float16)}
+    if dtypes:
+        logger.warning("%s has %s weights: on the CPU backend they compute correctly, but slower than float32 "
+                       "(2-4x per matmul measured on x86); mlx-lm's convert --dtype float32 makes a faster copy",
+                       name, "/".join(sorted(str(d).removeprefix("mlx.core.") for d in dtypes)))

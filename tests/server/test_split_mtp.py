@@ -143,3 +143,28 @@ async def test_a_quantized_conversion_serves_the_burst_with_the_split_head(
     else:  # vetoed: said in the body, and even pinned on, classic decode serves
         assert isinstance(probed["decline_detail"], str)
         assert all(b["timings"]["draft_rounds"] == 0 for b in on)  # type: ignore[index]
+
+
+@pytest.mark.slow
+async def test_a_bf16_checkpoint_serves_correctly_on_the_cpu_and_says_it_is_slow(
+        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from mlx_lm import convert
+
+    bf16 = tmp_path / "qwen35-partial-bf16"
+    convert(str(raw), mlx_path=str(bf16), dtype="bfloat16")
+    head = tmp_path / "head"
+    _split(raw, head, "--block-size", "2")
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        _, probed = await _run(["--model", str(bf16), "--draft-model", str(head)])
+    slow = [r.getMessage() for r in caplog.records if "bfloat16 weights" in r.getMessage()]
+    assert len(slow) == 1 and "slower than float32" in slow[0]
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    on, _ = await _run(["--model", str(bf16), "--draft-model", str(head)])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    off, _ = await _run(["--model", str(bf16), "--draft-model", str(head)])
+    assert all(b["choices"][0]["text"] for b in off)  # type: ignore[index]
+    if probed["state"] != "exactness_declined":
+        assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
+        assert [b["choices"] for b in on] == [b["choices"] for b in off]
