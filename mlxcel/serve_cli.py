@@ -69,6 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-block-size", type=str, default=None, metavar="K",
                         help="MTP verify width K (K-1 drafts per round; default MLXCEL_DRAFT_BLOCK_SIZE, else 4, "
                              "or 2 for the bundled model)")
+    parser.add_argument("--draft-quantize", type=int, choices=[4, 8], default=None, metavar="BITS",
+                        help="quantize the drafter's linear layers to 4 or 8 bits at load (default: as stored)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=_positive("--port", 0, 65535), default=8080,
                         help="port to bind; 0 picks a free one (default: %(default)s)")
@@ -165,7 +167,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     parallel = 1 if args.no_batch else args.parallel
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
                             prefix_cache_entries=args.prompt_cache_size, policy=env.policy,
-                            cache_root=env.cache_root, drafter=drafter, block_size=block_size)
+                            cache_root=env.cache_root, drafter=drafter, block_size=block_size,
+                            draft_quantize=args.draft_quantize)
     options = ServerOptions(
         model_name=checkpoint.name, model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,

@@ -34,6 +34,8 @@ class WorkerSettings:
     """The MTP drafter (``--mtp`` / ``--draft-model``), or None: no MTP dispatch."""
     block_size: int = 4
     """K, the verify width of a speculative round (K-1 drafts)."""
+    draft_quantize: int | None = None
+    """``--draft-quantize``: quantize the drafter's linear layers to this many bits at load (affine, group 64)."""
     fault_hook: FaultHook | None = field(default=None, compare=False)
     """Tests only: called at each of :data:`FAULT_POINTS`; an exception it raises is a fault there."""
 

@@ -33,7 +33,7 @@ class Speculation:
 
 
 def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: Any, hardware: str,
-           block_size: int, vocab: int, allow_inexact: bool) -> Speculation:
+           block_size: int, vocab: int, allow_inexact: bool, draft_quantize: int | None = None) -> Speculation:
     """Load the drafter for *model*, probe the verify's exactness, and log what the probe found."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -42,7 +42,7 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     from .exactness import ProbeResult, probe_exactness
 
     target = speculative_target(checkpoint.model_type, model)
-    drafter = load_drafter(spec, checkpoint.path, model)
+    drafter = load_drafter(spec, checkpoint.path, model, quantize=draft_quantize)
     started = time.perf_counter()
     logger.info("MTP exactness probe: checking every verify width up to K=%d against single-token decode",
                 block_size)

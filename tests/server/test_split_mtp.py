@@ -168,3 +168,16 @@ async def test_a_bf16_checkpoint_serves_correctly_on_the_cpu_and_says_it_is_slow
     if probed["state"] != "exactness_declined":
         assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
         assert [b["choices"] for b in on] == [b["choices"] for b in off]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bits", ["4", "8"])
+async def test_a_drafter_quantized_at_load_drafts_and_the_text_stays_classic(
+        raw: Path, monkeypatch: pytest.MonkeyPatch, bits: str) -> None:
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    quantized, _ = await _run(["--model", str(raw), "--mtp", "--draft-quantize", bits])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    classic, _ = await _run(["--model", str(raw), "--mtp", "--draft-quantize", bits])
+    assert all(b["timings"]["draft_n_accepted"] > 0 for b in quantized)  # type: ignore[index]  # it drafts
+    assert [b["choices"] for b in quantized] == [b["choices"] for b in classic]  # drafts never change the text

@@ -146,8 +146,9 @@ def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path) -
                        block_size=block_size if isinstance(block_size, int) and 2 <= block_size <= 32 else None)
 
 
-def load_drafter(spec: DrafterSpec, target: Path, model: Any) -> DraftHead:
-    """The drafter for the loaded target *model* (worker thread only)."""
+def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | None = None) -> DraftHead:
+    """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
+    bits (affine, group 64; layers whose width does not divide are kept as they are)."""
     import mlx.core as mx
 
     from . import qwen3_5_mtp
@@ -168,5 +169,10 @@ def load_drafter(spec: DrafterSpec, target: Path, model: Any) -> DraftHead:
         head = qwen3_5_mtp.build(config, weights, raw_layout=raw)
     except (ValueError, KeyError) as exc:
         raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
+    if quantize is not None:
+        import mlx.nn as nn
+
+        nn.quantize(head, group_size=64, bits=quantize,
+                    class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
     mx.eval(head.parameters())
     return qwen3_5_mtp.Qwen35Drafter(head, model)
