@@ -338,7 +338,8 @@ def test_drafter_problems_stop_startup(mtp_models: dict[str, Path], checkpoints:
         (["--model", str(checkpoints["llama"]), "--mtp"], "model_type 'llama' has no MTP head"),
         (["--model", str(mtp_models["partial"]), "--draft-model", str(tmp_path / "nope")], "does not exist"),
         (["--model", str(mtp_models["partial"]), "--draft-model", str(checkpoints["qwen3_5"])],
-         "has no MTP weights"),
+         "does not look like a standalone qwen3_5_mtp head: its config.json says model_type 'qwen3_5' and it "
+         "holds no mtp.* tensors"),
     ]
     for args, expected in cases:
         result = mlxcel("serve", *args, "--port", str(free_port()))
