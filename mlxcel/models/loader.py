@@ -117,6 +117,22 @@ def _read_safetensors_header(path: Path) -> None:
                               f"{8 + header_len + end} bytes, the file has {size}")
 
 
+#: Activations mlx-lm's Qwen 3.5 computes for its gates; Qwen 3.8 names its own (``output_gate_type``).
+_GATE_ACTIVATIONS = {"silu", "swish"}
+
+
+def _check_config_keys(config: dict[str, Any], config_path: Path) -> None:
+    """Config keys a newer release of a family added, which mlx-lm reads past: refuse the values it
+    would silently compute wrongly. (Qwen 3.8's interleaved mrope and ``language_model_only`` change
+    nothing for text: every mrope section sees the same text position.)"""
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
+    gate = text.get("output_gate_type", config.get("output_gate_type"))
+    if gate is not None and str(gate).lower() not in _GATE_ACTIVATIONS:
+        raise CheckpointError(f"output_gate_type {gate!r} in {config_path} is not supported "
+                              f"(mlx-lm computes {' / '.join(sorted(_GATE_ACTIVATIONS))})")
+
+
 def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     """Check *path* is a servable checkpoint without loading it."""
     directory = Path(path).expanduser()
@@ -143,6 +159,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"{config_path} names no model_type")
     if not _supported(model_type):
         raise CheckpointError(f"model_type {model_type!r} in {config_path} is not supported")
+    _check_config_keys(config, config_path)
     weights = tuple(sorted(directory.glob("model*.safetensors")))
     if not weights:
         raise CheckpointError(f"{directory} has no model*.safetensors weights")

@@ -181,3 +181,42 @@ async def test_a_drafter_quantized_at_load_drafts_and_the_text_stays_classic(
     classic, _ = await _run(["--model", str(raw), "--mtp", "--draft-quantize", bits])
     assert all(b["timings"]["draft_n_accepted"] > 0 for b in quantized)  # type: ignore[index]  # it drafts
     assert [b["choices"] for b in quantized] == [b["choices"] for b in classic]  # drafts never change the text
+
+
+def _as_qwen3_8(checkpoint: Path, gate: str = "SiLU") -> None:
+    """Qwen 3.8's config keys on a tiny Qwen 3.5 checkpoint (same tensors, as the 27B's key set is; untied head)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    text = config["text_config"]
+    text["output_gate_type"] = gate
+    text["rope_parameters"]["mrope_interleaved"] = True
+    config.update(language_model_only=True, vision_start_token_id=2, tie_word_embeddings=False)
+    assert text["tie_word_embeddings"] is False
+    (checkpoint / "config.json").write_text(json.dumps(config, indent=2))
+
+
+@pytest.mark.slow
+async def test_a_qwen3_8_shaped_checkpoint_serves_with_its_head(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    model = build_mtp_checkpoint(tmp_path / "qwen38-tiny", drafter="aligned", context_scale=0.05)
+    _as_qwen3_8(model)
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    _, profiling = await _run(["--model", str(model), "--mtp"])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    on, _ = await _run(["--model", str(model), "--mtp"])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    off, _ = await _run(["--model", str(model), "--mtp"])
+    assert (profiling["target"], profiling["drafter"], profiling["block_size"]) == (
+        "qwen38-tiny", "qwen38-tiny#mtp", 2)
+    assert profiling["state"] in ("profiling", "exactness_declined")  # the key set is accepted either way
+    if profiling["state"] == "profiling":
+        assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
+    assert [b["choices"] for b in on] == [b["choices"] for b in off]
+
+
+@pytest.mark.slow
+def test_an_output_gate_mlx_lm_does_not_compute_is_refused(tmp_path: Path) -> None:
+    model = build_mtp_checkpoint(tmp_path / "qwen38-relu", drafter="aligned")
+    _as_qwen3_8(model, gate="relu")
+    result = mlxcel("serve", "--model", str(model), "--mtp", "--port", "0")
+    assert result.returncode == 2
+    assert "output_gate_type 'relu'" in result.stderr and "is not supported" in result.stderr
