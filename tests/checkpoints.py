@@ -105,6 +105,19 @@ def _to_hf_qwen3_5(weights: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _fuse_experts(weights: dict[str, Any]) -> dict[str, Any]:
+    """mlx-lm's switch MLP back to Hugging Face's fused experts (what qwen3_5_moe's sanitize undoes)."""
+    import mlx.core as mx
+
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(".switch_mlp.gate_proj.weight")]:
+        prefix = name[:-len(".switch_mlp.gate_proj.weight")]
+        gate, up = out.pop(name), out.pop(f"{prefix}.switch_mlp.up_proj.weight")
+        out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([gate, up], axis=-2)
+        out[f"{prefix}.experts.down_proj"] = out.pop(f"{prefix}.switch_mlp.down_proj.weight")
+    return out
+
+
 _TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _to_hf_qwen3_5}
 
 
@@ -134,7 +147,7 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
 
 
 def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: int = 4, hidden: int = 64,
-                         context_scale: float = 1.0, raw: bool = True, seed: int = 0) -> Path:
+                         context_scale: float = 1.0, raw: bool = True, seed: int = 0, moe: bool = False) -> Path:
     """A tiny Qwen 3.5 target with an in-checkpoint ``mtp.*`` head.
 
     *drafter* ``random``: a random head, whose drafts the target rarely accepts.
@@ -160,6 +173,11 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     text.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                 num_attention_heads=max(1, hidden // 16), num_key_value_heads=max(1, hidden // 32))
     config["mtp_num_hidden_layers"] = 1
+    if moe:  # Qwen 3.6: every MLP (the head's included) a mixture of experts with a shared expert
+        config["model_type"], text["model_type"] = "qwen3_5_moe", "qwen3_5_moe_text"
+        config["architectures"] = ["Qwen3_5MoeForConditionalGeneration"]
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
+                    shared_expert_intermediate_size=hidden, norm_topk_prob=True, decoder_sparse_step=1)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(directory)
     model_class, args_class = _get_classes(config)
@@ -175,8 +193,8 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
         mtp["fc.weight"] = mx.concatenate([eye, mx.zeros((hidden, hidden))], axis=1)
         mtp = {name: (mx.zeros_like(v) if name.endswith(outputs) else v) for name, v in mtp.items()}
     if raw:
-        target = _to_hf_qwen3_5(target)
-        mtp = {name: (v - 1.0 if v.ndim == 1 and "norm" in name else v) for name, v in mtp.items()}
+        target = _fuse_experts(_to_hf_qwen3_5(target))
+        mtp = _fuse_experts({name: (v - 1.0 if v.ndim == 1 and "norm" in name else v) for name, v in mtp.items()})
     weights = {**target, **{f"mtp.{name}": v for name, v in mtp.items()}}
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})

@@ -102,6 +102,7 @@ def _qwen3_5(model: Any) -> SpeculativeTarget:
 TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
+    "qwen3_5_moe": _qwen3_5,  # Qwen 3.6: the same hybrid layers, MoE MLPs (nothing there to roll back)
 }
 
 

@@ -22,10 +22,10 @@ def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 context_scale=0.05)
 
 
-def _split(raw: Path, out: Path, *extra: str) -> None:
+def _split(raw: Path, out: Path, *extra: str, tensors: int = 15) -> None:
     result = mlxcel("split-mtp", "-m", str(raw), "-o", str(out), *extra)
     assert result.returncode == 0, result.stderr
-    assert "wrote 15 tensors" in result.stderr  # progress and the result, for a person
+    assert f"wrote {tensors} tensors" in result.stderr  # progress and the result, for a person
 
 
 async def _run(argv: list[str]) -> tuple[list[dict[str, object]], dict[str, object]]:
@@ -220,3 +220,30 @@ def test_an_output_gate_mlx_lm_does_not_compute_is_refused(tmp_path: Path) -> No
     result = mlxcel("serve", "--model", str(model), "--mtp", "--port", "0")
     assert result.returncode == 2
     assert "output_gate_type 'relu'" in result.stderr and "is not supported" in result.stderr
+
+
+@pytest.mark.slow
+async def test_a_qwen3_6_moe_target_serves_the_burst_with_its_moe_head(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen 3.6 (``qwen3_5_moe``): MoE MLPs in the target and in its head, experts stored fused as Hugging
+    Face stores them. The probe checks the verify (routing included) at every width; the head, split out or
+    read in place, drafts the same."""
+    moe = build_mtp_checkpoint(tmp_path / "qwen36-moe-tiny", drafter="aligned", context_scale=0.05, moe=True)
+    head = tmp_path / "qwen36-moe-tiny-MTP"
+    _split(moe, head, "--block-size", "3", tensors=20)  # router, shared expert and its gate, 3 stacked experts
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    _, probed = await _run(["--model", str(moe), "--mtp"])
+    assert (probed["target"], probed["drafter"], probed["block_size"]) == (
+        "qwen36-moe-tiny", "qwen36-moe-tiny#mtp", 3)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    inside, _ = await _run(["--model", str(moe), "--mtp"])
+    split, _ = await _run(["--model", str(moe), "--draft-model", str(head)])
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    classic, _ = await _run(["--model", str(moe), "--mtp"])
+    assert [b["choices"] for b in inside] == [b["choices"] for b in classic] == [b["choices"] for b in split]
+    if probed["state"] == "profiling":  # exact here: the burst ran, and both heads drafted alike
+        accepted = [[b["timings"]["draft_n_accepted"] for b in run] for run in (inside, split)]  # type: ignore[index]
+        assert accepted[0] == accepted[1]
+        assert all(b["timings"]["draft_n_accepted"] > 0 for b in inside)  # type: ignore[index]
+    else:
+        assert probed["state"] == "exactness_declined" and isinstance(probed["decline_detail"], str)

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from ..speculative import DraftHead
 
 #: Target model types whose MTP head mlxcel can run, and the head's module.
-MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp"}
+MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp"}
 PREFIX = "mtp."
 
 
@@ -89,9 +89,6 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
         raise DrafterError(f"cannot read the safetensors in {spec.path}: {exc}") from exc
     if not files:
         raise DrafterError(f"{spec.path} has no MTP weights (no {PREFIX}* tensors)")
-    keys = [k for f in files for k in _headers(spec.path)[f] if k.startswith(PREFIX)]
-    if any(".experts." in k for k in keys):
-        raise DrafterError(f"{spec.path} has a mixture-of-experts MTP head, which mlxcel does not run yet")
     return spec
 
 

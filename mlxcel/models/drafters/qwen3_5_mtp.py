@@ -61,8 +61,33 @@ def build(config: dict[str, Any], weights: dict[str, mx.array], raw_layout: bool
     """The head from its ``mtp.``-stripped *weights*; *raw_layout* adds 1 to zero-centred norms."""
     args = text_args(config)
     head = Qwen35MTP(args, num_layers=_layer_count(config, weights))
+    weights = stack_experts(weights)
     head.load_weights(list((shift_norms(weights) if raw_layout else weights).items()), strict=True)
     return head
+
+
+def stack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """A Qwen 3.6 MoE head's experts as mlx-lm's switch MLP holds them.
+
+    Hugging Face stores them fused (``experts.gate_up_proj`` (E, 2I, H) and
+    ``experts.down_proj``, as mlx-lm's ``qwen3_5_moe`` sanitize reads them) or one
+    by one (``experts.N.{gate,up,down}_proj.weight``); a dense head has neither.
+    """
+    out = dict(weights)
+    for name in [n for n in weights if n.endswith(".mlp.experts.gate_up_proj")]:
+        prefix = name[:-len(".experts.gate_up_proj")]
+        gate_up = out.pop(name)
+        middle = gate_up.shape[-2] // 2
+        out[f"{prefix}.switch_mlp.gate_proj.weight"] = gate_up[..., :middle, :]
+        out[f"{prefix}.switch_mlp.up_proj.weight"] = gate_up[..., middle:, :]
+        out[f"{prefix}.switch_mlp.down_proj.weight"] = out.pop(f"{prefix}.experts.down_proj")
+    per_expert = sorted({n.split(".experts.")[0] for n in out if ".mlp.experts." in n})
+    for prefix in per_expert:
+        for part in ("gate_proj", "up_proj", "down_proj"):
+            keys = sorted((n for n in out if n.startswith(f"{prefix}.experts.") and n.endswith(f".{part}.weight")),
+                          key=lambda n: int(n.split(".experts.")[1].split(".")[0]))
+            out[f"{prefix}.switch_mlp.{part}.weight"] = mx.stack([out.pop(k) for k in keys])
+    return out
 
 
 def shift_norms(weights: dict[str, mx.array]) -> dict[str, mx.array]:

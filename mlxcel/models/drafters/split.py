@@ -64,6 +64,7 @@ def split_mtp(source: Path, out: Path, *, block_size: int, force: bool = False,
         head = {name[len(PREFIX):]: value for name, value in tensors.items() if name.startswith(PREFIX)}
         weights.update(head)
         report(f"read {len(head)} head tensors from {file.name} ({number}/{len(files)} shards)")
+    weights = qwen3_5_mtp.stack_experts(weights)  # a Qwen 3.6 MoE head's experts as mlx-lm holds them
     if _raw_layout(source):  # the standalone layout is the model's own: norms already shifted
         weights = qwen3_5_mtp.shift_norms(weights)
     split_config = qwen3_5_mtp.standalone_config(config, block_size)
