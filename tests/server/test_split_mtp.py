@@ -247,3 +247,43 @@ async def test_a_qwen3_6_moe_target_serves_the_burst_with_its_moe_head(tmp_path:
         assert all(b["timings"]["draft_n_accepted"] > 0 for b in inside)  # type: ignore[index]
     else:
         assert probed["state"] == "exactness_declined" and isinstance(probed["decline_detail"], str)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["split head", "4-bit target", "qwen3.8", "qwen3.6 moe"])
+async def test_every_variant_profiles_settles_and_names_its_pairing(
+        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    """The policy lifecycle for each way the Qwen line is downloaded: profiling, two samples, settled, persisted."""
+    import os
+
+    from mlx_lm import convert
+
+    head = tmp_path / "qwen35-partial-MTP"
+    if variant == "split head":
+        argv, target, drafter = ["--model", str(raw), "--draft-model", str(head)], raw.name, head.name
+        _split(raw, head, "--block-size", "2")
+    elif variant == "4-bit target":
+        quantized = tmp_path / "qwen35-partial-4bit"
+        convert(str(raw), mlx_path=str(quantized), quantize=True, q_bits=4, q_group_size=32)
+        _split(raw, head, "--block-size", "2")
+        argv, target, drafter = ["--model", str(quantized), "--draft-model", str(head)], quantized.name, head.name
+    else:
+        model = build_mtp_checkpoint(tmp_path / variant.replace(" ", "-"), drafter="aligned", context_scale=0.05,
+                                     moe=variant == "qwen3.6 moe")
+        if variant == "qwen3.8":
+            _as_qwen3_8(model)
+        argv, target, drafter = ["--model", str(model), "--mtp"], model.name, f"{model.name}#mtp"
+    monkeypatch.setenv("MLXCEL_MTP_PROFILE_SAMPLES", "2")
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
+    async with running_server(argv) as url, httpx.AsyncClient(timeout=60) as client:
+        before = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        for prompt in PROMPTS:
+            await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 40, "temperature": 0})
+        after = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    assert (before["target"], before["drafter"], before["block_size"]) == (target, drafter, 2)
+    if before["state"] == "exactness_declined":  # this machine's kernels: said, and nothing to profile
+        assert after["state"] == "exactness_declined"
+        return
+    assert (before["state"], before["samples_remaining"]) == ("profiling", 2)
+    assert (after["state"], after["samples"]) == ("settled", 2) and after["verdict"] in ("enable", "decline")
+    assert list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))  # persisted
