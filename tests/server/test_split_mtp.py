@@ -250,7 +250,7 @@ async def test_a_qwen3_6_moe_target_serves_the_burst_with_its_moe_head(tmp_path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["split head", "4-bit target", "qwen3.8", "qwen3.6 moe"])
+@pytest.mark.parametrize("variant", ["split head", "4-bit target", "bf16 target", "qwen3.8", "qwen3.6 moe"])
 async def test_every_variant_profiles_settles_and_names_its_pairing(
         raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
     """The policy lifecycle for each way the Qwen line is downloaded: profiling, two samples, settled, persisted."""
@@ -262,11 +262,14 @@ async def test_every_variant_profiles_settles_and_names_its_pairing(
     if variant == "split head":
         argv, target, drafter = ["--model", str(raw), "--draft-model", str(head)], raw.name, head.name
         _split(raw, head, "--block-size", "2")
-    elif variant == "4-bit target":
-        quantized = tmp_path / "qwen35-partial-4bit"
-        convert(str(raw), mlx_path=str(quantized), quantize=True, q_bits=4, q_group_size=32)
+    elif variant in ("4-bit target", "bf16 target"):
+        converted = tmp_path / f"qwen35-partial-{variant.split()[0]}"
+        if variant == "4-bit target":
+            convert(str(raw), mlx_path=str(converted), quantize=True, q_bits=4, q_group_size=32)
+        else:
+            convert(str(raw), mlx_path=str(converted), dtype="bfloat16")
         _split(raw, head, "--block-size", "2")
-        argv, target, drafter = ["--model", str(quantized), "--draft-model", str(head)], quantized.name, head.name
+        argv, target, drafter = ["--model", str(converted), "--draft-model", str(head)], converted.name, head.name
     else:
         model = build_mtp_checkpoint(tmp_path / variant.replace(" ", "-"), drafter="aligned", context_scale=0.05,
                                      moe=variant == "qwen3.6 moe")
