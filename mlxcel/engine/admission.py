@@ -91,10 +91,11 @@ class Admission:
         from .sampling import make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
-        batch = self.batch is not None and not alone
-        if batch:
+        joining = None if alone else self.batch  # the batch everything joins, if any
+        batch = joining is not None
+        if joining is not None:
             for sequence in list(self._sequences.values()):
-                if sequence not in self.batch:  # type: ignore[operator]
+                if sequence not in joining:
                     try:
                         self._into_batch(sequence)
                     except Exception as exc:
