@@ -196,6 +196,8 @@ class Worker(Admission):
         assert sequence.prompt_state is not None
         cache, cached_tokens, rest = sequence.prompt_state
         sequence.prompt_state = None
+        if cache is None:
+            cache = make_prompt_cache(self.model)
         burst = None
         request = sequence.request
         speculation = self.speculation
@@ -204,13 +206,12 @@ class Worker(Admission):
             from .sampling import SpeculativeSampler
 
             chain = sequence.chain
-            burst = Burst(speculation.target, speculation.drafter.new_sequence(), speculation.split,
+            burst = Burst(speculation.target, speculation.drafter.new_sequence(cache), speculation.split,
                           SpeculativeSampler(chain) if chain is not None else None,
                           before_verify=lambda: self._fault("verify", request))
             sequence.burst = burst.stats
-        return SoloDecoder(self.model, self.stream, sequence.sampler,
-                           cache if cache is not None else make_prompt_cache(self.model), list(cached_tokens),
-                           list(rest), burst, before_step=lambda: self._fault("solo_step", request))
+        return SoloDecoder(self.model, self.stream, sequence.sampler, cache, list(cached_tokens), list(rest), burst,
+                           before_step=lambda: self._fault("solo_step", request))
 
     def _run_classic(self, sequence: Sequence, solo: SoloDecoder) -> None:
         """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""

@@ -89,7 +89,11 @@ class SequenceDrafter(Protocol):
 class DraftHead(Protocol):
     """A loaded drafter: shared weights, and a fresh state per sequence."""
 
-    def new_sequence(self) -> SequenceDrafter: ...
+    def new_sequence(self, cache: list[Any]) -> SequenceDrafter:
+        """A drafter for one sequence whose target cache is *cache* (the same list the target's
+        forward and verify append to). A drafter with a cache of its own ignores it; one that
+        attends into the target's keys and values (Gemma 4's assistant) reads them there."""
+        ...
 
 
 def _qwen3_5(model: Any) -> SpeculativeTarget:

@@ -86,7 +86,7 @@ def test_the_moe_heads_drafts_equal_the_reference(tmp_path: Path) -> None:
     for _ in range(12):
         token = int(rng.integers(0, 512))
         hidden = rng.normal(size=(text["hidden_size"],)).astype(np.float32)
-        sequence = head.new_sequence()  # a fresh head: one position, as the reference assumes
+        sequence = head.new_sequence([])  # a fresh head: one position, as the reference assumes
         sequence.catch_up(mx.array(hidden)[None, None], mx.array([[token]]))
         drafts.append(int(sequence.draft(1).item()))
         expected.append(reference_draft(raw, text, token, hidden.astype(np.float64)))

@@ -42,7 +42,7 @@ def test_a_round_with_the_whole_prompt_cached_starts_with_a_classic_step(pairing
     # The prefix cache covered all but the last prompt token: nothing left to prefill, no hidden state yet.
     cache = make_prompt_cache(model)
     model(mx.array([prompt[:-1]]), cache=cache)
-    burst = Burst(speculative_target("qwen3_5", model), head.new_sequence(), "half", None)
+    burst = Burst(speculative_target("qwen3_5", model), head.new_sequence(cache), "half", None)
     solo = SoloDecoder(model, stream, None, cache, prompt[:-1], prompt[-1:], burst)
     assert solo.prefilled and not solo.can_draft  # so the burst starts with a classic step
     first: list[int] = []
@@ -57,9 +57,9 @@ def test_a_round_with_the_whole_prompt_cached_starts_with_a_classic_step(pairing
 def test_prefill_goes_chunk_by_chunk_and_the_head_catches_up_with_it(pairing: tuple[Any, DraftHead]) -> None:
     model, head = pairing
     prompt = [(7 * i) % 500 + 3 for i in range(23)]
-    burst = Burst(speculative_target("qwen3_5", model), head.new_sequence(), "half", None)
-    solo = SoloDecoder(model, mx.default_stream(mx.default_device()), None, make_prompt_cache(model), [],
-                       list(prompt), burst)
+    cache = make_prompt_cache(model)
+    burst = Burst(speculative_target("qwen3_5", model), head.new_sequence(cache), "half", None)
+    solo = SoloDecoder(model, mx.default_stream(mx.default_device()), None, cache, [], list(prompt), burst)
     chunks = 0
     while not solo.prefilled:
         solo.prefill_chunk(5)

@@ -140,7 +140,8 @@ class Qwen35Drafter:
         self.embed = inner.model.embed_tokens
         self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
 
-    def new_sequence(self) -> _SequenceDrafter:
+    def new_sequence(self, cache: list[Any]) -> _SequenceDrafter:
+        del cache  # the head keeps a cache of its own
         return _SequenceDrafter(self)
 
 
