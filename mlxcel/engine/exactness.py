@@ -43,8 +43,10 @@ def _bytes(array: mx.array) -> np.ndarray:
 
 def _arrays(cache: list[Any]) -> list[mx.array]:
     """Every cache's state arrays: keys and values up to the offset (a KV buffer holds stale rows
-    past it, which a later token overwrites), conv and recurrent states."""
-    states = [(c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
+    past it, which a later token overwrites), conv and recurrent states; a cache that knows which of
+    its slots a later step can still read says so (``live_state()``, e.g. a sliding-window ring)."""
+    states = [c.live_state() if hasattr(c, "live_state") else
+              (c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
               if getattr(c, "keys", None) is not None and c.is_trimmable() else c.state for c in cache]
     leaves: list[tuple[str, Any]] = tree_flatten(states)  # type: ignore[assignment]
     return [a for _, a in leaves if isinstance(a, mx.array)]
@@ -124,7 +126,9 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
     (half of two is one token, which is the chain itself), so only ``wide`` is tried.
     """
     rng = np.random.default_rng(seed)
-    offsets = sorted({min(offset, max(1, context_length - block_size - 1)) for offset in OFFSETS})
+    # A target may name offsets where its caches change regime (a sliding window filling up).
+    wanted = (*OFFSETS, *getattr(target, "probe_offsets", ()))
+    offsets = sorted({min(offset, max(1, context_length - block_size - 1)) for offset in wanted})
     cases = [_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
                    rng.integers(0, vocab, size=block_size).tolist()) for offset in offsets]
     splits = SPLITS if block_size > 2 else SPLITS[:1]

@@ -10,10 +10,11 @@ from ..observability import CacheStats
 class PrefixCache:
     """mlx-lm's LRU prompt cache, with the statistics ``/v1/cache/stats`` shows."""
 
-    def __init__(self, key: str, entries: int) -> None:
+    def __init__(self, key: str, entries: int, model_type: str = "") -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
         self._key = key
+        self._model_type = model_type
         self._lru = LRUPromptCache(max_size=entries)
         self._entries = entries
         self._lookups = self._hits = self._prompt_tokens = self._reused = 0
@@ -22,7 +23,12 @@ class PrefixCache:
         """A cache covering a prefix of *tokens*, and the tokens still to prefill (never empty)."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+        from ..models.families import adopt_cache
+
         cache, rest = self._lru.fetch_nearest_cache(self._key, tokens)
+        if cache is not None:
+            # A batch hands back mlx-lm's own cache classes; the family's are what its sequences run on.
+            cache = adopt_cache(self._model_type, cache)
         if cache is not None and not rest:
             # An exact hit still needs the last token's logits: step back one.
             if can_trim_prompt_cache(cache):

@@ -100,7 +100,8 @@ class Worker(Admission):
         if loaded.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
-        self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries)
+        self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries,
+                                  self.checkpoint.model_type)
         self._publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=speculation.pairing if speculation else None,

@@ -6,9 +6,13 @@ families its batched decode is wrong even so (found by
 ``BatchGenerator``, without mlxcel). mlxcel serves those one sequence at a
 time, like a model whose caches cannot merge. Remove an entry when mlx-lm fixes
 it: the test then checks its batch again.
+
+And the few changes a family needs at load (:func:`config_overrides`, :func:`prepare`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 #: model_type -> why mlx-lm's continuous batch is wrong for it (mlx-lm 0.32.x).
 BATCH_BROKEN = {
@@ -23,3 +27,25 @@ BATCH_BROKEN = {
     "nemotron_h": "mlx-lm's batched decode differs from model(x)",
     "olmo_hybrid": "mlx-lm's batched decode differs from model(x)",
 }
+
+
+def config_overrides(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
+    """Config values mlx-lm must be given on top of a checkpoint's ``config.json`` (a family's quirks)."""
+    from . import gemma4
+
+    return gemma4.config_overrides(config) if model_type in gemma4.TYPES else {}
+
+
+def prepare(model_type: str, model: Any) -> None:
+    """A family's changes to the loaded mlx-lm model, before anything runs on it (in place)."""
+    from . import gemma4
+
+    if model_type in gemma4.TYPES:
+        gemma4.prepare(model)  # its sliding-window caches, for classic decode and the burst alike
+
+
+def adopt_cache(model_type: str, cache: list[Any]) -> list[Any]:
+    """*cache* (a sequence's, from mlx-lm's batch or prefix cache) in the family's own cache classes."""
+    from . import gemma4
+
+    return gemma4.adopt_cache(cache) if model_type in gemma4.TYPES else cache

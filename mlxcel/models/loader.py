@@ -192,9 +192,13 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
 
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
+    from .families import config_overrides, prepare
+
     try:
-        loaded: Any = load(str(info.path), lazy=True)
+        config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        loaded: Any = load(str(info.path), lazy=True, model_config=config_overrides(info.model_type, config))
         model, tokenizer = loaded
+        prepare(info.model_type, model)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
         raise CheckpointError(f"cannot load {info.path}: {exc}") from exc
     tokenizer = _declared_tokenizer(info.path, tokenizer)

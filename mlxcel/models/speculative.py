@@ -102,11 +102,19 @@ def _qwen3_5(model: Any) -> SpeculativeTarget:
     return Qwen35Target(model)
 
 
+def _gemma4(model: Any) -> SpeculativeTarget:
+    from .gemma4 import Gemma4Target
+
+    return Gemma4Target(model)
+
+
 #: Target adapters by the target checkpoint's ``model_type``.
 TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "qwen3_5": _qwen3_5,
     "qwen3_5_text": _qwen3_5,
     "qwen3_5_moe": _qwen3_5,  # Qwen 3.6: the same hybrid layers, MoE MLPs (nothing there to roll back)
+    "gemma4": _gemma4,
+    "gemma4_text": _gemma4,
 }
 
 

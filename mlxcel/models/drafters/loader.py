@@ -16,7 +16,8 @@ if TYPE_CHECKING:
     from ..speculative import DraftHead
 
 #: Target model types whose MTP head mlxcel can run, and the head's module.
-MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp"}
+MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp",
+                "gemma4": "gemma4_assistant", "gemma4_text": "gemma4_assistant"}
 PREFIX = "mtp."
 
 
@@ -39,6 +40,8 @@ class DrafterSpec:
     """A standalone ``qwen3_5_mtp`` directory (``mlxcel split-mtp``): the head's own tensors and config."""
     block_size: int | None = None
     """The K the drafter's config names, if any (the default when neither flag nor environment does)."""
+    family: str = "qwen3_5_mtp"
+    """The drafter's kind: the module under ``models/drafters/`` that runs it."""
 
 
 def _headers(directory: Path) -> dict[Path, dict[str, Any]]:
@@ -72,6 +75,8 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     if model_type not in MTP_FAMILIES:
         raise DrafterError(f"model_type {model_type!r} has no MTP head mlxcel can run "
                            f"(supported: {', '.join(sorted(MTP_FAMILIES))})")
+    if MTP_FAMILIES[model_type] == "gemma4_assistant":
+        return _inspect_assistant(target, mtp=mtp, draft_model=draft_model)
     if draft_model is not None:
         directory = draft_model.expanduser()
         if not directory.is_dir():
@@ -143,12 +148,70 @@ def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path) -
                        block_size=block_size if isinstance(block_size, int) and 2 <= block_size <= 32 else None)
 
 
+def _inspect_assistant(target: Path, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
+    """A Gemma 4 target's drafter: an assistant checkpoint directory, never the target itself."""
+    from .gemma4_assistant import TYPES
+
+    if draft_model is None:
+        raise DrafterError("Gemma 4 checkpoints carry no MTP head: give its assistant with --draft-model DIR "
+                           f"(a {' or '.join(TYPES)} checkpoint)")
+    directory = draft_model.expanduser()
+    if not directory.is_dir():
+        raise DrafterError(f"draft model directory {directory} does not exist")
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise DrafterError(f"{directory} has no readable config.json: {exc}") from exc
+    kind = config.get("model_type") if isinstance(config, dict) else None
+    if kind not in TYPES:
+        raise DrafterError(f"{directory} is not a Gemma 4 assistant: its config.json says model_type {kind!r} "
+                           f"(expected {' or '.join(TYPES)})")
+    target_config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    text = target_config.get("text_config", target_config)
+    backbone = config.get("backbone_hidden_size")
+    if backbone != text.get("hidden_size"):
+        raise DrafterError(f"the assistant in {directory} was trained for a {backbone}-wide target; "
+                           f"{target.name} is {text.get('hidden_size')} wide")
+    vocab = (config.get("text_config") or {}).get("vocab_size")
+    if vocab != text.get("vocab_size"):
+        raise DrafterError(f"the assistant in {directory} has a vocabulary of {vocab}; {target.name} has "
+                           f"{text.get('vocab_size')}")
+    try:
+        if not any(_headers(directory).values()):
+            raise DrafterError(f"{directory} holds no safetensors weights")
+    except (OSError, ValueError, struct.error) as exc:
+        raise DrafterError(f"cannot read the safetensors in {directory}: {exc}") from exc
+    block_size = config.get("block_size", 4)
+    return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False,
+                       block_size=block_size if isinstance(block_size, int) and 2 <= block_size <= 32 else None,
+                       family="gemma4_assistant")
+
+
+def _quantize(module: Any, bits: int) -> None:
+    import mlx.nn as nn
+
+    nn.quantize(module, group_size=64, bits=bits,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
+
+
 def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | None = None) -> DraftHead:
     """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
     bits (affine, group 64; layers whose width does not divide are kept as they are)."""
     import mlx.core as mx
 
     from . import qwen3_5_mtp
+
+    if spec.family == "gemma4_assistant":
+        from . import gemma4_assistant
+
+        try:
+            assistant = gemma4_assistant.build(spec.path)
+            if quantize is not None:
+                _quantize(assistant, quantize)
+            mx.eval(assistant.parameters())
+            return gemma4_assistant.Gemma4AssistantDrafter(assistant, model)
+        except (ValueError, KeyError) as exc:
+            raise DrafterError(f"the assistant in {spec.path} does not fit {target.name}: {exc}") from exc
 
     weights: dict[str, Any] = {}
     if spec.standalone:  # the head's own tensors, norms already shifted, under its own config
@@ -167,9 +230,6 @@ def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | No
     except (ValueError, KeyError) as exc:
         raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
     if quantize is not None:
-        import mlx.nn as nn
-
-        nn.quantize(head, group_size=64, bits=quantize,
-                    class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
+        _quantize(head, quantize)
     mx.eval(head.parameters())
     return qwen3_5_mtp.Qwen35Drafter(head, model)

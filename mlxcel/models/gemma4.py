@@ -1,0 +1,245 @@
+"""Gemma 4 (``gemma4`` with a ``text_config``, and ``gemma4_text``): its config quirk, its sliding-window
+cache, and the model as a speculative target.
+
+mlx-lm serves the model; this file adds three things.
+
+- :func:`config_overrides`: transformers 5.x saves the full-attention layers' head size (and key/value
+  head count) only under ``per_layer_config``, which mlx-lm does not read; the published checkpoints
+  spell it ``global_head_dim``. Either spelling loads.
+- :class:`SlidingWindowCache`, installed for every Gemma 4 model by :func:`prepare` (classic decode and
+  the burst alike, so both compute over the same cache layout): mlx-lm's rotating cache with
+  :data:`SLACK` slots beyond the window. A K-wide verify writes its tokens into the ring *in place*, as K
+  single steps would, and masks by position; with the slack, the slots it overwrites hold only tokens no
+  query of the block can see, so a rejected round rewinds (:meth:`SlidingWindowCache.rewind`) to exactly
+  the state K single steps would have left, past the window too.
+- :class:`Gemma4Target`: logits exactly as ``Model.__call__`` computes them (soft-capped), and the final
+  normed hidden state, which the ``gemma4_assistant`` drafter reads.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from .speculative import Split
+
+#: Ring slots beyond the sliding window. A verify block of up to SLACK + 1 tokens writes in place and
+#: rolls back; larger blocks (prompt chunks) take mlx-lm's concatenating path.
+SLACK = 64
+TYPES = ("gemma4", "gemma4_text")
+
+
+def config_overrides(config: dict[str, Any]) -> dict[str, Any]:
+    """What mlx-lm must be told on top of *config*: the full-attention geometry from ``per_layer_config``,
+    and (``gemma4`` wrapper) the vocabulary size, which mlx-lm reads at the top level only (and
+    otherwise assumes 262,144)."""
+    nested = isinstance(config.get("text_config"), dict)
+    text = dict(config["text_config"]) if nested else dict(config)
+    overrides: dict[str, Any] = {}
+    if nested and "vocab_size" not in config and "vocab_size" in text:
+        overrides["vocab_size"] = text["vocab_size"]
+    per_layer = text.get("per_layer_config")
+    kinds = text.get("layer_types") or []
+    full = [per_layer[str(i)] for i, kind in enumerate(kinds)
+            if isinstance(per_layer, dict) and kind == "full_attention" and str(i) in per_layer]
+    if full and "global_head_dim" not in text:
+        text["global_head_dim"] = full[0].get("head_dim", text.get("head_dim"))
+        if "num_key_value_heads" in full[0]:
+            text["num_global_key_value_heads"] = full[0]["num_key_value_heads"]
+        overrides.update({"text_config": text} if nested else text)
+    return overrides
+
+
+def text_model(model: Any) -> Any:
+    """The ``gemma4_text`` model inside *model* (the ``gemma4`` wrapper holds it as ``language_model``)."""
+    return getattr(model, "language_model", model)
+
+
+def prepare(model: Any) -> None:
+    """Give *model* :class:`SlidingWindowCache` for its sliding-window layers (in place)."""
+    text = text_model(model)
+    args = text.args
+    first_shared = args.num_hidden_layers - args.num_kv_shared_layers
+
+    def make_cache(self: Any) -> list[Any]:
+        return [KVCache() if args.layer_types[i] == "full_attention" else SlidingWindowCache(args.sliding_window)
+                for i in range(first_shared)]
+
+    text.make_cache = types.MethodType(make_cache, text)
+
+
+def adopt_cache(cache: list[Any]) -> list[Any]:
+    """*cache* with each of mlx-lm's rotating caches (a batch's ``extract`` makes them) as a
+    :class:`SlidingWindowCache` holding the same positions."""
+    return [SlidingWindowCache.adopt(c) if type(c) is RotatingKVCache else c for c in cache]
+
+
+class SlidingWindowCache(RotatingKVCache):
+    """A rotating key/value cache of ``window + SLACK`` slots that verify blocks write in place.
+
+    Invariant: the slot of position ``p`` is ``p % max_size`` (and ``_idx`` is ``offset % max_size``), so
+    a slot's position follows from the offset alone; masks are built from positions, whatever the slot
+    order. Prompt chunks longer than :data:`SLACK` go through mlx-lm's concatenating path and the ring is
+    rebuilt after it.
+    """
+
+    def __init__(self, window: int) -> None:
+        super().__init__(max_size=window + SLACK, keep=0)
+        self.window = window
+
+    @classmethod
+    def adopt(cls, rotating: RotatingKVCache) -> SlidingWindowCache:
+        """The same positions as mlx-lm's *rotating* cache (made with ``max_size = window + SLACK``)."""
+        cache = cls(rotating.max_size - SLACK)
+        cache.offset = rotating.offset
+        if rotating.keys is not None:
+            length = min(rotating.offset, rotating.max_size)
+            cache.keys = rotating._temporal_order(rotating.keys)[..., -length:, :]
+            cache.values = rotating._temporal_order(rotating.values)[..., -length:, :]
+            cache._to_ring()
+        return cache
+
+    # -- writing ------------------------------------------------------------------------------------
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if keys.shape[2] > SLACK:
+            out = self._update_concat(keys, values)
+            self._to_ring()
+            return out
+        return self._write_in_place(keys, values)
+
+    def _write_in_place(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        length, size = keys.shape[2], self.max_size
+        needed = min(size, self.offset + length)
+        if self.keys is None or self.keys.shape[2] < needed:
+            # Grow as mlx-lm's single-token path does (by `step`, up to max_size).
+            have = 0 if self.keys is None else self.keys.shape[2]
+            grown = have
+            while grown < needed:
+                grown = min(size, grown + self.step)
+            extra_k = mx.zeros((*keys.shape[:2], grown - have, keys.shape[3]), keys.dtype)
+            extra_v = mx.zeros((*values.shape[:2], grown - have, values.shape[3]), values.dtype)
+            self.keys = extra_k if self.keys is None else mx.concatenate([self.keys, extra_k], axis=2)
+            self.values = extra_v if self.values is None else mx.concatenate([self.values, extra_v], axis=2)
+        start = self.offset % size
+        first = min(length, size - start)
+        self.keys[..., start:start + first, :] = keys[..., :first, :]
+        self.values[..., start:start + first, :] = values[..., :first, :]
+        if first < length:  # wrapped around
+            self.keys[..., :length - first, :] = keys[..., first:, :]
+            self.values[..., :length - first, :] = values[..., first:, :]
+        self.offset += length
+        self._idx = self.offset % size
+        return self.keys_and_values()
+
+    def _to_ring(self) -> None:
+        """After a concatenating update: keep the last max_size positions, each in its own slot."""
+        assert self.keys is not None and self.values is not None
+        size = self.max_size
+        if self.offset > size:
+            self.keys = mx.roll(self.keys[..., -size:, :], self.offset % size, 2)
+            self.values = mx.roll(self.values[..., -size:, :], self.offset % size, 2)
+        self._idx = self.offset % size
+
+    def rewind(self, count: int) -> None:
+        """Forget the last *count* tokens (at most :data:`SLACK`): a rejected verify tail."""
+        if count > SLACK:
+            raise ValueError(f"a sliding-window cache rewinds at most {SLACK} tokens, not {count}")
+        self.offset -= count
+        self._idx = self.offset % self.max_size
+
+    def trim(self, n: int) -> int:
+        n = super().trim(n)  # only while offset < max_size (is_trimmable): positions are slots
+        self._idx = self.offset % self.max_size
+        return n
+
+    # -- reading ------------------------------------------------------------------------------------
+
+    def positions(self, extra: int = 0) -> mx.array:
+        """The position each returned slot holds once *extra* more tokens are written (-1: empty)."""
+        last = self.offset + extra - 1
+        length = min(last + 1, self.max_size)
+        slots = mx.arange(length)
+        return last - ((last - slots) % self.max_size)
+
+    def make_mask(self, N: int, window_size: int | None = None, return_array: bool = False) -> Any:
+        if N > SLACK:
+            return super().make_mask(N, window_size=window_size, return_array=return_array)
+        window = window_size or self.window
+        if self.offset + N <= window and not return_array:
+            return "causal" if N > 1 else None
+        position = self.positions(extra=N)[None, :]
+        query = (self.offset + mx.arange(N))[:, None]
+        return (position <= query) & (position > query - window)
+
+    def live_state(self) -> list[mx.array]:
+        """What decides every later step: the keys and values a next query can still see, by slot
+        (the rest zeroed: slack slots hold older tokens, or a rewound block's, and are always masked)."""
+        if self.keys is None:
+            return []
+        position = self.positions()
+        visible = (position >= self.offset - self.window - 1)[None, None, :, None]
+        length = position.shape[0]
+        return [mx.where(visible, self.keys[..., :length, :], 0), mx.where(visible, self.values[..., :length, :], 0),
+                mx.array([self.offset])]
+
+
+@dataclass(frozen=True, slots=True)
+class Gemma4Verify:
+    logits: mx.array
+    hidden: mx.array
+    width: int
+
+
+class Gemma4Target:
+    """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a Gemma 4 model.
+
+    Requires the caches :func:`prepare` installs (full-attention ``KVCache`` and
+    :class:`SlidingWindowCache`); a verify block must be at most ``SLACK + 1`` tokens.
+    """
+
+    def __init__(self, model: Any) -> None:
+        from mlx_lm.models.gemma4_text import logit_softcap
+
+        self.text = text_model(model)
+        self.body = self.text.model
+        self._softcap = logit_softcap
+        self.embed = self.body.embed_tokens
+        window = self.text.args.sliding_window
+        #: For the exactness probe: a block that crosses the window's edge, and one that crosses the ring's.
+        self.probe_offsets = (window - 2, window + SLACK - 2)
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        hidden = self.body(tokens, cache=cache)
+        text = self.text
+        logits = self.embed.as_linear(hidden) if text.tie_word_embeddings else text.lm_head(hidden)
+        if text.final_logit_softcapping is not None:
+            logits = self._softcap(text.final_logit_softcapping, logits)
+        return logits, hidden
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Gemma4Verify:
+        width = tokens.shape[1]
+        if width > SLACK + 1:
+            raise ValueError(f"a Gemma 4 verify block is at most {SLACK + 1} tokens, not {width}")
+        if split == "wide" or width <= 2:
+            logits, hidden = self.forward(tokens, cache)
+        else:
+            half = (width + 1) // 2
+            first, second = self.forward(tokens[:, :half], cache), self.forward(tokens[:, half:], cache)
+            logits = mx.concatenate([first[0], second[0]], axis=1)
+            hidden = mx.concatenate([first[1], second[1]], axis=1)
+        return Gemma4Verify(logits, hidden, width)
+
+    def rollback(self, cache: list[Any], verify: Gemma4Verify, kept: int) -> None:
+        dropped = verify.width - kept
+        if dropped == 0:
+            return
+        for c in cache:
+            if isinstance(c, SlidingWindowCache):
+                c.rewind(dropped)
+            else:
+                c.trim(dropped)

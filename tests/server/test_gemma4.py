@@ -1,0 +1,230 @@
+"""Gemma 4 with its assistant through the real CLI, server and HTTP.
+
+The bursts run in servers of their own process under mlx's reference BLAS (``MLXCEL_BLAS=off``): this
+machine's OpenBLAS multiplies a 2-row block with another kernel than one row for these shapes, so under
+it the exactness probe (rightly) declines every tiny Gemma pairing, and there would be no burst to
+compare. That decline is tested too, in-process, where OpenBLAS is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.gemma4_checkpoints import build_assistant, build_target
+from tests.server.conftest import free_port, mlxcel, running_server, serve_subprocess
+
+pytest.importorskip("torch")
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\n"]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gemma4-serve")
+    target = build_target(root / "gemma4-tiny", wrapper=True)
+    permutation = build_target(root / "gemma4-permutation", kind="permutation")
+    return {
+        "target": target, "assistant": build_assistant(root / "gemma4-tiny-assistant", target),
+        "permutation": permutation,
+        "agreeing": build_assistant(root / "gemma4-agreeing-assistant", permutation, kind="agreeing"),
+        "partly": build_assistant(root / "gemma4-partly-assistant", permutation, kind="agreeing", agreement=0.6),
+        "random": build_assistant(root / "gemma4-random-assistant", permutation),
+    }
+
+
+@contextmanager
+def _exact_server(target: Path, assistant: Path, tmp_path: Path, **env: str) -> Iterator[httpx.Client]:
+    log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
+    settings = {"MLXCEL_BLAS": "off", "MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
+    with serve_subprocess(["--model", str(target), "--draft-model", str(assistant)], settings, log) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
+def _texts(client: httpx.Client, max_tokens: int, **extra: Any) -> list[dict[str, Any]]:
+    bodies = []
+    for prompt in PROMPTS:
+        response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                         "temperature": 0, **extra})
+        response.raise_for_status()
+        bodies.append(response.json())
+    return bodies
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pair", [("target", "assistant"), ("permutation", "partly")])
+def test_temperature_0_text_is_classic_decode_byte_for_byte_at_every_k_and_near_max_tokens(
+        gemma: dict[str, Path], tmp_path: Path, pair: tuple[str, str]) -> None:
+    target, assistant = gemma[pair[0]], gemma[pair[1]]
+    lengths = (24, 1, 2, 3, 5)  # whole rounds, and rounds narrowed by max_tokens
+    with _exact_server(target, assistant, tmp_path, MLXCEL_ENABLE_MTP_B1="0") as client:
+        classic = {n: [b["choices"][0]["text"] for b in _texts(client, n)] for n in lengths}
+    for block in (2, 3, 4):
+        with _exact_server(target, assistant, tmp_path, MLXCEL_ENABLE_MTP_B1="1",
+                           MLXCEL_DRAFT_BLOCK_SIZE=str(block)) as client:
+            policy = client.get("/v1/internal/mtp-policy").json()
+            assert (policy["state"], policy["block_size"], policy["target"], policy["drafter"]) == (
+                "forced", block, target.name, assistant.name)
+            for n in lengths:
+                bodies = _texts(client, n)
+                assert [b["choices"][0]["text"] for b in bodies] == classic[n], (block, n)
+                if n == 24:
+                    timings = [b["timings"] for b in bodies]
+                    assert all(t["draft_rounds"] > 0 and t["draft_n"] >= t["draft_n_accepted"] for t in timings)
+                    if pair[1] == "partly":  # agrees on 60% of tokens: drafts are accepted, not all
+                        accepted = sum(t["draft_n_accepted"] for t in timings) / sum(t["draft_n"] for t in timings)
+                        assert 0.2 < accepted < 1.0, accepted
+
+
+@pytest.mark.slow
+def test_sampling_through_the_burst_is_seeded_and_reports_its_drafts(gemma: dict[str, Path], tmp_path: Path) -> None:
+    with _exact_server(gemma["permutation"], gemma["partly"], tmp_path, MLXCEL_ENABLE_MTP_B1="1",
+                       MLXCEL_DRAFT_BLOCK_SIZE="3") as client:
+        # Each prompt once first, so that every seeded request below starts from the same prefix-cache hit
+        # (a full hit starts the burst with a classic step, which draws from the seed's stream too).
+        _texts(client, 1)
+        first, again = (_texts(client, 32, temperature=0.8, seed=11) for _ in range(2))
+        other = _texts(client, 32, temperature=0.8, seed=12)
+    assert [b["choices"] for b in first] == [b["choices"] for b in again]
+    assert [b["choices"] for b in first] != [b["choices"] for b in other]
+    assert all(b["timings"]["draft_rounds"] > 0 and b["timings"]["draft_n_accepted"] > 0 for b in first)
+
+
+@pytest.mark.slow
+def test_the_policy_profiles_settles_restores_and_reprofiles_a_new_k(gemma: dict[str, Path], tmp_path: Path) -> None:
+    env = {"MLXCEL_MTP_PROFILE_SAMPLES": "2", "MLXCEL_DRAFT_BLOCK_SIZE": "4"}
+    verdicts = {}
+    for kind in ("agreeing", "random"):
+        with _exact_server(gemma["permutation"], gemma[kind], tmp_path, **env) as client:
+            before = client.get("/v1/internal/mtp-policy").json()
+            _texts(client, 48)
+            verdicts[kind] = client.get("/v1/internal/mtp-policy").json()
+        assert (before["state"], before["samples_remaining"], before["drafter"]) == ("profiling", 2, gemma[kind].name)
+    agreeing, random = verdicts["agreeing"], verdicts["random"]
+    assert (agreeing["state"], agreeing["verdict"], agreeing["acceptance_rate"]) == ("settled", "enable", 1.0)
+    assert (random["state"], random["verdict"], random["mtp_enabled"]) == ("settled", "decline", False)
+    assert random["acceptance_rate"] < 0.2
+    hints = list((tmp_path / "cache" / "mtp-policy").glob("*.json"))
+    assert len(hints) == 2
+    with _exact_server(gemma["permutation"], gemma["agreeing"], tmp_path, **env) as client:
+        assert client.get("/v1/internal/mtp-policy").json() == agreeing  # restored, not measured again
+    with _exact_server(gemma["permutation"], gemma["agreeing"], tmp_path,
+                       **{**env, "MLXCEL_DRAFT_BLOCK_SIZE": "3"}) as client:
+        fresh = client.get("/v1/internal/mtp-policy").json()
+    assert (fresh["state"], fresh["block_size"], fresh["samples_remaining"]) == ("profiling", 3, 2)
+
+
+@pytest.mark.slow
+async def test_batched_requests_decode_as_they_do_alone_while_the_assistant_is_loaded(
+        gemma: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    prompts = [f"{p} # {i}" for i, p in enumerate(PROMPTS * 2)]
+    for target, assistant in (("target", "assistant"), ("permutation", "agreeing")):
+        async with running_server(["--model", str(gemma[target]), "--draft-model", str(gemma[assistant])]) as url, \
+                httpx.AsyncClient(timeout=120) as client:
+            async def complete(prompt: str, into: dict[str, str]) -> None:
+                response = await client.post(f"{url}/v1/completions",
+                                             json={"prompt": prompt, "max_tokens": 20, "temperature": 0})
+                into[prompt] = response.json()["choices"][0]["text"]
+
+            alone: dict[str, str] = {}
+            for prompt in prompts:
+                await complete(prompt, alone)
+            together: dict[str, str] = {}
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts:
+                    nursery.start_soon(complete, prompt, together)
+            slots = (await client.get(f"{url}/slots")).json()
+        assert together == alone, target
+        assert slots is not None
+
+
+@pytest.mark.requires_openblas  # the inexact pairing needs it; CI requires it
+async def test_an_inexact_gemma_pairing_is_declined_with_the_probes_sentence(gemma: dict[str, Path]) -> None:
+    async with running_server(["--model", str(gemma["target"]), "--draft-model", str(gemma["assistant"]),
+                               "--draft-block-size", "2"]) as url, httpx.AsyncClient(timeout=60) as client:
+        policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+        body = (await client.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 12,
+                                                                  "temperature": 0})).json()
+    assert (policy["state"], policy["mtp_enabled"], policy["verdict"]) == ("exactness_declined", False, None)
+    assert policy["decline_detail"].startswith("With one K-wide verify forward, a width-2 verify at offset ")
+    assert policy["decline_detail"].endswith("(at K=2 there is no other split to try).")
+    assert body["timings"]["draft_n"] == 0  # served by classic decode
+
+
+@pytest.mark.slow
+def test_gemma_drafters_that_cannot_be_used_are_refused_at_startup(gemma: dict[str, Path], tmp_path: Path) -> None:
+    narrow = tmp_path / "narrow-assistant"
+    narrow.mkdir()
+    for file in gemma["assistant"].iterdir():
+        (narrow / file.name).write_bytes(file.read_bytes())
+    config = json.loads((narrow / "config.json").read_text())
+    (narrow / "config.json").write_text(json.dumps({**config, "backbone_hidden_size": 32}))
+    cases = [
+        (["--mtp"], "Gemma 4 checkpoints carry no MTP head: give its assistant with --draft-model DIR"),
+        (["--draft-model", str(gemma["permutation"])],
+         "is not a Gemma 4 assistant: its config.json says model_type 'gemma4_text'"),
+        (["--draft-model", str(narrow)], "was trained for a 32-wide target; gemma4-tiny is 64 wide"),
+    ]
+    for args, expected in cases:
+        result = mlxcel("serve", "--model", str(gemma["target"]), *args, "--port", str(free_port()),
+                        env={**os.environ, "MLXCEL_BLAS": "off"})
+        assert result.returncode == 2, (args, result.stderr)
+        assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_prefixes_a_batch_left_in_the_prefix_cache_serve_the_burst_exactly(gemma: dict[str, Path],
+                                                                           tmp_path: Path) -> None:
+    """A batch hands its caches to the prefix cache as mlx-lm's own rotating caches; the next request
+    adopts them (past the window and the ring: the prompts are 300 tokens) and runs the burst on them.
+    Token-id prompts, each follow-up extending exactly what its batched request left cached: the
+    continuation, computed here with the model itself (the random target: its text depends on every
+    cached key, so a wrongly adopted cache shows)."""
+    import concurrent.futures
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    target, assistant = gemma["target"], gemma["assistant"]
+    model, tokenizer = load_checkpoint(inspect_checkpoint(target))
+    prompts = [[int(t) for t in np.random.default_rng(i).integers(3, 512, 300)] for i in range(3)]
+    continuations = []
+    for prompt in prompts:
+        cache, tokens = make_prompt_cache(model), list(prompt)
+        logits = model(mx.array([prompt]), cache=cache)
+        for _ in range(8):
+            tokens.append(int(mx.argmax(logits[0, -1])))
+            logits = model(mx.array([tokens[-1:]]), cache=cache)
+        continuations.append(tokens[len(prompt):])
+
+    def run(client: httpx.Client) -> list[str]:
+        def complete(prompt: list[int]) -> str:
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0})
+            return str(response.json()["choices"][0]["text"])
+
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:  # together: a batch
+            first = list(pool.map(complete, prompts))
+        assert first == [tokenizer.decode(c) for c in continuations]
+        return first + [complete([*p, *c, 5, 6, 7]) for p, c in zip(prompts, continuations, strict=True)]
+
+    with _exact_server(target, assistant, tmp_path, MLXCEL_ENABLE_MTP_B1="0") as client:
+        classic = run(client)
+    with _exact_server(target, assistant, tmp_path, MLXCEL_ENABLE_MTP_B1="1",
+                       MLXCEL_DRAFT_BLOCK_SIZE="3") as client:
+        burst = run(client)
+        stats = client.get("/v1/cache/stats").json()
+    assert burst == classic
+    assert stats["hits"] >= len(prompts), stats
