@@ -32,13 +32,18 @@ SPECIAL = 3  # tokens 0-2 are the tokenizer's special tokens: the permutation le
 PERMUTATION = np.concatenate([np.arange(SPECIAL), SPECIAL + np.random.default_rng(7).permutation(VOCAB_SIZE - SPECIAL)])
 
 
-def _text_config(hidden: int, layers: int, *, softcap: float | None, tied: bool, init: float) -> Any:
+def _text_config(hidden: int, layers: int, *, softcap: float | None, tied: bool, init: float,
+                 window: int = WINDOW, head_dim: int | None = None) -> Any:
+    """*head_dim*: an assistant's, which must be its target's (it attends into the target's keys)."""
     from transformers import Gemma4TextConfig
 
     kinds = ["sliding_attention", "full_attention"] * (layers // 2)
+    heads = max(4, hidden // 64)
+    head_dim = head_dim or hidden // heads
     return Gemma4TextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32, sliding_window=WINDOW,
+        num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=head_dim,
+        global_head_dim=2 * head_dim, sliding_window=window,
         layer_types=kinds, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
         final_logit_softcapping=softcap, max_position_embeddings=4096, num_kv_shared_layers=0,
         tie_word_embeddings=tied, initializer_range=init, eos_token_id=0, bos_token_id=1, pad_token_id=0)
@@ -52,7 +57,7 @@ def _save(model: Any, directory: Path) -> Path:
 
 
 def build_target(directory: Path, *, kind: str = "random", wrapper: bool = False, layers: int = 4,
-                 seed: int = 0) -> Path:
+                 hidden: int = 64, window: int = WINDOW, seed: int = 0) -> Path:
     """A Gemma 4 target: ``random`` (transformers' initialisation, widened so greedy text has no
     near-ties) or ``permutation``; ``gemma4_text``, or with *wrapper* the ``gemma4`` layout."""
     import torch
@@ -60,7 +65,8 @@ def build_target(directory: Path, *, kind: str = "random", wrapper: bool = False
 
     torch.manual_seed(seed)
     permutation = kind == "permutation"
-    text = _text_config(64, layers, softcap=None if permutation else 30.0, tied=not permutation, init=0.1)
+    text = _text_config(hidden, layers, softcap=None if permutation else 30.0, tied=not permutation, init=0.1,
+                        window=window)
     if wrapper:
         model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=text, vision_config=None,
                                                             audio_config=None)).eval()
@@ -80,20 +86,44 @@ def build_target(directory: Path, *, kind: str = "random", wrapper: bool = False
 
 
 def build_assistant(directory: Path, target: Path, *, kind: str = "random", agreement: float = 1.0,
-                    seed: int = 1) -> Path:
-    """A ``gemma4_assistant`` for *target*: ``random``, or ``agreeing`` with the permutation target
-    (on *agreement* of the tokens)."""
+                    seed: int = 1, layers: int = 2) -> Path:
+    """A Gemma 4 assistant for *target*: ``random``, ``agreeing`` with the permutation target (on
+    *agreement* of the tokens), ``centroids`` (random, with the E2B/E4B centroid head: 16 clusters of
+    32 tokens, the top 4 scored) or ``unified`` (random, ``gemma4_unified_assistant``)."""
     import torch
     from safetensors.numpy import load_file
-    from transformers import Gemma4AssistantConfig, Gemma4AssistantForCausalLM
+    from transformers import (
+        Gemma4AssistantConfig,
+        Gemma4AssistantForCausalLM,
+        Gemma4UnifiedAssistantConfig,
+        Gemma4UnifiedAssistantForCausalLM,
+    )
 
     torch.manual_seed(seed)
-    backbone = 64
+    target_text = json.loads((target / "config.json").read_text())
+    target_text = target_text.get("text_config", target_text)
+    backbone = target_text["hidden_size"]
     agreeing = kind == "agreeing"
-    hidden = backbone if agreeing else 32
-    config = Gemma4AssistantConfig(text_config=_text_config(hidden, 2, softcap=None, tied=True, init=0.1),
-                                   backbone_hidden_size=backbone)
-    model = Gemma4AssistantForCausalLM(config).eval()
+    hidden = backbone if agreeing else backbone // 2
+    text = _text_config(hidden, layers, softcap=None, tied=True, init=0.1, window=target_text["sliding_window"],
+                        head_dim=target_text["head_dim"])
+    if kind == "unified":
+        from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
+
+        unified = Gemma4UnifiedTextConfig(**{k: v for k, v in text.to_dict().items()
+                                             if k in Gemma4UnifiedTextConfig.__dataclass_fields__},
+                                          global_head_dim=32)
+        model = Gemma4UnifiedAssistantForCausalLM(
+            Gemma4UnifiedAssistantConfig(text_config=unified, backbone_hidden_size=backbone)).eval()
+        return _finish(model, directory)
+    extra = {"use_ordered_embeddings": True, "num_centroids": 16, "centroid_intermediate_top_k": 4} \
+        if kind == "centroids" else {}
+    model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=backbone,
+                                                             **extra)).eval()
+    if kind == "centroids":
+        with torch.no_grad():
+            ordering = np.random.default_rng(seed).permutation(VOCAB_SIZE)
+            model.masked_embedding.token_ordering.copy_(torch.as_tensor(ordering))
     if agreeing:
         weights = load_file(str(next(target.glob("*.safetensors"))))
         table = next(v for k, v in weights.items() if k.endswith("embed_tokens.weight"))
@@ -108,6 +138,10 @@ def build_assistant(directory: Path, target: Path, *, kind: str = "random", agre
                 layer.mlp.down_proj.weight.zero_()
             model.pre_projection.weight.copy_(torch.cat([torch.eye(hidden), torch.zeros(hidden, backbone)], dim=1))
             model.model.embed_tokens.weight.copy_(torch.as_tensor(table[rows]))
+    return _finish(model, directory)
+
+
+def _finish(model: Any, directory: Path) -> Path:
     out = _save(model, directory)
     config_path = out / "config.json"
     written = json.loads(config_path.read_text())

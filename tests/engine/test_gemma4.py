@@ -31,7 +31,9 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     permutation = build_target(root / "gemma4-permutation", kind="permutation")
     return {"target": target, "assistant": build_assistant(root / "gemma4-tiny-assistant", target),
             "permutation": permutation,
-            "agreeing": build_assistant(root / "gemma4-agreeing-assistant", permutation, kind="agreeing")}
+            "agreeing": build_assistant(root / "gemma4-agreeing-assistant", permutation, kind="agreeing"),
+            "centroids": build_assistant(root / "gemma4-centroid-assistant", target, kind="centroids"),
+            "unified": build_assistant(root / "gemma4-unified-assistant", target, kind="unified")}
 
 
 def _load(target: Path, assistant: Path) -> tuple[Any, Any, Any]:
@@ -46,11 +48,11 @@ def _load(target: Path, assistant: Path) -> tuple[Any, Any, Any]:
 
 
 def _reference(target: Path, assistant: Path) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, Gemma4AssistantForCausalLM, Gemma4ForConditionalGeneration
+    from transformers import AutoModelForCausalLM, Gemma4ForConditionalGeneration
 
     config = (target / "config.json").read_text()
     cls = Gemma4ForConditionalGeneration if '"model_type": "gemma4"' in config else AutoModelForCausalLM
-    return cls.from_pretrained(target).eval(), Gemma4AssistantForCausalLM.from_pretrained(assistant).eval()
+    return cls.from_pretrained(target).eval(), AutoModelForCausalLM.from_pretrained(assistant).eval()
 
 
 def _reference_drafts(hf: Any, assistant: Any, prompt: list[int], token: int, count: int) -> list[int]:
@@ -89,7 +91,8 @@ def test_target_logits_equal_transformers_for_a_prefill_and_step_by_step_past_th
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pair", [("target", "assistant"), ("permutation", "agreeing")])
+@pytest.mark.parametrize("pair", [("target", "assistant"), ("permutation", "agreeing"), ("target", "centroids"),
+                                  ("target", "unified")])
 def test_drafts_equal_transformers_greedy_drafts(pairs: dict[str, Path], pair: tuple[str, str]) -> None:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -153,6 +156,5 @@ def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the
     def stock() -> list[Any]:
         return [KVCache() if i % 2 else RotatingKVCache(max_size=WINDOW) for i in range(4)]
 
-    monkeypatch.setattr(exactness, "OFFSETS", (300,))
     vetoed = exactness.probe_exactness(target, model, stock, 2, 512, 4096)
-    assert vetoed.split is None and vetoed.detail is not None and "offset 300" in vetoed.detail
+    assert vetoed.split is None and vetoed.detail is not None and "differs from the single-token chain" in vetoed.detail
