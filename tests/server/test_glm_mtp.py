@@ -242,3 +242,28 @@ def test_a_glm_target_needs_a_split_drafter(glm: dict[str, Path], tmp_path: Path
         result = mlxcel("serve", "--model", str(raw), *argv, "--port", "0")
         assert result.returncode == 2, result.stderr
         assert expected in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+async def test_routing_that_sorts_only_at_the_verify_width_is_probed(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlx-lm's switch MLP gathers the experts unsorted below 64 routed rows and sorted from 64 on. With 22
+    of 32 experts a token, a single step routes 22 rows and a width-3 verify 66: only the verify sorts. The
+    probe checks that width at boot; exact, the burst runs, else the pairing is declined and classic decode
+    serves. The text is classic decode's either way."""
+    raw = build_glm_checkpoint(tmp_path / "glm-sorting", drafter="aligned", context_scale=0.05,
+                               text={"n_routed_experts": 32, "num_experts_per_tok": 22})
+    head = tmp_path / "glm-sorting-MTP"
+    _split(raw, head, "--block-size", "3")
+    argv = ["--model", str(raw), "--draft-model", str(head)]
+    _, probed = await _run(argv, prompts=[])
+    assert probed["block_size"] == 3 and 3 * 22 >= 64 > 22
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    on, _ = await _run(argv)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
+    off, _ = await _run(argv)
+    assert _choices(on) == _choices(off)
+    if probed["state"] == "exactness_declined":
+        assert isinstance(probed["decline_detail"], str) and not any(_timings(on, "draft_rounds"))
+    else:
+        assert probed["state"] == "profiling" and all(n > 0 for n in _timings(on, "draft_rounds"))
