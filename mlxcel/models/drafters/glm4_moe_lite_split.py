@@ -125,10 +125,12 @@ def _plan(files: dict[Path, dict[str, Any]], prefix: str, text: dict[str, Any]) 
 def _piece(out: _Output, file: Path, raw: str, text: dict[str, Any]) -> dict[str, Any]:
     """One piece of *out* read from *file* alone and transformed: its arrays by part (see :meth:`_Output.tensors`)."""
     import mlx.core as mx
-    from safetensors import safe_open
 
-    with safe_open(str(file), framework="mlx") as f:
-        value = f.get_tensor(raw)
+    # mx.load is lazy: the other tensors of the file are never read (safetensors' own reader
+    # goes through numpy, which has no bfloat16).
+    tensors: dict[str, mx.array] = mx.load(str(file))  # type: ignore[assignment]
+    value = tensors.pop(raw)
+    del tensors
     if out.make != "copy":
         heads, nope = int(text["num_attention_heads"]), int(text["qk_nope_head_dim"])
         value = value.reshape(heads, -1, value.shape[-1])
@@ -141,16 +143,20 @@ def _piece(out: _Output, file: Path, raw: str, text: dict[str, Any]) -> dict[str
     return {"weight": weight, "scales": scales, "biases": biases}
 
 
-def _array_bytes(value: Any) -> bytes:
+def _array_bytes(value: Any) -> memoryview:
+    """The array's bytes without a copy (MLX arrays export their buffer; as uint8 for bfloat16's sake)."""
     import mlx.core as mx
-    import numpy as np
 
-    return np.array(mx.contiguous(value).view(mx.uint8)).tobytes()
+    data = mx.contiguous(value).view(mx.uint8)
+    mx.eval(data)
+    return memoryview(data).cast("B")  # type: ignore[arg-type]
 
 
 def _write(path: Path, outputs: list[_Output], text: dict[str, Any], report: Callable[[str], None]) -> int:
     """A safetensors file written piece by piece at the offsets its header (written first) names.
     Returns the number of tensors written."""
+    import mlx.core as mx
+
     tensors = sorted((t for o in outputs for t in o.tensors().values()), key=lambda t: t.name)
     header: dict[str, Any] = {"__metadata__": {"format": "mlx"}}
     offsets, end = {}, 0
@@ -171,10 +177,12 @@ def _write(path: Path, outputs: list[_Output], text: dict[str, Any], report: Cal
                 for part, value in _piece(out, file, raw, text).items():
                     data = _array_bytes(value)
                     tensor = parts[part]
-                    if len(data) * len(out.pieces) != tensor.size:
+                    if data.nbytes * len(out.pieces) != tensor.size:
                         raise DrafterError(f"{raw} in {file.name} does not have the shape its header says")
-                    f.seek(start + offsets[tensor.name] + number * len(data))
+                    f.seek(start + offsets[tensor.name] + number * data.nbytes)
                     f.write(data)
+                # MLX keeps freed buffers for reuse; tensors of many sizes would pile up to the layer's size.
+                mx.clear_cache()
                 done += 1
                 if done == total or done % max(1, total // 10) == 0:
                     report(f"copied {done}/{total} source tensors ({out.name})")
