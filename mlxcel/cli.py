@@ -70,7 +70,7 @@ def _split_mtp(args: argparse.Namespace) -> int:
     from .config import ConfigError, parse_draft_block_size
 
     try:
-        block_size = parse_draft_block_size("--block-size", args.block_size)
+        block_size = None if args.block_size is None else parse_draft_block_size("--block-size", args.block_size)
     except ConfigError as exc:
         print(f"mlxcel split-mtp: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -79,8 +79,9 @@ def _split_mtp(args: argparse.Namespace) -> int:
     from .models.drafters.split import split_mtp
 
     try:
+        quantize = None if args.q_bits is None else (args.q_bits, args.q_group_size)
         split_mtp(args.model.expanduser(), args.out.expanduser(), block_size=block_size, force=args.force,
-                  report=lambda line: print(f"mlxcel split-mtp: {line}", file=sys.stderr))
+                  quantize=quantize, report=lambda line: print(f"mlxcel split-mtp: {line}", file=sys.stderr))
     except (DrafterError, OSError) as exc:
         print(f"mlxcel split-mtp: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -175,14 +176,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     split = commands.add_parser(
         "split-mtp", help="extract a raw checkpoint's MTP head into a standalone drafter directory",
-        description="Write the MTP head of a raw checkpoint (its mtp.* tensors) as a standalone drafter "
+        description="Write the MTP head of a raw checkpoint (Qwen's mtp.* tensors, GLM-4.7-Flash's "
+                    "model.layers.{num_hidden_layers}.* next-token layer) as a standalone drafter "
                     "directory for --draft-model: config.json, model.safetensors and the tokenizer files. "
                     "Conversions that dropped the head (quantized ones, mlx-lm's) can then be served with it.")
     split.add_argument("-m", "--model", type=Path, required=True, metavar="RAW_DIR",
-                       help="the raw checkpoint, with its mtp.* tensors")
+                       help="the raw checkpoint, with its MTP tensors")
     split.add_argument("-o", "--out", type=Path, required=True, metavar="OUT_DIR", help="the drafter directory")
-    split.add_argument("--block-size", default="3", metavar="N",
-                       help="the K the drafter's config names (2 to 32; default %(default)s)")
+    split.add_argument("--block-size", metavar="N",
+                       help="the K the drafter's config names (2 to 32; default: 3 for Qwen, "
+                            "num_nextn_predict_layers + 1 = 2 for GLM)")
+    split.add_argument("--q-bits", type=int, choices=(2, 3, 4, 5, 6, 8), metavar="B",
+                       help="GLM only: affine-quantize the layer's matrices to B bits (2, 3, 4, 5, 6 or 8; "
+                            "the router gate stays exact)")
+    split.add_argument("--q-group-size", type=int, choices=(32, 64, 128), default=64, metavar="G",
+                       help="the quantization group size (32, 64 or 128; default %(default)s)")
     split.add_argument("--force", action="store_true", help="replace a checkpoint already in OUT_DIR")
     split.set_defaults(run=_split_mtp)
 

@@ -108,6 +108,12 @@ def _gemma4(model: Any) -> SpeculativeTarget:
     return Gemma4Target(model)
 
 
+def _glm4_moe_lite(model: Any) -> SpeculativeTarget:
+    from .glm4_moe_lite import Glm4MoeLiteTarget
+
+    return Glm4MoeLiteTarget(model)
+
+
 #: Target adapters by the target checkpoint's ``model_type``.
 TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "qwen3_5": _qwen3_5,
@@ -115,6 +121,7 @@ TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "qwen3_5_moe": _qwen3_5,  # Qwen 3.6: the same hybrid layers, MoE MLPs (nothing there to roll back)
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,
+    "glm4_moe_lite": _glm4_moe_lite,  # GLM-4.7-Flash: MLA + MoE, plain KV caches
 }
 
 

@@ -6,6 +6,7 @@ safetensors headers; :func:`load_drafter` runs on the worker thread.
 
 from __future__ import annotations
 
+import importlib
 import json
 import struct
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ if TYPE_CHECKING:
 
 #: Target model types whose MTP head mlxcel can run, and the head's module.
 MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp",
-                "gemma4": "gemma4_assistant", "gemma4_text": "gemma4_assistant"}
+                "gemma4": "gemma4_assistant", "gemma4_text": "gemma4_assistant",
+                "glm4_moe_lite": "glm4_moe_lite_mtp"}
+#: Heads served only from a standalone directory (``mlxcel split-mtp``), never from inside the target.
+SPLIT_ONLY = {"glm4_moe_lite_mtp"}
 PREFIX = "mtp."
 
 
@@ -37,7 +41,7 @@ class DrafterSpec:
     name: str
     in_checkpoint: bool
     standalone: bool = False
-    """A standalone ``qwen3_5_mtp`` directory (``mlxcel split-mtp``): the head's own tensors and config."""
+    """A standalone directory (``mlxcel split-mtp``): the head's own tensors and config."""
     block_size: int | None = None
     """The K the drafter's config names, if any (the default when neither flag nor environment does)."""
     family: str = "qwen3_5_mtp"
@@ -75,15 +79,19 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     if model_type not in MTP_FAMILIES:
         raise DrafterError(f"model_type {model_type!r} has no MTP head mlxcel can run "
                            f"(supported: {', '.join(sorted(MTP_FAMILIES))})")
-    if MTP_FAMILIES[model_type] == "gemma4_assistant":
+    head_type = MTP_FAMILIES[model_type]
+    if head_type == "gemma4_assistant":
         return _inspect_assistant(target, mtp=mtp, draft_model=draft_model)
+    if draft_model is None and head_type in SPLIT_ONLY:
+        raise DrafterError(f"a {model_type} target's next-token layer is served from its own directory: "
+                           f"`mlxcel split-mtp -m RAW_DIR -o OUT_DIR`, then --draft-model OUT_DIR")
     if draft_model is not None:
         directory = draft_model.expanduser()
         if not directory.is_dir():
             raise DrafterError(f"draft model directory {directory} does not exist")
-        standalone = _standalone_config(directory)
+        standalone = _standalone_config(directory, head_type)
         if standalone is not None:
-            return _inspect_standalone(directory, standalone, target)
+            return _inspect_standalone(directory, standalone, target, _head_module(head_type))
         spec = DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False)
     else:
         assert mtp
@@ -97,10 +105,12 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     return spec
 
 
-def _standalone_config(directory: Path) -> dict[str, Any] | None:
-    """A drafter directory's config, if it is a standalone head; a clear error if it is something else."""
-    from .qwen3_5_mtp import STANDALONE_TYPE
+def _head_module(head_type: str) -> Any:
+    return importlib.import_module(f"{__package__}.{head_type}")
 
+
+def _standalone_config(directory: Path, head_type: str) -> dict[str, Any] | None:
+    """A drafter directory's config, if it is a standalone *head_type* head; a clear error if it is something else."""
     path = directory / "config.json"
     if not path.is_file():
         return None  # safetensors holding mtp.* tensors, beside nothing else
@@ -109,19 +119,24 @@ def _standalone_config(directory: Path) -> dict[str, Any] | None:
     except (OSError, ValueError) as exc:
         raise DrafterError(f"{path} is not valid JSON: {exc}") from exc
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type == STANDALONE_TYPE:
+    if model_type == head_type:
         return config  # type: ignore[no-any-return]
+    if model_type in MTP_FAMILIES.values():
+        raise DrafterError(f"{directory} is a {model_type} head; this target needs a {head_type} one")
+    if head_type in SPLIT_ONLY:
+        raise DrafterError(f"{directory} does not look like a standalone {head_type} head: its config.json "
+                           f"says model_type {model_type!r} (make one with `mlxcel split-mtp`)")
     if any(k.startswith(PREFIX) for header in _headers(directory).values() for k in header):
         return None  # a full checkpoint with its head inside: its mtp.* tensors are used
-    raise DrafterError(f"{directory} does not look like a standalone {STANDALONE_TYPE} head: its config.json "
+    raise DrafterError(f"{directory} does not look like a standalone {head_type} head: its config.json "
                        f"says model_type {model_type!r} and it holds no {PREFIX}* tensors "
                        "(make one with `mlxcel split-mtp`)")
 
 
-def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path) -> DrafterSpec:
-    """Strict inventory: exactly the tensors (names and shapes) a head of this config holds."""
-    from .qwen3_5_mtp import STANDALONE_TYPE, inventory, text_config
-
+def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path, head: Any) -> DrafterSpec:
+    """Strict inventory: exactly the tensors (names and shapes) a head of this config holds.
+    *head*: the head's module (``STANDALONE_TYPE``, ``inventory``, ``text_config``)."""
+    STANDALONE_TYPE, inventory, text_config = head.STANDALONE_TYPE, head.inventory, head.text_config
     try:
         found = {name: tuple(t["shape"]) for header in _headers(directory).values() for name, t in header.items()}
     except (OSError, ValueError, struct.error) as exc:
@@ -187,13 +202,6 @@ def _inspect_assistant(target: Path, *, mtp: bool, draft_model: Path | None) -> 
                        family="gemma4_assistant")
 
 
-def _quantize(module: Any, bits: int) -> None:
-    import mlx.nn as nn
-
-    nn.quantize(module, group_size=64, bits=bits,
-                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
-
-
 def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | None = None) -> DraftHead:
     """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
     bits (affine, group 64; layers whose width does not divide are kept as they are)."""
@@ -214,6 +222,17 @@ def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | No
             raise DrafterError(f"the assistant in {spec.path} does not fit {target.name}: {exc}") from exc
 
     weights: dict[str, Any] = {}
+    if spec.standalone and _standalone_type(spec.path) == "glm4_moe_lite_mtp":
+        from . import glm4_moe_lite_mtp
+
+        try:
+            glm_head = glm4_moe_lite_mtp.load(spec.path)
+        except (ValueError, KeyError) as exc:
+            raise DrafterError(f"the next-token layer in {spec.path} cannot be loaded: {exc}") from exc
+        if quantize is not None:
+            _quantize(glm_head, quantize)
+        mx.eval(glm_head.parameters())
+        return glm4_moe_lite_mtp.Glm4MoeLiteDrafter(glm_head)
     if spec.standalone:  # the head's own tensors, norms already shifted, under its own config
         config = json.loads((spec.path / "config.json").read_text(encoding="utf-8"))
         for file in sorted(spec.path.glob("*.safetensors")):
@@ -233,3 +252,15 @@ def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | No
         _quantize(head, quantize)
     mx.eval(head.parameters())
     return qwen3_5_mtp.Qwen35Drafter(head, model)
+
+
+def _quantize(head: Any, bits: int) -> None:
+    """--draft-quantize: the head's float linear layers, affine, group 64 (those whose width divides)."""
+    import mlx.nn as nn
+
+    nn.quantize(head, group_size=64, bits=bits,
+                class_predicate=lambda _, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % 64 == 0)
+
+
+def _standalone_type(directory: Path) -> Any:
+    return json.loads((directory / "config.json").read_text(encoding="utf-8")).get("model_type")

@@ -140,16 +140,20 @@ class Qwen35Drafter:
         self.embed = inner.model.embed_tokens
         self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
 
-    def new_sequence(self, cache: list[Any]) -> _SequenceDrafter:
+    def new_sequence(self, cache: list[Any]) -> OwnCacheSequence:
         del cache  # the head keeps a cache of its own
-        return _SequenceDrafter(self)
+        return OwnCacheSequence(self)
 
 
-class _SequenceDrafter:
-    """One sequence's head state: its KV cache, the (hidden, token) pairs it has not read yet, and
-    the head's output at the last position it read."""
+class OwnCacheSequence:
+    """One sequence's state of a head with a KV cache of its own: the cache, the (hidden, token)
+    pairs it has not read yet, and the head's output at the last position it read.
 
-    def __init__(self, drafter: Qwen35Drafter) -> None:
+    Any such head (Qwen's, GLM's) drives it through *drafter*'s ``head(embeddings, hidden, cache)``
+    (the output fed back as the next hidden), ``head.make_cache()``, ``embed`` and ``lm_head``.
+    """
+
+    def __init__(self, drafter: Any) -> None:
         self._drafter = drafter
         self._cache = drafter.head.make_cache()
         self._pending: list[tuple[mx.array, mx.array]] = []

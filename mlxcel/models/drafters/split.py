@@ -6,7 +6,8 @@ once, into a directory that ``--draft-model`` serves beside any conversion of
 the same target. Reads only the shards that hold the head (through the
 checkpoint's ``model.safetensors.index.json`` when it has one).
 
-Qwen 3.5 / 3.6 / 3.8 (``qwen3_5_mtp``) for now; other families add a branch here.
+Qwen 3.5 / 3.6 / 3.8 (``qwen3_5_mtp``), and GLM-4.7-Flash (``glm4_moe_lite_mtp``, its transform
+in :mod:`.glm4_moe_lite_split`); other families add a branch here.
 """
 
 from __future__ import annotations
@@ -32,11 +33,12 @@ def _head_files(source: Path) -> list[Path]:
     return [file for file, header in _headers(source).items() if any(k.startswith(PREFIX) for k in header)]
 
 
-def split_mtp(source: Path, out: Path, *, block_size: int, force: bool = False,
-              report: Callable[[str], None] = print) -> Path:
+def split_mtp(source: Path, out: Path, *, block_size: int | None = None, force: bool = False,
+              quantize: tuple[int, int] | None = None, report: Callable[[str], None] = print) -> Path:
     """Write *source*'s MTP head to *out* (``config.json``, ``model.safetensors``, the tokenizer files).
 
-    Raises :class:`DrafterError` with one line for every way this cannot be done.
+    *block_size*: the K the config names (default: the family's). *quantize*: (bits, group size) of an
+    affine quantization (GLM only). Raises :class:`DrafterError` with one line for every way this cannot be done.
     """
     import mlx.core as mx
 
@@ -54,6 +56,15 @@ def split_mtp(source: Path, out: Path, *, block_size: int, force: bool = False,
         raise DrafterError("the output directory is the source checkpoint")
     if (out / "config.json").exists() and not force:
         raise DrafterError(f"{out} already holds a checkpoint (it has a config.json); pass --force to replace it")
+    others = sorted(f.name for f in out.glob("*.safetensors") if f.name != "model.safetensors") if out.is_dir() else []
+    if others:  # --force replaces a drafter; it never deletes what looks like someone's weights
+        raise DrafterError(f"{out} holds other weights ({', '.join(others[:3])}); choose an empty directory")
+    if model_type == "glm4_moe_lite":
+        return _split_glm(source, out, config, block_size, quantize, report)
+    if quantize is not None:
+        raise DrafterError("--q-bits quantizes GLM-4.7-Flash's next-token layer; a Qwen head is written as it is "
+                           "(quantize it at load with --draft-quantize)")
+    block_size = 3 if block_size is None else block_size
     files = _head_files(source)
     if not files:
         raise DrafterError(f"{source} has no {PREFIX}* tensors: it was converted without its MTP layer; "
@@ -77,8 +88,26 @@ def split_mtp(source: Path, out: Path, *, block_size: int, force: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     (out / "config.json").write_text(json.dumps(split_config, indent=2) + "\n", encoding="utf-8")
+    _copy_tokenizer(source, out)
+    report(f"wrote {len(weights)} tensors to {out} (model_type {qwen3_5_mtp.STANDALONE_TYPE}, block_size {block_size})")
+    return out
+
+
+def _copy_tokenizer(source: Path, out: Path) -> None:
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)
-    report(f"wrote {len(weights)} tensors to {out} (model_type {qwen3_5_mtp.STANDALONE_TYPE}, block_size {block_size})")
+
+
+def _split_glm(source: Path, out: Path, config: dict[str, Any], block_size: int | None,
+               quantize: tuple[int, int] | None, report: Callable[[str], None]) -> Path:
+    from .glm4_moe_lite_split import split_glm
+
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)  # a stale index would name other shards
+    written, block = split_glm(source, out, config, block_size=block_size, quantize=quantize, report=report)
+    _copy_tokenizer(source, out)
+    if not (out / "tokenizer.json").is_file() and not (out / "tokenizer.model").is_file():
+        report(f"warning: {source} has no tokenizer file; {out} has none either")
+    bits = "" if quantize is None else f", {quantize[0]}-bit group {quantize[1]}"
+    report(f"wrote {written} tensors to {out} (model_type glm4_moe_lite_mtp, block_size {block}{bits})")
     return out

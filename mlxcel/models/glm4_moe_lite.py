@@ -1,0 +1,112 @@
+"""GLM-4.7-Flash as a speculative target (``glm4_moe_lite``).
+
+Multi-head latent attention (MLA) and mixture-of-experts layers, with a plain
+KV cache per layer (mlx-lm's ``KVCache`` holding the normed latent and the
+rotary key part): a rollback trims it. The hard part is the verify: for a
+block of more than one token mlx-lm's attention takes another formula (it
+expands the latent into per-head keys and values) than for a single token
+(the query is absorbed into the latent space), so a K-wide forward is not the
+single-token chain's bytes. The verify here runs the block's projections and
+MLPs over all K rows at once, but attention one query row at a time in the
+single-token formula, each row a contiguous array against the keys up to its
+own position (decode shape). The MoE is left batched (mlx-lm's switch MLP
+changes strategy only at 64 routed rows); the exactness probe checks every
+width at boot and vetoes the pairing where the bytes differ.
+
+Relies on mlx-lm's ``Glm4MoeLiteAttention`` / decoder layer attribute names
+(pinned range in pyproject.toml; the probe and the parity tests fail loudly
+when they change).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .speculative import Split
+
+
+def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
+    """mlx-lm's ``Glm4MoeLiteAttention`` over a (1, L) block, each query row in its single-token formula."""
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    batch, length, _ = x.shape
+    q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q = q.reshape(batch, length, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    q_nope, q_pe = mx.split(q, [attn.qk_nope_head_dim], axis=-1)
+    compressed, k_pe = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(batch, length, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = mx.expand_dims(attn.kv_a_layernorm(compressed), axis=1)
+    offset = cache.offset
+    q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
+    latents, rotary = cache.update_and_fetch(latent, k_pe)
+    rows = []
+    for row in range(length):
+        # A materialised row: a strided view of the block computes other bytes than a decode step's query.
+        nope, pe = mx.contiguous(q_nope[:, :, row:row + 1, :]), mx.contiguous(q_pe[:, :, row:row + 1, :])
+        end = offset + row + 1
+        keys = latents[:, :, :end, :]
+        pe_scores = (pe * attn.scale) @ rotary[:, :, :end, :].swapaxes(-1, -2)
+        out = scaled_dot_product_attention(attn.embed_q(nope), keys, keys, cache=cache, scale=attn.scale,
+                                           mask=pe_scores)
+        rows.append(attn.unembed_out(out))
+    output = mx.concatenate(rows, axis=2).transpose(0, 2, 1, 3).reshape(batch, length, -1)
+    projected: mx.array = attn.o_proj(output)
+    return projected
+
+
+@dataclass(frozen=True, slots=True)
+class Glm4MoeLiteVerify:
+    logits: mx.array
+    hidden: mx.array
+    width: int
+
+
+class Glm4MoeLiteTarget:
+    """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a GLM-4.7-Flash model.
+
+    Logits exactly as the model's ``__call__`` computes them; hidden is the
+    final normed hidden state, which the ``glm4_moe_lite_mtp`` drafter reads
+    (the tap upstream measured best).
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.body = model.model
+        self.lm_head = model.lm_head
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        """(logits, hidden) for ``tokens`` of shape (1, S), appended to *cache* (mlx-lm's own forward)."""
+        hidden = self.body(tokens, cache)
+        return self.lm_head(hidden), hidden
+
+    def _verify_forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        if tokens.shape[1] == 1:
+            return self.forward(tokens, cache)
+        h = self.body.embed_tokens(tokens)
+        for layer, layer_cache in zip(self.body.layers, cache, strict=True):
+            h = h + _rowwise_attention(layer.self_attn, layer.input_layernorm(h), layer_cache)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = self.body.norm(h)
+        return self.lm_head(hidden), hidden
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Glm4MoeLiteVerify:
+        """The forward of a (1, K) block under *split*, attention row by row (see the module docstring)."""
+        width = tokens.shape[1]
+        if split == "wide" or width <= 2:
+            logits, hidden = self._verify_forward(tokens, cache)
+        else:
+            half = (width + 1) // 2
+            first = self._verify_forward(tokens[:, :half], cache)
+            second = self._verify_forward(tokens[:, half:], cache)
+            logits = mx.concatenate([first[0], second[0]], axis=1)
+            hidden = mx.concatenate([first[1], second[1]], axis=1)
+        return Glm4MoeLiteVerify(logits, hidden, width)
+
+    def rollback(self, cache: list[Any], verify: Glm4MoeLiteVerify, kept: int) -> None:
+        """Back to the state after the first *kept* tokens of *verify*'s block: trim every KV cache."""
+        dropped = verify.width - kept
+        if dropped:
+            for c in cache:
+                c.trim(dropped)
