@@ -59,6 +59,10 @@ class _Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.shaper: LogprobShaper | None = None
+        """Shapes the logprobs, when the request asked for them."""
+        self.echo = ""
+        """The prompt's text before each choice's (completions ``echo``)."""
 
     async def respond(self) -> Response | dict[str, Any]:
         body = await _json_body()
@@ -94,9 +98,8 @@ class _Generation:
         logprobs = (params.logprobs is True) if isinstance(params, ChatCompletionRequest) \
             else params.logprobs is not None
         alternatives = params.top_logprobs_count()
-        self.shaper = LogprobShaper(self.ctx.tokens, self.ctx.engine.tokenizer, self.chat, alternatives) \
-            if logprobs else None
-        self.echo = ""
+        if logprobs:
+            self.shaper = LogprobShaper(self.ctx.tokens, self.ctx.engine.tokenizer, self.chat, alternatives)
         if isinstance(params, CompletionRequest) and params.echo:
             self.echo = (params.prompt if isinstance(params.prompt, str) else await self.ctx.tokens.run(
                 lambda: str(self.ctx.engine.tokenizer.decode(tokens))))
