@@ -88,7 +88,7 @@ class Admission:
 
     def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
         """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
-        from .sampling import make_sampler, sampler_with_hook
+        from .sampling import make_processors, make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
         joining = None if alone else self.batch  # the batch everything joins, if any
@@ -109,6 +109,7 @@ class Admission:
                     sampler = sampler_with_hook(chain, lambda r=request: self._fault("sampler", r))
                 cache, rest = self.prefix.fetch(tokens)
                 sequence = Sequence(request=request, chain=chain, sampler=sampler,
+                                    processors=make_processors(request.sampling),
                                      output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
@@ -127,7 +128,7 @@ class Admission:
 
     def _insert(self, sequence: Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
         assert self.batch is not None
-        self.batch.insert(sequence, tokens, cache, cached, max_tokens, sequence.sampler)
+        self.batch.insert(sequence, tokens, cache, cached, max_tokens, sequence.sampler, sequence.processors)
         sequence.ever_batched = True
 
     def _into_batch(self, sequence: Sequence) -> None:

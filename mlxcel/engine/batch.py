@@ -34,11 +34,14 @@ class ContinuousBatch(Generic[T]):
         return list(self._by_uid.values())
 
     def insert(self, sequence: T, tokens: list[int], cache: list[Any] | None, cached: list[int],
-               max_tokens: int, sampler: Any) -> None:
-        """Add *sequence*: *tokens* still to feed on top of *cache* (holding *cached*), or a fresh prompt."""
+               max_tokens: int, sampler: Any, processors: list[Any]) -> None:
+        """Add *sequence*: *tokens* still to feed on top of *cache* (holding *cached*), or a fresh prompt.
+
+        *processors* (mlx-lm's logits processors) see every token of the sequence, *cached* included.
+        """
         (uid,) = self._generator.insert([tokens], max_tokens=[max_tokens],
                                         caches=[cache] if cache is not None else None,
-                                        all_tokens=[cached], samplers=[sampler])
+                                        all_tokens=[cached], samplers=[sampler], logits_processors=[processors])
         self._by_uid[uid] = sequence
         self._uids[id(sequence)] = uid
 

@@ -1,6 +1,7 @@
 """One request's output as tokens arrive: text, stop strings, logprobs, and when it ends.
 
-Plain Python over mlx-lm's streaming detokenizer; the same for every decode path.
+Plain Python over mlx-lm's streaming detokenizer (and, for ``top_logprobs``, an
+MLX top-k of the row the decode path read back); the same for every decode path.
 """
 
 from __future__ import annotations
@@ -10,6 +11,18 @@ from typing import Any
 
 from .requests import BurstStats, Finish, FinishReason, GenerationRequest, TextDelta, Timings
 from .text import StopStringFilter
+
+
+def _most_likely(row: Any, count: int) -> tuple[tuple[int, float], ...]:
+    """The *count* most likely (token id, log-probability) of a (V,) row, most likely first."""
+    import mlx.core as mx
+
+    ids = mx.argpartition(-row, kth=count - 1)[:count]
+    values = row[ids]
+    order = mx.argsort(-values)
+    ranked: list[int] = ids[order].tolist()  # type: ignore[assignment]
+    logprobs: list[float] = values[order].tolist()  # type: ignore[assignment]
+    return tuple(zip(ranked, logprobs, strict=True))
 
 
 class SequenceOutput:
@@ -25,6 +38,7 @@ class SequenceOutput:
         self.finish_reason: FinishReason | None = None
         self._tokens: list[int] = []
         self._logprobs: list[float] = []
+        self._top: list[tuple[tuple[int, float], ...]] = []
 
     @property
     def remaining(self) -> int:
@@ -53,7 +67,10 @@ class SequenceOutput:
             text = self.stop.feed(self.detokenizer.last_segment)
             self._tokens.append(token)
             if self.request.logprobs and logprobs is not None:
-                self._logprobs.append(logprobs.reshape(-1)[token].item())
+                row = logprobs.reshape(-1)
+                self._logprobs.append(row[token].item())
+                if self.request.top_logprobs:
+                    self._top.append(_most_likely(row, self.request.top_logprobs))
         if self.stop.stopped:
             reason = "stop"
         if reason is not None:
@@ -63,9 +80,11 @@ class SequenceOutput:
             self.finish_reason = reason
         if not text and not (reason is not None and self._tokens):
             return None
-        delta = TextDelta(text, tuple(self._tokens), tuple(self._logprobs) if self.request.logprobs else None)
+        delta = TextDelta(text, tuple(self._tokens), tuple(self._logprobs) if self.request.logprobs else None,
+                          tuple(self._top) if self.request.top_logprobs else None)
         self._tokens.clear()
         self._logprobs.clear()
+        self._top.clear()
         return delta
 
     def finish(self, reason: FinishReason, admitted: float, cached: int, burst: BurstStats | None,

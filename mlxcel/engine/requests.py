@@ -22,6 +22,26 @@ class SamplingParams:
     top_k: int = 0
     """0 disables top-k."""
     seed: int | None = None
+    min_p: float = 0.0
+    """0 disables min-p (a filter of the sampling chain, so the burst's sampler applies it too)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, value added to its logit) pairs."""
+    repetition_penalty: float = 1.0
+    """1 is off; otherwise mlx-lm's sign-aware multiplicative penalty over the last tokens."""
+    repetition_context_size: int = 20
+    presence_penalty: float = 0.0
+    presence_context_size: int = 20
+    frequency_penalty: float = 0.0
+    frequency_context_size: int = 20
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether the logits pass through processors (bias, penalties) before sampling.
+
+        The MTP burst does not apply them, so such a request always decodes classically.
+        """
+        return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
+            or bool(self.frequency_penalty)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +53,8 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends before the first occurrence, which is not returned."""
     logprobs: bool = False
+    top_logprobs: int = 0
+    """With *logprobs*: this many most likely alternatives per token, with their log-probabilities."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +64,8 @@ class TextDelta:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """Per token, the request's ``top_logprobs`` most likely (id, log-probability), most likely first."""
 
 
 @dataclass(frozen=True, slots=True)

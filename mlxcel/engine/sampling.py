@@ -1,7 +1,7 @@
 """One sampling chain for every decode path: solo, the batch, and the burst's acceptance rule.
 
-Temperature, top-p and top-k are applied in one place, with mlx-lm's own
-``apply_top_p`` / ``apply_top_k``, so that classic decoding samples from
+Temperature, top-p, top-k and min-p are applied in one place, with mlx-lm's own
+``apply_top_p`` / ``apply_top_k`` / ``apply_min_p``, so that classic decoding samples from
 exactly the distribution the speculative sampler preserves. Worker thread only.
 """
 
@@ -44,6 +44,7 @@ class SamplingChain:
         assert math.isfinite(self.scale)
         self.top_p = params.top_p
         self.top_k = params.top_k
+        self.min_p = params.min_p
         self._key = mx.random.key(params.seed) if params.seed is not None else None
 
     def next_key(self) -> mx.array | None:
@@ -53,11 +54,13 @@ class SamplingChain:
         return key
 
     def filtered(self, logprobs: mx.array) -> mx.array:
-        """*logprobs* with top-p and top-k applied (excluded tokens at -inf)."""
-        from mlx_lm.sample_utils import apply_top_k, apply_top_p
+        """*logprobs* with top-p, top-k and min-p applied (excluded tokens at -inf), in mlx-lm's order."""
+        from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs, self.top_p)
+        if self.min_p > 0:
+            logprobs = apply_min_p(logprobs, self.min_p)
         if 0 < self.top_k < logprobs.shape[-1]:
             logprobs = apply_top_k(logprobs, self.top_k)
         return logprobs
@@ -109,6 +112,25 @@ class SpeculativeSampler:
 def make_sampler(params: SamplingParams) -> SamplingChain | None:
     """None for greedy (the batch then takes the argmax for all greedy rows at once)."""
     return None if is_greedy(params) else SamplingChain(params)
+
+
+def make_processors(params: SamplingParams) -> list[Any]:
+    """mlx-lm's logits processors for the bias and penalties of *params* (empty when it has none).
+
+    Each is ``processor(tokens, logits) -> logits``, *tokens* being every token
+    of the sequence so far (prompt included), as mlx-lm's ``BatchGenerator``
+    and ``generate_step`` call them.
+    """
+    from mlx_lm.sample_utils import make_logits_processors
+
+    if not params.has_processors:
+        return []
+    return make_logits_processors(
+        logit_bias=dict(params.logit_bias) or None,
+        repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
+        repetition_context_size=params.repetition_context_size,
+        presence_penalty=params.presence_penalty or None, presence_context_size=params.presence_context_size,
+        frequency_penalty=params.frequency_penalty or None, frequency_context_size=params.frequency_context_size)
 
 
 def sampler_with_hook(sampler: Any, hook: Any) -> Any:

@@ -26,6 +26,8 @@ class Sequence:
     sampler: Callable[[Any], Any] | None
     """What classic decode calls: the chain (with the test hook around it, if any)."""
     admitted: float
+    processors: list[Callable[[Any, Any], Any]]
+    """mlx-lm's logits processors for its bias and penalties (empty: none); classic decode applies them."""
     cached: int
     """Prompt tokens reused from the prefix cache."""
     solo: SoloDecoder | None = None

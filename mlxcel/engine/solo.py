@@ -17,7 +17,7 @@ Runs on the worker thread only.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +26,8 @@ from .burst import Burst, PendingRound
 from .sampling import log_probabilities
 
 Sampler = Callable[[Any], Any]
+Processor = Callable[[Any, Any], Any]
+"""mlx-lm's logits processor: ``processor(tokens, logits) -> logits``."""
 
 
 class SoloDecoder:
@@ -40,7 +42,7 @@ class SoloDecoder:
 
     def __init__(self, model: Any, stream: Any, sampler: Sampler | None, cache: list[Any],
                  tokens_in_cache: list[int], pending: list[int], burst: Burst | None = None,
-                 before_step: Callable[[], None] | None = None) -> None:
+                 before_step: Callable[[], None] | None = None, processors: Sequence[Processor] = ()) -> None:
         from mlx_lm.sample_utils import greedy_sampler
 
         assert pending, "a sequence always has its next input to feed"
@@ -52,6 +54,9 @@ class SoloDecoder:
         self.tokens_in_cache = tokens_in_cache
         self.pending = pending
         self._before_step = before_step
+        assert not (processors and burst is not None), "the burst does not apply logits processors"
+        self.processors = tuple(processors)
+        self._context: Any = None  # every token fed so far, on the device: what the processors read
         self._in_flight: tuple[Any, Any] | None = None
         self._round: PendingRound | None = None
 
@@ -112,12 +117,18 @@ class SoloDecoder:
             else:
                 logits, hidden = self.burst.target.forward(tokens, self.cache)
                 logits = logits[:, -1, :]
+            if self.processors:  # as mlx-lm: on the logits, with every token so far, the input included
+                before = (mx.array(self.tokens_in_cache, dtype=mx.int32) if self._context is None
+                          else self._context)
+                self._context = mx.concatenate([before, tokens.reshape(-1).astype(mx.int32)])
+                for processor in self.processors:
+                    logits = processor(self._context, logits)
             logprobs = log_probabilities(logits)
             sampled = self.sampler(logprobs)
             if hidden is not None:
                 assert self.burst is not None
                 self.burst.drafter.catch_up(hidden, sampled.reshape(1, 1))
-        mx.async_eval(sampled, logprobs)
+        mx.async_eval(sampled, logprobs, *([self._context] if self.processors else []))
         return sampled, logprobs
 
     def resume(self) -> None:

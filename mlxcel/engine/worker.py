@@ -120,7 +120,9 @@ class Worker(Admission):
 
     def _burst_allowed(self, request: GenerationRequest) -> bool:
         """The runtime gates of the B=1 burst, below the policy's live gate."""
-        return bool(self.policy.mtp_enabled) and not request.logprobs  # logprobs come from classic decode
+        # Logprobs come from classic decode; the burst does not apply logits processors (bias,
+        # penalties), so a request with any decodes classically rather than ignore them.
+        return bool(self.policy.mtp_enabled) and not request.logprobs and not request.sampling.has_processors
 
     def _loop(self) -> None:
         while True:
@@ -212,7 +214,7 @@ class Worker(Admission):
                           before_verify=lambda: self._fault("verify", request))
             sequence.burst = burst.stats
         return SoloDecoder(self.model, self.stream, sequence.sampler, cache, list(cached_tokens), list(rest), burst,
-                           before_step=lambda: self._fault("solo_step", request))
+                           before_step=lambda: self._fault("solo_step", request), processors=sequence.processors)
 
     def _run_classic(self, sequence: Sequence, solo: SoloDecoder) -> None:
         """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""

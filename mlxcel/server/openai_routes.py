@@ -13,11 +13,14 @@ import trio
 from pydantic import ValidationError
 from quart import Quart, Response, request
 
-from ..engine import EngineUnavailable, Finish, GenerationRequest, QueueFull, TextDelta
+from ..engine import EngineUnavailable, Event, GenerationRequest, QueueFull, TextDelta
 from ..observability import ModelLimits
+from . import shapes
 from .context import ServerContext, at_request_end
 from .errors import ApiError, bad_request, finish_error, unavailable
+from .fanin import fan_in
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, json_problem, unsupported
+from .shapes import ChoiceLog, LogprobShaper
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -56,6 +59,10 @@ class _Generation:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.shaper: LogprobShaper | None = None
+        """Shapes the logprobs, when the request asked for them."""
+        self.echo = ""
+        """The prompt's text before each choice's (completions ``echo``)."""
 
     async def respond(self) -> Response | dict[str, Any]:
         body = await _json_body()
@@ -66,66 +73,102 @@ class _Generation:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc
         name = unsupported(body)
+        if name is None and self.chat and body.get("echo") not in (None, False):
+            name = "echo"  # a completions parameter; a chat echo has no agreed meaning
+        if name is None and not self.chat and body.get("top_logprobs") not in (None, 0):
+            name = "top_logprobs"  # a chat parameter; completions say `logprobs: N`
         if name is not None:
             raise bad_request(f"the parameter {name!r} is not supported by this server", param=name,
                               code="unsupported_parameter")
-        if params.stream_options is not None and not params.stream:
-            # As OpenAI and vLLM: options for a stream that is not there are a mistake, not a no-op.
-            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        self._check_combinations(params)
         options = self.ctx.options
         if params.model is not None and params.model not in (options.model_name, "default"):
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves "
                                 f"{options.model_name!r}", param="model", code="model_not_found")
-        limits = self._admit()
+        limits = self._admit(params.n)
+        problem = params.bias_problem(limits.vocab_size)
+        if problem is not None:
+            raise bad_request(problem, param="logit_bias")
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
         tokens = await self._prompt_tokens(params, limits, requested or 1)
         room = options.context_length - len(tokens)
         if room <= 0 or (requested is not None and requested > room):
             raise self._too_long(f"{len(tokens)}", requested or 1)
-        self.logprobs = (params.logprobs is True) if self.chat else params.logprobs is not None
-        generation = GenerationRequest(
-            id=self.id, prompt_tokens=tuple(tokens),
+        logprobs = (params.logprobs is True) if isinstance(params, ChatCompletionRequest) \
+            else params.logprobs is not None
+        alternatives = params.top_logprobs_count()
+        if logprobs:
+            self.shaper = LogprobShaper(self.ctx.tokens, self.ctx.engine.tokenizer, self.chat, alternatives)
+        if isinstance(params, CompletionRequest) and params.echo:
+            self.echo = (params.prompt if isinstance(params.prompt, str) else await self.ctx.tokens.run(
+                lambda: str(self.ctx.engine.tokenizer.decode(tokens))))
+        generations = [GenerationRequest(
+            id=self.id if params.n == 1 else f"{self.id}-{index}", prompt_tokens=tuple(tokens),
             max_tokens=requested or min(options.default_max_tokens, room),
-            sampling=params.sampling(limits.vocab_size), stop=params.stop_strings(), logprobs=self.logprobs)
+            sampling=params.sampling(limits.vocab_size, index), stop=params.stop_strings(), logprobs=logprobs,
+            top_logprobs=alternatives if logprobs else 0) for index in range(params.n)]
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
-        engine = self.ctx.engine
-        try:
-            events = engine.submit(generation)
-        except QueueFull as exc:
-            raise unavailable(f"the server is at capacity ({exc}); retry later", "queue_full") from exc
-        except EngineUnavailable as exc:
-            raise unavailable(str(exc), "unavailable") from exc
-        # However the request ends, the engine lets it go: even if Quart never starts a stream's
-        # body (review D15). No checkpoint since submit, so nothing comes between it and this line.
-        def let_go() -> None:
-            events.close()
-            engine.cancel(generation.id)
-
-        at_request_end(let_go)
+        events = self._submit(generations)
         if params.stream:
-            response = Response(self._stream(events, params.include_usage()), content_type="text/event-stream")
+            response = Response(self._stream(events, params.n, params.include_usage()),
+                                content_type="text/event-stream")
             response.headers["Cache-Control"] = "no-cache"
             response.timeout = None
             return response
-        return await self._complete(events)
+        return await self._complete(events, params.n)
 
-    def _admit(self) -> ModelLimits:
-        """Readiness and a place, checked before any tokenizing; the place is held until the request ends."""
+    def _check_combinations(self, params: CompletionRequest | ChatCompletionRequest) -> None:
+        if params.stream_options is not None and not params.stream:
+            # As OpenAI and vLLM: options for a stream that is not there are a mistake, not a no-op.
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(params, ChatCompletionRequest) and params.top_logprobs and not params.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+        if isinstance(params, CompletionRequest) and params.echo and params.logprobs is not None:
+            # The prompt's own log-probabilities would need the prefill's logits at every position.
+            raise bad_request("echo with logprobs is not supported: this server does not compute the prompt's "
+                              "log-probabilities", param="echo", code="unsupported_parameter")
+
+    def _submit(self, generations: list[GenerationRequest]) -> trio.MemoryReceiveChannel[tuple[int, Event]]:
+        """Submit every choice at once (so the worker admits them together, into one batch)."""
+        engine = self.ctx.engine
+        channels: list[trio.MemoryReceiveChannel[Event]] = []
+        # However the request ends, the engine lets every choice go: even if Quart never starts a
+        # stream's body (review D15). No checkpoint from here to the registration.
+        def let_go() -> None:
+            for channel, generation in zip(channels, generations, strict=False):
+                channel.close()
+                engine.cancel(generation.id)
+
+        at_request_end(let_go)
+        for generation in generations:
+            try:
+                channels.append(engine.submit(generation))
+            except QueueFull as exc:
+                raise unavailable(f"the server is at capacity ({exc}); retry later", "queue_full") from exc
+            except EngineUnavailable as exc:
+                raise unavailable(str(exc), "unavailable") from exc
+        return fan_in(channels)
+
+    def _admit(self, places: int) -> ModelLimits:
+        """Readiness and *places* (one per choice), checked before any tokenizing; held until the request ends."""
         limits = self.ctx.observability.limits
         if self._stopping():
             raise unavailable("the server is shutting down", "unavailable")
         if not self.ctx.engine.ready.is_set() or limits is None:
             raise unavailable("the model is still loading", "model_loading")
-        admission = self.ctx.admission
-        if admission.held >= self.ctx.engine.capacity:
-            raise unavailable(f"the server is at capacity (all {self.ctx.engine.capacity} request places "
+        admission, capacity = self.ctx.admission, self.ctx.engine.capacity
+        if places > capacity:
+            raise bad_request(f"n is {places}, but this server holds at most {capacity} sequences at once",
+                              param="n")
+        if admission.held + places > capacity:
+            raise unavailable(f"the server is at capacity (all {capacity} request places "
                                "are taken); retry later", "queue_full")
-        admission.held += 1
+        admission.held += places
 
         def release() -> None:
-            admission.held -= 1
+            admission.held -= places
 
         at_request_end(release)
         return limits
@@ -185,96 +228,90 @@ class _Generation:
 
     # -- shapes ------------------------------------------------------------------
 
-    def _choice(self, text: str, finish_reason: str | None, logprobs: Any, delta: bool) -> dict[str, Any]:
-        if not self.chat:
-            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        content: dict[str, Any] = {"role": "assistant", "content": text}
-        return {"index": 0, ("delta" if delta else "message"): content, "logprobs": logprobs,
-                "finish_reason": finish_reason}
-
-    async def _logprobs(self, deltas: list[TextDelta]) -> Any:
-        if not self.logprobs:
-            return None
-        ids = [t for d in deltas for t in d.token_ids]
-        values = [v for d in deltas for v in (d.logprobs or ())]
-        pieces = await self.ctx.tokens.pieces(self.ctx.engine.tokenizer, ids)
-        if self.chat:
-            return {"content": [{"token": p, "logprob": v, "bytes": list(p.encode()), "top_logprobs": []}
-                                for p, v in zip(pieces, values, strict=True)]}
-        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": None, "text_offset": None}
-
     def _stopping(self) -> bool:
         return self.ctx.observability.state == "stopping"
 
-    def _usage(self, finish: Finish) -> dict[str, Any]:
-        return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.completion_tokens,
-                "total_tokens": finish.prompt_tokens + finish.completion_tokens}
-
     def _envelope(self, obj: str, choices: list[dict[str, Any]], usage: bool = False) -> dict[str, Any]:
-        """A body or chunk; with *usage* (a stream with include_usage) it says ``"usage": null``, as OpenAI's."""
+        """A body or chunk; with *usage* (a stream with include_usage) a chat chunk says ``"usage": null``.
+
+        As OpenAI's schemas: a chat chunk's ``usage`` is nullable, a completion's (the legacy
+        shape, shared by the body and its chunks) is not, so a completion chunk leaves it out.
+        """
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.ctx.options.model_name,
                 "choices": choices}
-        if usage:
+        if usage and self.chat:
             body["usage"] = None
         return body
 
-    @staticmethod
-    def _reason(finish: Finish) -> str:
-        return "length" if finish.reason == "length" else "stop"
+    async def _logprobs(self, deltas: list[TextDelta], log: ChoiceLog) -> Any:
+        return None if self.shaper is None else await self.shaper.shape(deltas, log)
 
-    async def _complete(self, events: trio.MemoryReceiveChannel[Any]) -> dict[str, Any]:
-        deltas: list[TextDelta] = []
-        finish: Finish | None = None
+    def _new_logs(self, n: int) -> list[ChoiceLog]:
+        return [ChoiceLog(deltas=[], offset=len(self.echo)) for _ in range(n)]
+
+    async def _complete(self, events: trio.MemoryReceiveChannel[tuple[int, Event]], n: int) -> dict[str, Any]:
+        logs = self._new_logs(n)
         try:
             async with events:
-                async for event in events:
+                async for index, event in events:
                     if isinstance(event, TextDelta):
-                        deltas.append(event)
+                        logs[index].deltas.append(event)
                     else:
-                        finish = event
+                        logs[index].finish = event
         finally:
             self.ctx.observability.request_seconds.observe(time.perf_counter() - self.started)
-        if finish is None or finish.reason in ("error", "cancelled"):
-            raise finish_error(finish, stopping=self._stopping())[0]
-        text = "".join(d.text for d in deltas)
-        logprobs = await self._logprobs(deltas)
-        body = self._envelope(self.object, [self._choice(text, self._reason(finish), logprobs, delta=False)])
-        body["usage"] = self._usage(finish)
-        body["timings"] = asdict(finish.timings)
+        finishes = [log.finish for log in logs]
+        failed = [f for f in finishes if f is None or f.reason in ("error", "cancelled")]
+        if failed:
+            raise finish_error(failed[0], stopping=self._stopping())[0]
+        done = [f for f in finishes if f is not None]
+        choices = []
+        for index, log in enumerate(logs):
+            text = self.echo + "".join(d.text for d in log.deltas)
+            assert log.finish is not None
+            choices.append(shapes.choice(self.chat, index, text, shapes.reason(log.finish),
+                                         await self._logprobs(log.deltas, log), delta=False))
+        body = self._envelope(self.object, choices)
+        body["usage"] = shapes.usage(done)
+        body["timings"] = asdict(done[0].timings)
         return body
 
-    async def _stream(self, events: trio.MemoryReceiveChannel[Any], include_usage: bool) -> AsyncIterator[bytes]:
+    async def _stream(self, events: trio.MemoryReceiveChannel[tuple[int, Event]], n: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        finish: Finish | None = None
+        logs = self._new_logs(n)
         try:
             async with events:
-                if self.chat:
-                    first = self._envelope(obj, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None}], include_usage)
-                    yield sse(first)
-                async for event in events:
+                for index in range(n):
+                    if self.chat or self.echo:  # the role first (chat), or the echoed prompt (completions)
+                        first = shapes.choice(self.chat, index, self.echo, None, None, delta=True, first=True)
+                        yield sse(self._envelope(obj, [first], include_usage))
+                async for index, event in events:
+                    log = logs[index]
                     if isinstance(event, TextDelta):
-                        choice = self._choice(event.text, None, await self._logprobs([event]), delta=True)
-                        if self.chat:
-                            del choice["delta"]["role"]
+                        choice = shapes.choice(self.chat, index, event.text, None,
+                                               await self._logprobs([event], log), delta=True)
                         yield sse(self._envelope(obj, [choice], include_usage))
                         continue
-                    finish = event
-            if finish is None or finish.reason in ("error", "cancelled"):
-                error, done = finish_error(finish, stopping=self._stopping())
+                    log.finish = event
+                    if event.reason in ("error", "cancelled"):
+                        break
+                    last = shapes.choice(self.chat, index, "", shapes.reason(event), None, delta=True)
+                    if self.chat:
+                        last["delta"] = {}
+                    chunk = self._envelope(obj, [last], include_usage)
+                    chunk["timings"] = asdict(event.timings)
+                    yield sse(chunk)
+            failed = [log.finish for log in logs if log.finish is None or log.finish.reason in ("error", "cancelled")]
+            if failed:
+                error, done = finish_error(failed[0], stopping=self._stopping())
                 yield sse(error.body())
                 if done:
                     yield sse("[DONE]")
                 return
-            last = self._choice("", self._reason(finish), None, delta=True)
-            if self.chat:
-                last["delta"] = {}
-            chunk = self._envelope(obj, [last], include_usage)
-            chunk["timings"] = asdict(finish.timings)
-            yield sse(chunk)
             if include_usage:
                 usage = self._envelope(obj, [])
-                usage["usage"] = self._usage(finish)
+                usage["usage"] = shapes.usage([log.finish for log in logs if log.finish is not None])
                 yield sse(usage)
             yield sse("[DONE]")
         finally:
@@ -282,10 +319,22 @@ class _Generation:
 
 
 def register(app: Quart, ctx: ServerContext) -> None:
+    def model_object() -> dict[str, Any]:
+        # `max_model_len`: the context length, under vLLM's name (clients size their prompts by it).
+        return {"id": ctx.options.model_name, "object": "model", "created": 0, "owned_by": "mlxcel",
+                "max_model_len": ctx.options.context_length}
+
     @app.get("/v1/models")
     async def models() -> Any:
-        return {"object": "list", "data": [{"id": ctx.options.model_name, "object": "model", "created": 0,
-                                            "owned_by": "mlxcel"}]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/<path:model>")
+    async def model(model: str) -> Any:
+        # <path:...>: Hugging Face style ids ("org/name") hold a slash.
+        if model != ctx.options.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{ctx.options.model_name!r}", param="model", code="model_not_found")
+        return model_object()
 
     @app.post("/v1/completions")
     async def completions() -> Any:

@@ -2,9 +2,9 @@
 
 Strict: a string where a number belongs is an error, not a guess. Fields mlxcel
 does not know are ignored (OpenAI clients send many); fields it knows but
-cannot honour (``n > 1``, ``logit_bias``, tools, ...) are rejected by
-:func:`unsupported`, so a client never silently gets something else. Every
-bound here is documented in ``docs/http-api.md``.
+cannot honour (``best_of > 1``, tools, ...) are rejected by :func:`unsupported`,
+so a client never silently gets something else. Every bound here is
+documented in ``docs/http-api.md``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ MAX_JSON_DEPTH = 64
 """Nesting of arrays and objects in a body; a real request needs four."""
 SEED_RANGE = (-(2**63), 2**63)
 """OpenAI's int64; MLX's random keys take [0, 2**64), so the seed is taken modulo 2**64."""
+MAX_CHOICES = 16
+"""``n``: every choice is a sequence of its own in the engine, holding one of its places."""
+MAX_LOGIT_BIAS = 300
+"""Entries of ``logit_bias``, as OpenAI's limit."""
 
 
 class _Request(BaseModel):
@@ -38,7 +42,30 @@ class _Request(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(default=1.0, gt=0, le=10)
+    # mlx-lm's server's names: the penalties look at this many of the last tokens (prompt included).
+    presence_context_size: int = Field(default=20, ge=1, le=2**20)
+    frequency_context_size: int = Field(default=20, ge=1, le=2**20)
+    repetition_context_size: int = Field(default=20, ge=1, le=2**20)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_bounds(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
+        for key, bias in value.items():
+            if not key.isascii() or not key.isdecimal():
+                raise ValueError(f"a key must be a token id, not {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError("a bias is a number from -100 to 100")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -58,22 +85,41 @@ class _Request(BaseModel):
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
 
-    def sampling(self, vocab_size: int) -> SamplingParams:
-        """The engine's parameters, brought into the ranges MLX and mlx-lm accept.
+    def bias_problem(self, vocab_size: int) -> str | None:
+        """Why ``logit_bias`` cannot apply to a vocabulary of *vocab_size*, if it cannot."""
+        for key in self.logit_bias or {}:
+            if int(key) >= vocab_size:
+                return f"logit_bias: token id {key} is not below the vocabulary size {vocab_size}"
+        return None
+
+    def sampling(self, vocab_size: int, choice: int = 0) -> SamplingParams:
+        """The engine's parameters for choice *choice*, brought into the ranges MLX and mlx-lm accept.
 
         ``top_k`` at or above the vocabulary keeps every token, which is what 0
-        (off) means; mlx-lm would raise for it. A seed becomes ``seed % 2**64``.
+        (off) means; mlx-lm would raise for it. A seed becomes ``(seed + choice)
+        % 2**64``: the choices of one seeded request differ, and are reproducible.
         """
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
+        bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
         return SamplingParams(temperature=temperature, top_p=self.top_p,
                               top_k=0 if self.top_k >= vocab_size else self.top_k,
-                              seed=None if self.seed is None else self.seed % 2**64)
+                              seed=None if self.seed is None else (self.seed + choice) % 2**64,
+                              min_p=self.min_p, logit_bias=bias, repetition_penalty=self.repetition_penalty,
+                              repetition_context_size=self.repetition_context_size,
+                              presence_penalty=self.presence_penalty,
+                              presence_context_size=self.presence_context_size,
+                              frequency_penalty=self.frequency_penalty,
+                              frequency_context_size=self.frequency_context_size)
 
 
 class CompletionRequest(_Request):
     prompt: str | list[int] | list[str]
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    """How many alternatives per token (besides the chosen one); None: no logprobs."""
     echo: bool = False
+
+    def top_logprobs_count(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(BaseModel):
@@ -99,20 +145,18 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    def top_logprobs_count(self) -> int:
+        return self.top_logprobs or 0
 
 
 #: Parameters mlxcel knows and cannot honour, with the values that are harmless.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "n": (1,),
     "best_of": (1,),
-    "echo": (False,),
     "suffix": ("",),
-    "logit_bias": ({},),
     "tools": ([],),
     "functions": ([],),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "top_logprobs": (0,),
 }
 
 

@@ -9,7 +9,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -19,9 +19,74 @@ from mlxcel.cli import build_parser
 from mlxcel.engine.messages import FaultHook
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
+from tests import openai_spec
 from tests.checkpoints import FAMILIES, build_checkpoint
 
 T = TypeVar("T")
+
+
+class SpecRecorder:
+    """ASGI middleware that checks every response of the app it wraps against OpenAI's schemas.
+
+    Installed on every server the tests start in-process (:func:`_openai_spec`),
+    so each body and each streamed event the suite's HTTP tests receive is
+    validated, whatever client they speak through (httpx, the ``openai``
+    package, raw sockets). What breaks a schema is collected, not raised: the
+    server answers as it would, and the test fails at teardown.
+    """
+
+    def __init__(self, app: Any, found: list[str], checked: list[str]) -> None:
+        self.app, self.found, self.checked = app, found, checked
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        start: dict[str, Any] = {}
+        body = bytearray()
+
+        async def recording_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                body.extend(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            if start:
+                headers = {k.decode().lower(): v.decode() for k, v in start.get("headers", [])}
+                method, path, status = scope["method"], scope["path"], start["status"]
+                try:
+                    self.found += openai_spec.body_problems(method, path, status, headers.get("content-type", ""),
+                                                            bytes(body))
+                except Exception as exc:  # a body that is not even JSON
+                    self.found.append(f"{method} {path}: {type(exc).__name__}: {exc}")
+                if openai_spec.response_schema(method, path, status, False) is not None:
+                    self.checked.append(f"{method} {path} {status}")
+
+
+@pytest.fixture(autouse=True)
+def _openai_spec(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every in-process server of a test validates its OpenAI responses; the test fails on any violation.
+
+    Yields the list of responses checked (``"METHOD path status"``), for tests that look at the coverage.
+    """
+    import mlxcel.serve
+
+    found: list[str] = []
+    checked: list[str] = []
+    real = mlxcel.serve.create_app
+
+    def create_app(*args: Any, **kwargs: Any) -> Any:
+        app = real(*args, **kwargs)
+        app.asgi_app = SpecRecorder(app.asgi_app, found, checked)
+        return app
+
+    monkeypatch.setattr(mlxcel.serve, "create_app", create_app)
+    yield checked
+    assert not found, "responses that break OpenAI's OpenAPI schemas:\n" + "\n".join(found[:20])
 
 
 @pytest.fixture(scope="session")

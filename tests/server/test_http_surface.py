@@ -106,9 +106,19 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "invalid_request", "prompt"),
     ("/v1/completions", {"prompt": [1, 99999]}, 400, "invalid_request", "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "unsupported_parameter", "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "unsupported_parameter", "n"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "unsupported_parameter", "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "invalid_request", "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "unsupported_parameter", "best_of"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "invalid_request", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"x5": 1}}, 400, "invalid_request", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "invalid_request", "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "unsupported_parameter", "echo"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "invalid_request", "min_p"),
+    ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, 400, "invalid_request", "repetition_penalty"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "invalid_request", "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400,
+     "unsupported_parameter", "echo"),
+    ("/v1/models/gpt-9", None, 404, "model_not_found", "model"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model_not_found", "model"),
     ("/v1/completions", {"prompt": "word " * 5000}, 400, "context_length_exceeded", "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "context_length_exceeded", "prompt"),
@@ -127,7 +137,9 @@ async def test_every_bad_input_gets_an_openai_shaped_error(llama: Path) -> None:
     async with running_server(["--model", str(llama), "--max-body-bytes", "65536"]) as url, \
             httpx.AsyncClient(timeout=60) as client:
         for path, body, status, code, param in BAD_REQUESTS:
-            if isinstance(body, bytes):
+            if body is None:
+                response = await client.get(url + path)
+            elif isinstance(body, bytes):
                 response = await client.post(url + path, content=body,
                                              headers={"Content-Type": "application/json"})
             else:

@@ -91,13 +91,17 @@ async def test_values_the_engine_cannot_take_are_brought_into_range(llama: Path)
         # Harmless values of unsupported parameters, and bounds at their limit.
         assert await text(temperature=0, top_logprobs=0, suffix="", presence_penalty=0.0, logit_bias={})
         assert await text(temperature=0, stop=["\u00a7" * 1000] * 32) == greedy
-        streamed = await client.post(f"{url}/v1/completions", json={
-            "prompt": PROMPT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
-        assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
-        chunks = [json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: {")]
-        # As OpenAI: "usage" is null on every chunk but the last, which carries it and no choices.
-        assert all(c["usage"] is None for c in chunks[:-1]) and len(chunks) > 1
-        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 3
+        for path, prompt in (("/v1/completions", {"prompt": PROMPT}),
+                             ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})):
+            streamed = await client.post(f"{url}{path}", json={
+                **prompt, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+            assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
+            chunks = [json.loads(line[6:]) for line in streamed.text.split("\n") if line.startswith("data: {")]
+            # As OpenAI's schemas: a chat chunk's "usage" is null but on the last, which carries it and no
+            # choices; a completion chunk's is not nullable, so it is absent there.
+            before = [c.get("usage", "absent") for c in chunks[:-1]]
+            assert before == [None if "chat" in path else "absent"] * len(before) and len(chunks) > 1
+            assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 3
         assert (await client.get(f"{url}/health")).status_code == 200
 
 

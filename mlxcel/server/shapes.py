@@ -1,0 +1,94 @@
+"""OpenAI's response shapes, per choice: text, logprobs, finish reasons, usage.
+
+Everything here follows OpenAI's published OpenAPI document (the tests validate
+every body and stream chunk against it): a chat message carries
+``refusal: null``, chat logprobs carry ``refusal: null`` beside ``content``, and
+completions logprobs are four parallel arrays (``tokens``, ``token_logprobs``,
+``top_logprobs``, ``text_offset``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..engine import Finish, TextDelta
+from .tokens import Tokens
+
+
+@dataclass
+class ChoiceLog:
+    """What one choice has produced so far: its deltas, its finish, and the text offset reached."""
+
+    deltas: list[TextDelta]
+    finish: Finish | None = None
+    offset: int = 0
+    """Characters before the next token in the choice's text (the echoed prompt included)."""
+
+
+def reason(finish: Finish) -> str:
+    return "length" if finish.reason == "length" else "stop"
+
+
+def usage(finishes: Sequence[Finish]) -> dict[str, Any]:
+    """OpenAI's usage for a request's choices: one prompt, every choice's completion.
+
+    ``cached_tokens`` is the prompt tokens the first choice reused from the prefix cache.
+    """
+    prompt = finishes[0].prompt_tokens
+    completion = sum(f.completion_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": finishes[0].timings.cached_n}}
+
+
+class LogprobShaper:
+    """Turns a request's token ids and log-probabilities into OpenAI's logprobs objects.
+
+    *alternatives* is how many most likely tokens each position lists (chat
+    ``top_logprobs``, completions ``logprobs``). In completions, OpenAI always
+    lists the chosen token among them too, so a position has up to
+    *alternatives* + 1 entries there.
+    """
+
+    def __init__(self, tokens: Tokens, tokenizer: Any, chat: bool, alternatives: int) -> None:
+        self.tokens = tokens
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.alternatives = alternatives
+
+    async def shape(self, deltas: Sequence[TextDelta], log: ChoiceLog) -> dict[str, Any]:
+        """The logprobs of *deltas* (the whole choice, or one stream chunk), advancing *log*'s offset."""
+        ids = [t for d in deltas for t in d.token_ids]
+        values = [v for d in deltas for v in (d.logprobs or ())]
+        tops = [top for d in deltas for top in (d.top_logprobs or ())]
+        if not self.alternatives:
+            tops = [() for _ in ids]
+        pieces = await self.tokens.pieces(self.tokenizer, ids)
+        alternatives = await self.tokens.pieces(self.tokenizer, [t for top in tops for t, _ in top])
+        named = iter(alternatives)
+        top_named = [[(next(named), v) for _, v in top] for top in tops]
+        if self.chat:
+            return {"content": [
+                {"token": p, "logprob": v, "bytes": list(p.encode()),
+                 "top_logprobs": [{"token": a, "logprob": w, "bytes": list(a.encode())} for a, w in top]}
+                for p, v, top in zip(pieces, values, top_named, strict=True)], "refusal": None}
+        offsets = []
+        for piece in pieces:
+            offsets.append(log.offset)
+            log.offset += len(piece)
+        # The chosen token is always listed (OpenAI's rule), after the alternatives if it is not one.
+        top_maps = [{**dict(top), p: v} for p, v, top in zip(pieces, values, top_named, strict=True)]
+        return {"tokens": pieces, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+
+
+def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: Any,
+           delta: bool, first: bool = False) -> dict[str, Any]:
+    """One entry of ``choices``: a completion's text, a chat message, or a chat delta (*first*: with the role)."""
+    if not chat:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    if delta:
+        content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+    message = {"role": "assistant", "content": text, "refusal": None}
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
