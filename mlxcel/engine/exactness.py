@@ -14,6 +14,7 @@ first exact one is used. Milliseconds to seconds, once per process.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,23 +119,32 @@ def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, block_size: int, vocab: int,
-                    context_length: int, seed: int = 0) -> ProbeResult:
+                    context_length: int, seed: int = 0, check: Callable[[], None] | None = None) -> ProbeResult:
     """The first verify split under which the burst is byte-identical to classic decode, if any.
 
     *model* is the served mlx-lm model (``model(tokens, cache=...)`` is classic
     decode); *target* its speculative adapter. At K = 2 there is only one split
-    (half of two is one token, which is the chain itself), so only ``wide`` is tried.
+    (half of two is one token, which is the chain itself), so only ``wide`` is tried. *check* runs
+    before each starting state is built and each split is tried, and may raise to abandon the probe.
     """
+    check = check or (lambda: None)
     rng = np.random.default_rng(seed)
     # A target may name offsets where its caches change regime (a sliding window filling up).
     wanted = (*OFFSETS, *getattr(target, "probe_offsets", ()))
     offsets = sorted({min(offset, max(1, context_length - block_size - 1)) for offset in wanted})
-    cases = [_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
-                   rng.integers(0, vocab, size=block_size).tolist()) for offset in offsets]
+    cases = []
+    for offset in offsets:
+        check()
+        cases.append(_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
+                           rng.integers(0, vocab, size=block_size).tolist()))
     splits = SPLITS if block_size > 2 else SPLITS[:1]
     failures = []
     for split in splits:
-        found = next((d for case in cases if (d := case.difference(target, split)) is not None), None)
+        found = None
+        for case in cases:
+            check()
+            if (found := case.difference(target, split)) is not None:
+                break
         if found is None:
             return ProbeResult(split, None)
         failures.append(f"with {DESCRIBE[split]}, {found}")

@@ -50,7 +50,7 @@ def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[
         from .speculation import set_up
 
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
-                             settings.policy.allow_inexact, settings.draft_quantize)
+                             settings.policy.allow_inexact, settings.draft_quantize, check=check)
     check()
     # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
     # --no-batch) sequences decode solo, one at a time, first come first served.

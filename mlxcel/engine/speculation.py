@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,13 @@ class Speculation:
 
 
 def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: Any, hardware: str,
-           block_size: int, vocab: int, allow_inexact: bool, draft_quantize: int | None = None) -> Speculation:
-    """Load the drafter for *model*, probe the verify's exactness, and log what the probe found."""
+           block_size: int, vocab: int, allow_inexact: bool, draft_quantize: int | None = None,
+           check: Callable[[], None] | None = None) -> Speculation:
+    """Load the drafter for *model*, probe the verify's exactness, and log what the probe found.
+
+    *check* runs between the probe's steps and raises to abandon it (a server stopped while starting);
+    that exception passes through, while any other failure of the probe is a veto.
+    """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -46,11 +52,23 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     started = time.perf_counter()
     logger.info("MTP exactness probe: checking every verify width up to K=%d against single-token decode",
                 block_size)
+    stopped: list[BaseException] = []
+
+    def checked() -> None:
+        if check is not None:
+            try:
+                check()
+            except BaseException as exc:  # remembered, so that the veto below cannot swallow a stop
+                stopped.append(exc)
+                raise
+
     try:
         with mx.stream(stream):
             probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
-                                    checkpoint.context_length)
+                                    checkpoint.context_length, check=checked)
     except Exception as exc:  # a probe that cannot run proves nothing: no burst, and the server serves on
+        if stopped:
+            raise
         probe = ProbeResult(None, f"The exactness probe could not run: {type(exc).__name__}: {exc}.")
     split = probe.split
     if split is not None:

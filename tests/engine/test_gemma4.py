@@ -158,3 +158,26 @@ def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the
 
     vetoed = exactness.probe_exactness(target, model, stock, 2, 512, 4096)
     assert vetoed.split is None and vetoed.detail is not None and "differs from the single-token chain" in vetoed.detail
+
+
+def test_a_stop_during_the_exactness_probe_abandons_it_instead_of_vetoing(pairs: dict[str, Path]) -> None:
+    """A server stopped while it probes a big model stops between the probe's steps; the stop is not
+    mistaken for a probe that could not run (which would veto and serve on)."""
+    from mlxcel.engine.messages import LoadCancelled
+    from mlxcel.engine.speculation import set_up
+    from mlxcel.models.drafters.loader import inspect_drafter
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    info = inspect_checkpoint(pairs["target"])
+    model, _ = load_checkpoint(info)
+    spec = inspect_drafter(pairs["target"], info.model_type, mtp=False, draft_model=pairs["assistant"])
+    calls: list[int] = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) == 2:  # the probe has built its first starting state
+            raise LoadCancelled("stopped while loading the model")
+
+    with pytest.raises(LoadCancelled):
+        set_up(spec, info, model, mx.default_stream(mx.default_device()), "cpu", 3, 512, False, check=check)
+    assert len(calls) == 2  # nothing ran after the stop
