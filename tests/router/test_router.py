@@ -187,3 +187,23 @@ def test_bad_router_settings_are_one_line_and_exit_2(argv: list[str], env: dict[
     lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel")]
     assert len(lines) == 1 and expected in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_addresses_are_shown_only_when_asked(cluster: tuple[Process, list[Process]]) -> None:
+    from mlxcel.cli import build_parser
+    from mlxcel.router.options import build_router_config
+    from mlxcel.router.serve import run_router
+
+    _, nodes = cluster
+    argv = ["serve", "--port", "0", "--node-role", "router", "--backend", f"{nodes[0].url},{nodes[1].url}",
+            "--backend-api-key", NODE_KEY, "--router-stats-verbose"]
+    config = build_router_config(build_parser().parse_args(argv), env={})
+    async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=30) as client:
+        (url,) = await nursery.start(run_router, config)
+        with trio.fail_after(30):
+            while (await client.get(f"{url}/health")).status_code != 200:
+                await trio.sleep(0.02)
+        body = (await client.get(f"{url}/router/stats")).json()
+        assert body["addresses_redacted"] is False
+        assert [n["address"] for n in body["nodes"]] == [nodes[0].url, nodes[1].url]
+        nursery.cancel_scope.cancel()
