@@ -114,6 +114,17 @@ def _serve(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The statechart library narrates every callback at INFO; our policy logs what matters.
     logging.getLogger("transitions").setLevel(logging.WARNING)
+    from .router.options import node_role
+
+    try:
+        role = node_role(args)
+    except UsageError as exc:
+        print(f"mlxcel serve: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if role == "router":  # no model, no mlx: docs/scaling.md
+        from .router.serve import serve_router
+
+        return serve_router(args)
     from .serve_cli import build_serve_config
 
     try:

@@ -95,6 +95,38 @@ class _PolicyStateCollector(Collector):
         yield enabled
 
 
+class _GatewayCollector(Collector):
+    """The gauges inference gateways schedule on, under the names they read by default (docs/scaling.md).
+
+    The Gateway API inference extension's model server protocol (and llm-d's
+    scheduler, built on it) reads TotalQueuedRequests, TotalRunningRequests and
+    KVCacheUtilization as vLLM names them. KV-cache use here is the tokens held
+    by the sequences in the slots over the slots' whole context (``parallel`` x
+    ``n_ctx``): mlxcel allocates KV per sequence, so that is the share of its
+    budget in use, 0 to 1 as in vLLM. ``gpu_cache_usage_perc`` is the older name
+    the same gauge had, still the default of older gateway releases.
+    """
+
+    def __init__(self, observability: Observability) -> None:
+        self._observability = observability
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        o = self._observability
+        labels = [o.model or ""]
+        running = sum(1 for slot in o.slots if slot.is_processing)
+        context = o.limits.context_length if o.limits is not None else 0
+        held = sum(slot.n_prompt_tokens + slot.n_decoded for slot in o.slots if slot.is_processing)
+        usage = min(1.0, held / (len(o.slots) * context)) if o.slots and context else 0.0
+        for name, help_text, value in (
+                ("vllm:num_requests_waiting", "Requests waiting for a decode slot", float(o.waiting)),
+                ("vllm:num_requests_running", "Requests holding a decode slot", float(running)),
+                ("vllm:kv_cache_usage_perc", "KV-cache use, 0 to 1 (tokens held over parallel x n_ctx)", usage),
+                ("vllm:gpu_cache_usage_perc", "The same as vllm:kv_cache_usage_perc (its older name)", usage)):
+            family = GaugeMetricFamily(name, help_text, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
+
+
 class Observability:
     """The last published state of the engine, and the server's metrics."""
 
@@ -105,6 +137,8 @@ class Observability:
         self.error: str | None = None
         self.cache = CacheStats()
         self.slots: tuple[SlotState, ...] = ()
+        self.waiting = 0
+        """Requests held beyond the slots (waiting for one)."""
         self.limits: ModelLimits | None = None
         """None until the model has loaded."""
         self.blas: str | None = None
@@ -124,6 +158,7 @@ class Observability:
                                          buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
                                          registry=r)
         r.register(_PolicyStateCollector(self))
+        r.register(_GatewayCollector(self))
 
     def publish_load(self, sequences: list[tuple[int, int]], parallel: int) -> None:
         """Slots, batch size and queue depth from the (prompt tokens, decoded) of every sequence held,
@@ -133,8 +168,9 @@ class Observability:
                                      n_prompt_tokens=serving[i][0] if i < len(serving) else 0,
                                      n_decoded=serving[i][1] if i < len(serving) else 0)
                            for i in range(parallel))
+        self.waiting = len(sequences) - len(serving)
         self.batch_size.set(len(serving))
-        self.queue_depth.set(len(sequences) - len(serving))
+        self.queue_depth.set(self.waiting)
 
     def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
         """Swap in a new policy snapshot and its wire body, in one assignment."""

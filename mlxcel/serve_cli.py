@@ -100,6 +100,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", action="store_true", help="mount GET /slots")
     parser.add_argument("--metrics", action="store_true", help="mount GET /metrics (Prometheus)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from .router.options import add_router_arguments
+
+    add_router_arguments(parser)
 
 
 def build_serve_config(args: argparse.Namespace) -> ServeConfig:

@@ -1,0 +1,183 @@
+"""The serving nodes behind a router: what the router knows of each, and the probe that refreshes it.
+
+A probe reads, per node, ``/health`` (200 = healthy), ``/v1/internal/mtp-policy``
+(through :func:`~mlxcel.router.policy_view.read_policy`) and the node's load:
+``/metrics`` when it is mounted (the gateway gauges, or mlxcel's own batch and
+queue gauges), else ``/slots``, else nothing (the router then knows only what
+it sent itself).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+from .policy_view import UNREADABLE, PolicyView, read_policy
+
+logger = logging.getLogger(__name__)
+
+#: Gauges a node's /metrics may carry, busy = running + waiting: the gateway names first, then mlxcel's own.
+LOAD_GAUGES = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
+               ("mlxcel_batch_size", "mlxcel_queue_depth"))
+
+
+@dataclass
+class Node:
+    """One serving node, as the router sees it. Mutated only on the trio thread."""
+
+    id: str
+    """``node-<i>``, in ``--backend`` order: what /router/stats and the ``X-Mlxcel-Node`` header show."""
+    url: str
+    healthy: bool = False
+    in_flight: int = 0
+    """Requests this router has open on the node."""
+    served: int = 0
+    failed: int = 0
+    policy: PolicyView = UNREADABLE
+    reported_busy: int | None = None
+    """Running + waiting requests the node itself reported at the last probe (None: it reports none)."""
+    reported_capacity: int | None = None
+    """Its slot count, when /slots was read."""
+    external: int = 0
+    """What the node reported beyond this router's own requests at that moment: other clients' traffic."""
+    last_error: str | None = None
+    _load_source: str | None = field(default="/metrics", repr=False)
+    """The load endpoint to try next; None once neither is mounted."""
+
+    # The placement Candidate protocol.
+    @property
+    def available(self) -> bool:
+        return self.healthy
+
+    @property
+    def load(self) -> int:
+        """This router's open requests on the node plus the other traffic it last reported.
+
+        The router's own count is exact and current; the node's report is up to one
+        probe old, so only its excess over the router's count (at the time) is added.
+        """
+        return self.in_flight + self.external
+
+    @property
+    def capacity(self) -> int | None:
+        return self.reported_capacity
+
+    @property
+    def runs_burst(self) -> bool:
+        return self.policy.runs_burst
+
+    def mark_failed(self, error: str) -> None:
+        """A request to the node failed on the transport: not tried again until a probe finds it healthy."""
+        self.failed += 1
+        self.healthy = False
+        self.last_error = error
+        logger.warning("%s failed: %s; routing around it until its /health answers", self.id, error)
+
+    async def probe(self, client: httpx.AsyncClient, headers: dict[str, str], timeout: float) -> None:
+        """Refresh health, policy and load. Never raises for anything the node does."""
+        was = self.healthy
+        try:
+            health = await client.get(f"{self.url}/health", headers=headers, timeout=timeout)
+            self.healthy = health.status_code == 200
+            self.last_error = None if self.healthy else f"/health answered {health.status_code}"
+        except httpx.HTTPError as exc:
+            self.healthy, self.last_error = False, _describe(exc)
+        if self.healthy != was:
+            logger.info("%s is %s%s", self.id, "healthy" if self.healthy else "unhealthy",
+                        "" if self.healthy else f" ({self.last_error})")
+        if not self.healthy:
+            return
+        self.policy = await self._read_policy(client, headers, timeout)
+        await self._read_load(client, headers, timeout)
+
+    async def _read_policy(self, client: httpx.AsyncClient, headers: dict[str, str], timeout: float) -> PolicyView:
+        try:
+            response = await client.get(f"{self.url}/v1/internal/mtp-policy", headers=headers, timeout=timeout)
+            if response.status_code != 200:
+                return UNREADABLE
+            return read_policy(response.json())
+        except (httpx.HTTPError, ValueError):  # ValueError: not JSON
+            return UNREADABLE
+
+    async def _read_load(self, client: httpx.AsyncClient, headers: dict[str, str], timeout: float) -> None:
+        while self._load_source is not None:
+            source = self._load_source
+            try:
+                response = await client.get(f"{self.url}{source}", headers=headers, timeout=timeout)
+            except httpx.HTTPError:
+                return
+            if response.status_code == 404:  # not mounted on this node: try the next source from now on
+                self._load_source = "/slots" if source == "/metrics" else None
+                continue
+            if response.status_code != 200:
+                return
+            busy = _busy_from_metrics(response.text) if source == "/metrics" else self._busy_from_slots(response)
+            if busy is None and source == "/metrics":
+                self._load_source = "/slots"
+                continue
+            self.reported_busy = busy
+            self.external = max(0, (busy or 0) - self.in_flight)
+            return
+
+    def _busy_from_slots(self, response: httpx.Response) -> int | None:
+        try:
+            slots: Any = response.json()
+        except ValueError:
+            return None
+        if not isinstance(slots, list):
+            return None
+        self.reported_capacity = len(slots)
+        return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing") is True)
+
+
+def _busy_from_metrics(text: str) -> int | None:
+    """Running + waiting requests from a Prometheus text body, or None when it has neither gauge pair."""
+    try:
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    except ValueError:
+        return None
+    for running, waiting in LOAD_GAUGES:
+        if running in values and waiting in values:
+            return max(0, round(values[running] + values[waiting]))
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+async def watch(nodes: list[Node], client: httpx.AsyncClient, headers: dict[str, str], *, interval: float,
+                timeout: float, first_round: trio.Event) -> None:
+    """Probe every node every *interval* seconds, all at once; *first_round* is set after the first."""
+    while True:
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(node.probe, client, headers, timeout)
+        first_round.set()
+        await trio.sleep(interval)
+
+
+def stats_body(nodes: list[Node], decisions: dict[str, int], *, rerouted: int, rejected: int,
+               placement: str, show_addresses: bool) -> dict[str, Any]:
+    """The ``/router/stats`` body."""
+    rows = []
+    for node in nodes:
+        row: dict[str, Any] = {
+            "id": node.id, "healthy": node.healthy, "in_flight": node.in_flight, "served": node.served,
+            "failed": node.failed, "load": node.load, "reported_busy": node.reported_busy,
+            "policy_state": node.policy.label(), "verdict": node.policy.verdict,
+            "runs_burst": node.policy.runs_burst,
+        }
+        if show_addresses:
+            row["address"] = node.url
+        rows.append(row)
+    return {"role": "router", "placement": placement, "nodes": rows, "decisions": dict(decisions),
+            "rerouted": rerouted, "rejected": rejected, "addresses_redacted": not show_addresses}

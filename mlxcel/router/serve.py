@@ -1,0 +1,118 @@
+"""``mlxcel serve --node-role router``: the router process.
+
+    trio.run(main)
+    └── nursery
+        ├── signal receiver (SIGINT/SIGTERM -> graceful shutdown)
+        └── run_router: nursery
+            ├── nodes.watch: every backend's /health, policy and load, every --health-interval
+            ├── one task per forwarded request (forward.py), cancelled with its client request
+            └── server/listener.serve(router app)   the serving node's listener, connections bounded
+
+No model, no mlx: a test checks that the process never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+
+import httpx
+import trio
+from hypercorn.config import Config as HypercornConfig
+
+from ..cli import UsageError
+from ..server.listener import ConnectionLimits
+from ..server.listener import serve as serve_http
+from ..server.transport import guard_transport
+from .app import RouterOptions, RouterState, create_router_app
+from .forward import Forwarder
+from .nodes import Node, watch
+from .options import RouterConfig, build_router_config
+from .placement import Placement
+
+logger = logging.getLogger(__name__)
+
+
+def backend_client() -> httpx.AsyncClient:
+    """The client the router speaks to its nodes with.
+
+    No read timeout: a generation takes as long as it takes, and a node that dies
+    resets the connection (a hung one is found by the probes, which have a
+    timeout). Idle connections are dropped after 2 s, before a node's own
+    keep-alive timeout (5 s by default) closes them under a request.
+    """
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, write=30.0, pool=30.0),
+                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                                 keepalive_expiry=2.0),
+                             headers={"Accept-Encoding": "identity"})
+
+
+async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None,
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Route until *shutdown* is set (or the task is cancelled). Reports the bound URLs when listening."""
+    if shutdown is None:
+        shutdown = trio.Event()
+    nodes = [Node(id=f"node-{i}", url=url) for i, url in enumerate(config.backends)]
+    backend_headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else {}
+    hypercorn = HypercornConfig()
+    hypercorn.bind = [f"{config.host}:{config.port}"]
+    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
+    hypercorn.errorlog = logging.getLogger("hypercorn.error")
+    hypercorn.graceful_timeout = 5.0
+    limits = ConnectionLimits(max_connections=config.max_connections, keep_alive_timeout=config.keep_alive_timeout)
+    async with backend_client() as client, trio.open_nursery() as nursery:
+        probed = trio.Event()
+        forwarder = Forwarder(nodes, Placement(config.placement), client, backend_headers)
+        state = RouterState(nodes=nodes, forwarder=forwarder, nursery=nursery, probed=probed)
+        options = RouterOptions(api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
+                                show_addresses=config.show_addresses)
+        app = guard_transport(create_router_app(state, options), drain_limit=config.max_body_bytes,
+                              drain_seconds=config.keep_alive_timeout)
+        nursery.start_soon(lambda: watch(nodes, client, backend_headers, interval=config.health_interval,
+                                         timeout=config.probe_timeout, first_round=probed))
+
+        async def stopped() -> None:
+            await shutdown.wait()
+
+        async with trio.open_nursery() as http:
+            urls = await http.start(lambda task_status: serve_http(
+                app, hypercorn, limits, shutdown_trigger=stopped, task_status=task_status))
+            logger.info("router listening on %s; %d backend(s), placement %s", ", ".join(urls), len(nodes),
+                        config.placement)
+            task_status.started(urls)
+        # The listener has finished its graceful shutdown (open answers ended): stop the probes.
+        nursery.cancel_scope.cancel()
+
+
+async def main(config: RouterConfig) -> None:
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        async def on_signals() -> None:
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    logger.info("received %s: shutting down", signal.Signals(signum).name)
+                    shutdown.set()
+                    return
+
+        nursery.start_soon(on_signals)
+        await run_router(config, shutdown=shutdown)
+        nursery.cancel_scope.cancel()
+
+
+def serve_router(args: argparse.Namespace) -> int:
+    """The ``mlxcel serve --node-role router`` command; its exit status."""
+    import sys
+
+    # httpx logs every request at INFO: the probes alone would be several lines a second.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        config = build_router_config(args)
+    except UsageError as exc:
+        print(f"mlxcel serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        trio.run(main, config)
+    except KeyboardInterrupt:
+        return 0
+    return 0

@@ -1,0 +1,99 @@
+"""Real processes for the router tests: `mlxcel serve` nodes and `mlxcel serve --node-role router`, on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.checkpoints import build_mtp_checkpoint
+from tests.server.conftest import free_port
+
+NODE_KEY = "node-secret"
+ROUTER_KEY = "router-secret"
+
+
+class Process:
+    """One `mlxcel serve` process on a free loopback port, its output in a log file."""
+
+    def __init__(self, args: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        with log.open("w") as out:
+            self.process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--port", str(self.port),
+                                             *args], stdout=out, stderr=subprocess.STDOUT,
+                                            env={**os.environ, **(env or {})})
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGCONT)  # a test may have stopped it
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+@contextmanager
+def processes(specs: Sequence[tuple[Sequence[str], dict[str, str] | None]], logs: Path) -> Iterator[list[Process]]:
+    """Start every process at once (their startups overlap), yield them once all are healthy."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        started = []
+        for i, (args, env) in enumerate(specs):
+            process = Process(args, logs / f"process-{i}-{time.time_ns()}.log", env)
+            stack.callback(process.stop)
+            started.append(process)
+        for process in started:
+            process.wait_healthy()
+        yield started
+
+
+def router_args(nodes: Sequence[Process], *extra: str) -> list[str]:
+    return ["--node-role", "router", *[a for node in nodes for a in ("--backend", node.url)], *extra]
+
+
+def stats(router: Process, key: str | None = None) -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    body: dict[str, Any] = httpx.get(f"{router.url}/router/stats", headers=headers, timeout=10).json()
+    return body
+
+
+def node_stats(router: Process, node_id: str, key: str | None = None) -> dict[str, Any]:
+    (row,) = [n for n in stats(router, key)["nodes"] if n["id"] == node_id]
+    return row
+
+
+def texts(events: list[str]) -> str:
+    """The text of a completions stream's events."""
+    return "".join(c["text"] for e in events if e.startswith("{") for c in json.loads(e).get("choices", []))
+
+
+@pytest.fixture(scope="session")
+def mtp_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen 3.5 with an in-checkpoint head that always agrees with it (its burst runs and accepts)."""
+    return build_mtp_checkpoint(tmp_path_factory.mktemp("router-mtp") / "qwen35-aligned", drafter="aligned",
+                                context_scale=0.0, layers=4, hidden=64)

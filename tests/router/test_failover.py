@@ -1,0 +1,98 @@
+"""Nodes killed under a router: what had not started answering moves, nothing hangs, none left is a 503."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from tests.checkpoints import build_checkpoint
+from tests.router.conftest import node_stats, processes, router_args, stats
+
+pytestmark = pytest.mark.slow
+QUICK = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
+
+
+async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
+    model = str(build_checkpoint(tmp_path / "llama", "llama", scale=2.0))
+    with processes([(["--model", model, "--slots"], None)] * 2, tmp_path / "logs") as nodes, \
+            processes([(router_args(nodes, "--health-interval", "60"), None)], tmp_path / "logs") as (router,):
+        # Probed once at start: the router learns of the deaths from its requests alone.
+        with trio.fail_after(30):
+            while not all(n["healthy"] for n in stats(router)["nodes"]):
+                await trio.sleep(0.05)
+        expected = httpx.post(f"{nodes[0].url}/v1/completions", json=QUICK, timeout=60).json()["choices"][0]["text"]
+        long_stream: dict[str, object] = {}
+        answers: list[httpx.Response] = []
+
+        async with httpx.AsyncClient(timeout=60) as client, trio.open_nursery() as nursery:
+            started = trio.Event()
+
+            async def long_stream_task() -> None:
+                body = {"prompt": "def f(x):", "max_tokens": 4000, "temperature": 0, "stream": True}
+                async with client.stream("POST", f"{router.url}/v1/completions", json=body) as response:
+                    long_stream["node"] = response.headers["x-mlxcel-node"]
+                    events = []
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: "):
+                            events.append(line[6:])
+                            started.set()
+                    long_stream["events"] = events
+
+            async def ask() -> None:
+                answers.append(await client.post(f"{router.url}/v1/completions", json=QUICK))
+
+            nursery.start_soon(long_stream_task)
+            await started.wait()
+            victim = int(str(long_stream["node"]).removeprefix("node-"))
+            survivor = 1 - victim
+            nodes[victim].process.send_signal(signal.SIGSTOP)  # mid-stream; it still accepts connections (backlog)
+            # Requests until one is waiting on the stopped node, before its first byte: several at once,
+            # so that the survivor is as loaded as the victim when one of them is placed.
+            with trio.fail_after(30):
+                for _ in range(5):
+                    for _ in range(3):
+                        nursery.start_soon(ask)
+                    await trio.sleep(0.5)
+                    if node_stats(router, f"node-{victim}")["in_flight"] >= 2:
+                        break
+                assert node_stats(router, f"node-{victim}")["in_flight"] >= 2
+            nodes[victim].process.kill()
+            nodes[victim].process.wait()
+            with trio.fail_after(60):  # nothing hangs
+                while not ("events" in long_stream and len(answers) == _asked(nursery, answers)):
+                    await trio.sleep(0.05)
+
+        # The requests that had no byte yet moved to the survivor and were answered in full.
+        assert all(a.status_code == 200 for a in answers)
+        assert all(a.json()["choices"][0]["text"] == expected for a in answers)
+        assert all(a.headers["x-mlxcel-node"] == f"node-{survivor}" for a in answers)
+        # The stream that was under way ends with an error event, without [DONE].
+        events = long_stream["events"]
+        assert isinstance(events, list) and events[-1] != "[DONE]"
+        assert json.loads(events[-1])["error"]["code"] == "backend_failed"
+        body = stats(router)
+        dead = body["nodes"][victim]
+        assert (dead["healthy"], dead["in_flight"]) == (False, 0) and dead["failed"] >= 2
+        assert body["rerouted"] >= 1
+        # From now on the survivor takes everything.
+        again = httpx.post(f"{router.url}/v1/completions", json=QUICK, timeout=60)
+        assert again.status_code == 200 and again.headers["x-mlxcel-node"] == f"node-{survivor}"
+
+        nodes[survivor].process.kill()
+        nodes[survivor].process.wait()
+        none_left = httpx.post(f"{router.url}/v1/completions", json=QUICK, timeout=60)
+        assert none_left.status_code == 503
+        assert none_left.json()["error"]["code"] == "no_backend"
+        assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503
+        assert stats(router)["rejected"] == 1
+
+
+def _asked(nursery: trio.Nursery, answers: list[httpx.Response]) -> int:
+    """How many `ask` tasks were started: those still running plus those answered."""
+    running = sum(1 for task in nursery.child_tasks if task.name.endswith("ask"))
+    return len(answers) + running
