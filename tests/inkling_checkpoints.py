@@ -62,3 +62,41 @@ def load_reference(directory: Path) -> Any:
     from transformers import InklingForConditionalGeneration
 
     return InklingForConditionalGeneration.from_pretrained(directory).eval()
+
+
+def build_mtp(target: Path, *, seed: int = 5) -> Any:
+    """Write *target*'s unindexed ``mtp.safetensors`` (``model.mtp.layers.N.*``, raw names) from a random
+    transformers ``MtpModel`` over it; returns that ``MtpModel`` (the drafts' reference).
+
+    The blocks' raw tensor names and interleaving are transformers' own: each block is put into the
+    target's dense, full-attention layer 0 and written by ``save_pretrained``'s reverse conversion.
+    """
+    import copy
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers.modeling_layers import MtpModel
+
+    hf = load_reference(target)
+    torch.manual_seed(seed)
+    mtp = MtpModel(hf, hf.config.text_config.num_mtp_layers).eval()
+    raw: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, param in mtp.named_parameters():
+            if name.endswith(("sconv.conv1d.weight", "rel_logits_proj.proj")):
+                param.normal_(0.0, 0.3)
+        for k, layer in enumerate(mtp.layers):
+            carrier = copy.deepcopy(hf)
+            carrier.model.language_model.layers[0].load_state_dict(layer.mtp_block.state_dict())
+            with tempfile.TemporaryDirectory() as scratch:
+                carrier.save_pretrained(scratch, safe_serialization=True)
+                written = load_file(str(Path(scratch) / "model.safetensors"))
+            for name, value in written.items():
+                if name.startswith("model.llm.layers.0."):
+                    raw[f"model.mtp.layers.{k}.transformer_block.{name.removeprefix('model.llm.layers.0.')}"] = value
+            for ours, theirs in (("embed_norm", layer.enorm), ("hidden_norm", layer.hnorm),
+                                 ("input_proj", layer.eh_proj)):
+                raw[f"model.mtp.layers.{k}.{ours}.weight"] = theirs.weight.detach().clone().contiguous()
+    save_file(raw, str(target / "mtp.safetensors"))
+    return mtp

@@ -170,8 +170,9 @@ class ShortConv(nn.Module):
         window = mx.concatenate([state, xf], axis=1)
         if cache is not None:
             cache.conv[name] = window[:, -(kernel - 1):, :]
-            if cache.windows is not None:
-                cache.windows[name] = window
+            if cache.windows is not None:  # a verify: keep every input (a half split calls twice)
+                seen = cache.windows.get(name)
+                cache.windows[name] = window if seen is None else mx.concatenate([seen, xf], axis=1)
         w = self.weight.astype(mx.float32)
         out = xf
         for j in range(kernel):
@@ -388,3 +389,54 @@ def remap_layer_weights(key: str, value: mx.array, prefix: str) -> dict[str, mx.
         base = prefix + key.removesuffix("shared_w2_weight")
         return {f"{base}{n}.down_proj.weight": value[n] for n in range(value.shape[0])}
     return {prefix + key: value}
+
+
+@dataclass(frozen=True, slots=True)
+class InklingVerify:
+    logits: mx.array
+    hidden: mx.array
+    width: int
+    windows: list[dict[str, mx.array]]
+    """Per layer, each convolution's inputs: its state before the block, then the block's."""
+
+
+class InklingTarget:
+    """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of an Inkling model.
+
+    Hidden is the PRE-final-norm residual stream, which the MTP head reads. Rollback: the
+    keys/values are trimmed, and each convolution's state after the kept prefix is a slice of
+    the inputs the verify saw anyway (measured against snapshot and replay in docs/benchmarks.md).
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.kernel = model.args.conv_kernel_size
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        hidden = self.model.model(tokens, cache)
+        return self.model.logits(hidden), hidden
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> InklingVerify:
+        for c in cache:
+            c.windows = {}
+        try:
+            width = tokens.shape[1]
+            if split == "wide" or width <= 2:
+                logits, hidden = self.forward(tokens, cache)
+            else:
+                half = (width + 1) // 2
+                first, second = self.forward(tokens[:, :half], cache), self.forward(tokens[:, half:], cache)
+                logits = mx.concatenate([first[0], second[0]], axis=1)
+                hidden = mx.concatenate([first[1], second[1]], axis=1)
+            return InklingVerify(logits, hidden, width, [c.windows for c in cache])
+        finally:
+            for c in cache:
+                c.windows = None
+
+    def rollback(self, cache: list[Any], verify: InklingVerify, kept: int) -> None:
+        dropped = verify.width - kept
+        if dropped == 0:
+            return
+        for c, windows in zip(cache, verify.windows, strict=True):
+            c.kv.trim(dropped)
+            c.conv = {name: window[:, kept:kept + self.kernel - 1, :] for name, window in windows.items()}
