@@ -71,3 +71,47 @@ def test_a_directory_with_only_the_mtp_file_is_refused_as_a_target_in_one_line(c
     assert result.stderr.strip().splitlines()[-1].endswith(
         "holds only an MTP drafter (mtp.safetensors), no target weights: pass it as --draft-model, "
         "with the target checkpoint as --model")
+
+
+@pytest.fixture(scope="module")
+def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.inkling_checkpoints import build_mtp
+
+    target = build_target(tmp_path_factory.mktemp("inkling-mtp-serve") / "inkling-mtp-tiny", mtp_layers=1)
+    build_mtp(target)
+    return target
+
+
+def _served_texts(target: Path, tmp_path: Path, args: list[str], **env: str) -> tuple[list[dict[str, Any]], Any]:
+    """Completions at temperature 0 from a server in its own process under mlx's reference BLAS (this
+    machine's OpenBLAS multiplies 2+ rows with another kernel than 1, and the probe declines there)."""
+    from tests.server.conftest import serve_subprocess
+
+    log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
+    settings = {"MLXCEL_BLAS": "off", "MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
+    with serve_subprocess(["--model", str(target), *args], settings, log) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        bodies = []
+        for prompt in PROMPTS:
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            response.raise_for_status()
+            bodies.append(response.json())
+        return bodies, client.get("/v1/internal/mtp-policy").json()
+
+
+@pytest.mark.slow
+def test_temperature_0_text_with_mtp_is_classic_decode_byte_for_byte(with_head: Path, tmp_path: Path) -> None:
+    classic, _ = _served_texts(with_head, tmp_path, ["--mtp"], MLXCEL_ENABLE_MTP_B1="0")
+    for args in (["--mtp"], ["--draft-model", str(with_head)]):  # the full directory: only its mtp.safetensors
+        burst, policy = _served_texts(with_head, tmp_path, args, MLXCEL_ENABLE_MTP_B1="1")
+        assert [b["choices"][0]["text"] for b in burst] == [b["choices"][0]["text"] for b in classic]
+        assert policy["state"] == "forced" and policy["block_size"] == 3, policy
+        assert all(b["timings"]["draft_rounds"] > 0 for b in burst)
+
+
+@pytest.mark.slow
+def test_the_policy_profiles_and_settles_for_the_head(with_head: Path, tmp_path: Path) -> None:
+    _, policy = _served_texts(with_head, tmp_path, ["--mtp"], MLXCEL_MTP_PROFILE_SAMPLES="2")
+    assert policy["drafter"] == f"{with_head.name}#mtp"
+    assert policy["state"] == "settled" and policy["verdict"] in ("enable", "decline"), policy
+    assert list((tmp_path / "cache" / "mtp-policy").glob("*.json"))  # persisted for the next start
