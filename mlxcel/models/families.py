@@ -7,7 +7,8 @@ families its batched decode is wrong even so (found by
 time, like a model whose caches cannot merge. Remove an entry when mlx-lm fixes
 it: the test then checks its batch again.
 
-And the few changes a family needs at load (:func:`config_overrides`, :func:`prepare`).
+And the few changes a family needs at load (:func:`config_overrides`, :func:`prepare`), and the
+families mlxcel carries its own model file for (:data:`OWN_MODELS`), which mlx-lm does not have.
 """
 
 from __future__ import annotations
@@ -27,6 +28,18 @@ BATCH_BROKEN = {
     "nemotron_h": "mlx-lm's batched decode differs from model(x)",
     "olmo_hybrid": "mlx-lm's batched decode differs from model(x)",
 }
+
+
+#: model_type -> the module under ``mlxcel.models`` whose ``Model``/``ModelArgs`` build it.
+OWN_MODELS = {"inkling_mm_model": "inkling", "inkling_text": "inkling"}
+
+
+def own_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """(Model, ModelArgs) of an :data:`OWN_MODELS` family: mlx-lm's ``load_model(get_model_classes=...)``."""
+    import importlib
+
+    module = importlib.import_module(f"{__package__}.{OWN_MODELS[config['model_type']]}")
+    return module.Model, module.ModelArgs
 
 
 def config_overrides(model_type: str, config: dict[str, Any]) -> dict[str, Any]:

@@ -68,6 +68,10 @@ def _mlx_lm_utils() -> Any:
 
 
 def _supported(model_type: str) -> bool:
+    from .families import OWN_MODELS
+
+    if model_type in OWN_MODELS:
+        return True
     module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
 
@@ -161,6 +165,9 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         raise CheckpointError(f"model_type {model_type!r} in {config_path} is not supported")
     _check_config_keys(config, config_path)
     weights = tuple(sorted(directory.glob("model*.safetensors")))
+    if not weights and (directory / "mtp.safetensors").is_file():
+        raise CheckpointError(f"{directory} holds only an MTP drafter (mtp.safetensors), no target weights: "
+                              "pass it as --draft-model, with the target checkpoint as --model")
     if not weights:
         raise CheckpointError(f"{directory} has no model*.safetensors weights")
     for file in weights:
@@ -192,12 +199,19 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
 
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
-    from .families import config_overrides, prepare
+    from .families import OWN_MODELS, config_overrides, own_classes, prepare
 
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
-        loaded: Any = load(str(info.path), lazy=True, model_config=config_overrides(info.model_type, config))
-        model, tokenizer = loaded
+        if info.model_type in OWN_MODELS:  # mlxcel's own model file, through mlx-lm's loader
+            from mlx_lm.utils import load_model, load_tokenizer
+
+            model, _ = load_model(info.path, lazy=True, get_model_classes=own_classes)
+            text = config.get("text_config") or {}
+            tokenizer = load_tokenizer(info.path, eos_token_ids=config.get("eos_token_id", text.get("eos_token_id")))
+        else:
+            loaded: Any = load(str(info.path), lazy=True, model_config=config_overrides(info.model_type, config))
+            model, tokenizer = loaded
         prepare(info.model_type, model)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
         raise CheckpointError(f"cannot load {info.path}: {exc}") from exc

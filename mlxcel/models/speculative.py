@@ -114,6 +114,12 @@ def _glm4_moe_lite(model: Any) -> SpeculativeTarget:
     return Glm4MoeLiteTarget(model)
 
 
+def _inkling(model: Any) -> SpeculativeTarget:
+    from .inkling import InklingTarget
+
+    return InklingTarget(model)
+
+
 #: Target adapters by the target checkpoint's ``model_type``.
 TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "qwen3_5": _qwen3_5,
@@ -122,6 +128,8 @@ TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
     "gemma4": _gemma4,
     "gemma4_text": _gemma4,
     "glm4_moe_lite": _glm4_moe_lite,  # GLM-4.7-Flash: MLA + MoE, plain KV caches
+    "inkling_mm_model": _inkling,  # mlxcel's own model file (models/inkling.py)
+    "inkling_text": _inkling,
 }
 
 

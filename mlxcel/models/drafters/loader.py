@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 #: Target model types whose MTP head mlxcel can run, and the head's module.
 MTP_FAMILIES = {"qwen3_5": "qwen3_5_mtp", "qwen3_5_text": "qwen3_5_mtp", "qwen3_5_moe": "qwen3_5_mtp",
                 "gemma4": "gemma4_assistant", "gemma4_text": "gemma4_assistant",
-                "glm4_moe_lite": "glm4_moe_lite_mtp"}
+                "glm4_moe_lite": "glm4_moe_lite_mtp",
+                "inkling_mm_model": "inkling_mtp", "inkling_text": "inkling_mtp"}
 #: Heads served only from a standalone directory (``mlxcel split-mtp``), never from inside the target.
 SPLIT_ONLY = {"glm4_moe_lite_mtp"}
 PREFIX = "mtp."
@@ -82,6 +83,8 @@ def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Pa
     head_type = MTP_FAMILIES[model_type]
     if head_type == "gemma4_assistant":
         return _inspect_assistant(target, mtp=mtp, draft_model=draft_model)
+    if head_type == "inkling_mtp":
+        return _inspect_inkling(target, draft_model)
     if draft_model is None and head_type in SPLIT_ONLY:
         raise DrafterError(f"a {model_type} target's next-token layer is served from its own directory: "
                            f"`mlxcel split-mtp -m RAW_DIR -o OUT_DIR`, then --draft-model OUT_DIR")
@@ -202,6 +205,35 @@ def _inspect_assistant(target: Path, *, mtp: bool, draft_model: Path | None) -> 
                        family="gemma4_assistant")
 
 
+def _inspect_inkling(target: Path, draft_model: Path | None) -> DrafterSpec:
+    """Inkling's head: the unindexed ``mtp.safetensors`` of the target (``--mtp``) or of the
+    ``--draft-model`` directory (a full checkpoint: only that file is read)."""
+    from .inkling_mtp import FILE
+    from .inkling_mtp import PREFIX as INKLING_PREFIX
+
+    directory = (draft_model or target).expanduser()
+    if not directory.is_dir():
+        raise DrafterError(f"draft model directory {directory} does not exist")
+    file = directory / FILE
+    if not file.is_file():
+        raise DrafterError(f"{directory} has no {FILE} (Inkling's MTP head)")
+    try:
+        with file.open("rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            names = set(json.loads(f.read(length))) - {"__metadata__"}
+    except (OSError, ValueError, struct.error) as exc:
+        raise DrafterError(f"cannot read {file}: {exc}") from exc
+    if not any(n.startswith(INKLING_PREFIX) for n in names):
+        raise DrafterError(f"{file} holds no {INKLING_PREFIX}* tensors")
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    blocks = len({n[len(INKLING_PREFIX):].split(".")[0] for n in names if n.startswith(INKLING_PREFIX)})
+    block_size = config.get("block_size") or (config.get("mtp_config") or {}).get("block_size") or blocks + 2
+    name = f"{target.resolve().name}#mtp" if draft_model is None else directory.resolve().name
+    return DrafterSpec(path=file, name=name, in_checkpoint=draft_model is None,
+                       block_size=block_size if isinstance(block_size, int) and 2 <= block_size <= 32 else None,
+                       family="inkling_mtp")
+
+
 def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | None = None) -> DraftHead:
     """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
     bits (affine, group 64; layers whose width does not divide are kept as they are)."""
@@ -220,6 +252,19 @@ def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | No
             return gemma4_assistant.Gemma4AssistantDrafter(assistant, model)
         except (ValueError, KeyError) as exc:
             raise DrafterError(f"the assistant in {spec.path} does not fit {target.name}: {exc}") from exc
+
+    if spec.family == "inkling_mtp":
+        from . import inkling_mtp
+
+        config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+        try:
+            inkling_head = inkling_mtp.build(config, mx.load(str(spec.path)))  # type: ignore[arg-type]
+        except (ValueError, KeyError) as exc:
+            raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
+        if quantize is not None:
+            _quantize(inkling_head, quantize)
+        mx.eval(inkling_head.parameters())
+        return inkling_mtp.InklingDrafter(inkling_head, model)
 
     weights: dict[str, Any] = {}
     if spec.standalone and _standalone_type(spec.path) == "glm4_moe_lite_mtp":

@@ -1,0 +1,80 @@
+"""Classic decode of mlxcel's own Inkling model file against a same-size llama in mlx-lm.
+
+Both are random fp32 checkpoints of the same width, depth and MLP width (Inkling's MLPs all dense,
+so the extra cost shown is its own: the relative-position bias, the four short convolutions per
+layer, the q/k norms). Each side decodes ``--tokens`` greedy tokens after a short prompt, in one
+process, alternating rounds; the ratio is Inkling's tokens/s over llama's.
+
+    python -m benchmarks.inkling_decode [--rounds 5 --tokens 64 --hidden 512 --layers 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import BENCH_DIR, ROOT, add_model_arguments, bench_model
+
+
+def inkling_model(hidden: int, layers: int) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from tests.inkling_checkpoints import build_target
+
+    directory = BENCH_DIR / f"inkling-h{hidden}-l{layers}"
+    if not (directory / "model.safetensors").exists():
+        build_target(directory, hidden=hidden, layers=layers)
+    return directory
+
+
+def decode_rate(model: Any, tokens: int) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([[5, 6, 7, 8]]), cache=cache)
+    mx.eval(logits)
+    started = time.perf_counter()
+    for _ in range(tokens):
+        logits = model(mx.argmax(logits[:, -1:], axis=-1), cache=cache)
+        mx.eval(logits)
+    return tokens / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_arguments(parser, rounds=5, tokens=64)
+    args = parser.parse_args()
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    sys.path.insert(0, str(ROOT))
+    import tests.inkling_checkpoints as ink
+
+    original = ink.text_config
+
+    def same_size(**kw: Any) -> dict[str, Any]:  # dense MLPs as wide as the llama's, the llama's heads
+        config = original(**kw)
+        heads, kv_heads = args.hidden // 64, max(1, args.hidden // 256)
+        config.update(dense_mlp_idx=args.layers, intermediate_size=3 * args.hidden, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=64, swa_num_attention_heads=heads,
+                      swa_num_key_value_heads=kv_heads, swa_head_dim=64, sliding_window_size=512, rel_extent=1024)
+        return config
+
+    ink.text_config = same_size
+    models = {"inkling": load_checkpoint(inspect_checkpoint(inkling_model(args.hidden, args.layers)))[0],
+              "llama": load_checkpoint(inspect_checkpoint(bench_model("llama", args.hidden, args.layers)))[0]}
+    rates: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(args.rounds):
+        for name, model in models.items():
+            rates[name].append(decode_rate(model, args.tokens))
+    median = {name: statistics.median(r) for name, r in rates.items()}
+    for name, rate in median.items():
+        print(f"{name}: {rate:.1f} tokens/s (median of {args.rounds})")
+    print(f"inkling / llama: {median['inkling'] / median['llama']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

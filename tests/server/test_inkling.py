@@ -1,0 +1,117 @@
+"""Inkling served by the real CLI and server, over HTTP, against transformers' greedy decode."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import trio
+
+from tests.inkling_checkpoints import UNPADDED, build_target, load_reference
+from tests.server.conftest import mlxcel, running_server
+
+torch = pytest.importorskip("torch")
+
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(3, UNPADDED, 20 + 7 * i)] for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_target(tmp_path_factory.mktemp("inkling-serve") / "inkling-tiny", seed=1)
+
+
+def _greedy(hf: Any, prompt: list[int], count: int) -> list[int]:
+    """transformers' greedy continuation of *prompt*, cut at the end-of-sequence token."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=count, do_sample=False)[0, len(prompt):].tolist()
+    return out[:out.index(2)] if 2 in out else out
+
+
+@pytest.mark.slow
+async def test_concurrent_requests_decode_solo_as_transformers_and_reuse_the_prefix_cache(checkpoint: Path) -> None:
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    _, tokenizer = load_checkpoint(inspect_checkpoint(checkpoint))
+    hf = load_reference(checkpoint)
+    continuations = [_greedy(hf, prompt, 32) for prompt in PROMPTS]
+    # The first conversation's next turn: what the server cached for it (prompt and reply), then more.
+    follow_up = [*PROMPTS[0], *continuations[0], 7, 8, 9]
+    expected = [tokenizer.decode(c) for c in [*continuations, _greedy(hf, follow_up, 32)]]
+    async with running_server(["--model", str(checkpoint), "--parallel", "3"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=120) as client:
+        texts: dict[int, str] = {}
+
+        async def complete(i: int, prompt: list[int]) -> None:
+            response = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 32,
+                                                                   "temperature": 0})
+            assert response.status_code == 200, response.text
+            texts[i] = response.json()["choices"][0]["text"]
+
+        async with trio.open_nursery() as nursery:  # together: queued, served one at a time
+            for i, prompt in enumerate(PROMPTS):
+                nursery.start_soon(complete, i, prompt)
+        await complete(len(PROMPTS), follow_up)  # extends a cached prompt
+        stats: dict[str, Any] = (await client.get("/v1/cache/stats")).json()
+    assert [texts[i] for i in range(len(expected))] == expected
+    assert stats["hits"] >= 1 and stats["reused_tokens"] >= len(PROMPTS[0]) + 16, stats
+
+
+def test_a_directory_with_only_the_mtp_file_is_refused_as_a_target_in_one_line(checkpoint: Path,
+                                                                                tmp_path: Path) -> None:
+    only = tmp_path / "inkling-mtp-only"
+    only.mkdir()
+    shutil.copy(checkpoint / "config.json", only)
+    shutil.copy(checkpoint / "model.safetensors", only / "mtp.safetensors")  # any valid safetensors file
+    result = mlxcel("serve", "--model", str(only), "--port", "0")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "holds only an MTP drafter (mtp.safetensors), no target weights: pass it as --draft-model, "
+        "with the target checkpoint as --model")
+
+
+@pytest.fixture(scope="module")
+def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.inkling_checkpoints import build_mtp
+
+    target = build_target(tmp_path_factory.mktemp("inkling-mtp-serve") / "inkling-mtp-tiny", mtp_layers=1)
+    build_mtp(target)
+    return target
+
+
+def _served_texts(target: Path, tmp_path: Path, args: list[str], **env: str) -> tuple[list[dict[str, Any]], Any]:
+    """Completions at temperature 0 from a server in its own process under mlx's reference BLAS (this
+    machine's OpenBLAS multiplies 2+ rows with another kernel than 1, and the probe declines there)."""
+    from tests.server.conftest import serve_subprocess
+
+    log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
+    settings = {"MLXCEL_BLAS": "off", "MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
+    with serve_subprocess(["--model", str(target), *args], settings, log) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        bodies = []
+        for prompt in PROMPTS:
+            response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
+            response.raise_for_status()
+            bodies.append(response.json())
+        return bodies, client.get("/v1/internal/mtp-policy").json()
+
+
+@pytest.mark.slow
+def test_temperature_0_text_with_mtp_is_classic_decode_byte_for_byte(with_head: Path, tmp_path: Path) -> None:
+    classic, _ = _served_texts(with_head, tmp_path, ["--mtp"], MLXCEL_ENABLE_MTP_B1="0")
+    for args in (["--mtp"], ["--draft-model", str(with_head)]):  # the full directory: only its mtp.safetensors
+        burst, policy = _served_texts(with_head, tmp_path, args, MLXCEL_ENABLE_MTP_B1="1")
+        assert [b["choices"][0]["text"] for b in burst] == [b["choices"][0]["text"] for b in classic]
+        assert policy["state"] == "forced" and policy["block_size"] == 3, policy
+        assert all(b["timings"]["draft_rounds"] > 0 for b in burst)
+
+
+@pytest.mark.slow
+def test_the_policy_profiles_and_settles_for_the_head(with_head: Path, tmp_path: Path) -> None:
+    _, policy = _served_texts(with_head, tmp_path, ["--mtp"], MLXCEL_MTP_PROFILE_SAMPLES="2")
+    assert policy["drafter"] == f"{with_head.name}#mtp"
+    assert policy["state"] == "settled" and policy["verdict"] in ("enable", "decline"), policy
+    assert list((tmp_path / "cache" / "mtp-policy").glob("*.json"))  # persisted for the next start
