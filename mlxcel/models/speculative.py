@@ -115,7 +115,7 @@ def _glm4_moe_lite(model: Any) -> SpeculativeTarget:
 
 
 def _inkling(model: Any) -> SpeculativeTarget:
-    from .inkling import InklingTarget
+    from .inkling_target import InklingTarget
 
     return InklingTarget(model)
 

@@ -1,0 +1,67 @@
+"""Inkling as a speculative target: the model of :mod:`mlxcel.models.inkling`, verified and rolled back.
+
+A verify asks each layer's :class:`~mlxcel.models.inkling.InklingCache` to keep its convolutions'
+inputs over the block (``windows``); a rollback trims the keys and values and takes each
+convolution's state as the slice of those inputs that ends at the last kept token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from .inkling import Model
+
+
+@dataclass(frozen=True, slots=True)
+class InklingVerify:
+    logits: mx.array
+    hidden: mx.array
+    width: int
+    windows: list[dict[str, mx.array]]
+    """Per layer, each convolution's inputs: its state before the block, then the block's."""
+
+
+class InklingTarget:
+    """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of an Inkling model.
+
+    Hidden is the PRE-final-norm residual stream, which the MTP head reads. Rollback: the
+    keys/values are trimmed, and each convolution's state after the kept prefix is a slice of
+    the inputs the verify saw anyway: nothing is recomputed or copied per token (chosen over
+    snapshot and replay, which recomputes the kept tokens; not measured against it yet).
+    """
+
+    def __init__(self, model: Model) -> None:
+        self.model = model
+        self.kernel = model.args.conv_kernel_size
+
+    def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
+        hidden = self.model.model(tokens, cache)
+        return self.model.logits(hidden), hidden
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> InklingVerify:
+        for c in cache:
+            c.windows = {}
+        try:
+            width = tokens.shape[1]
+            if split == "wide" or width <= 2:
+                logits, hidden = self.forward(tokens, cache)
+            else:
+                half = (width + 1) // 2
+                first, second = self.forward(tokens[:, :half], cache), self.forward(tokens[:, half:], cache)
+                logits = mx.concatenate([first[0], second[0]], axis=1)
+                hidden = mx.concatenate([first[1], second[1]], axis=1)
+            return InklingVerify(logits, hidden, width, [c.windows for c in cache])
+        finally:
+            for c in cache:
+                c.windows = None
+
+    def rollback(self, cache: list[Any], verify: InklingVerify, kept: int) -> None:
+        dropped = verify.width - kept
+        if dropped == 0:
+            return
+        for c, windows in zip(cache, verify.windows, strict=True):
+            c.kv.trim(dropped)
+            c.conv = {name: window[:, kept:kept + self.kernel - 1, :] for name, window in windows.items()}
