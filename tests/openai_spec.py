@@ -1,6 +1,7 @@
 """OpenAI's published OpenAPI document as a validator of what the server sends.
 
-The document is the subset in ``../shared/openai-openapi/`` (see its README),
+The document is the subset in ``tests/data/`` (a verbatim copy of ``../shared/openai-openapi/``,
+committed so that CI's clean clone has it; provenance in ``tests/data/openai-openapi-README.md``),
 read with ``jsonschema``'s Draft 2020-12 validator (the dialect of OpenAPI
 3.1). Two readings the README names: OpenAPI 3.0's ``nullable: true`` is "or
 null", and streamed completion chunks share ``CreateCompletionResponse`` with a
@@ -16,8 +17,7 @@ from typing import Any
 
 import jsonschema
 
-SPEC_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "openai-openapi" / \
-    "openai-openapi-subset.json"
+SPEC_PATH = Path(__file__).resolve().parent / "data" / "openai-openapi-subset.json"
 
 
 def _or_null(node: Any) -> Any:

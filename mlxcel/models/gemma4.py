@@ -27,7 +27,7 @@ from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from .speculative import Split
 
-#: Ring slots beyond the sliding window. A verify block of up to SLACK + 1 tokens writes in place and
+#: Ring slots beyond the sliding window. A verify block of up to SLACK tokens writes in place and
 #: rolls back; larger blocks (prompt chunks) take mlx-lm's concatenating path.
 SLACK = 64
 TYPES = ("gemma4", "gemma4_text")
@@ -199,7 +199,8 @@ class Gemma4Target:
     """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a Gemma 4 model.
 
     Requires the caches :func:`prepare` installs (full-attention ``KVCache`` and
-    :class:`SlidingWindowCache`); a verify block must be at most ``SLACK + 1`` tokens.
+    :class:`SlidingWindowCache`); a verify block must be at most ``SLACK`` tokens
+    (larger blocks take the concatenating path, which a rewind cannot undo).
     """
 
     def __init__(self, model: Any) -> None:
@@ -223,8 +224,8 @@ class Gemma4Target:
 
     def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Gemma4Verify:
         width = tokens.shape[1]
-        if width > SLACK + 1:
-            raise ValueError(f"a Gemma 4 verify block is at most {SLACK + 1} tokens, not {width}")
+        if width > SLACK:
+            raise ValueError(f"a Gemma 4 verify block is at most {SLACK} tokens, not {width}")
         if split == "wide" or width <= 2:
             logits, hidden = self.forward(tokens, cache)
         else:

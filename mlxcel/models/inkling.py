@@ -116,7 +116,7 @@ class InklingCache(_BaseCache):
         self.kv = KVCache()
         self.conv: dict[str, mx.array | None] = dict.fromkeys(self.CONVS)
         #: While a speculative verify runs: each convolution's whole input (state, then the block),
-        #: from which :meth:`rewind` takes the state after any prefix of the block.
+        #: from which ``InklingTarget.rollback`` takes the state after any prefix of the block.
         self.windows: dict[str, mx.array] | None = None
 
     @property
@@ -255,6 +255,7 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.top_k, self.shared, self.route_scale = args.num_experts_per_tok, args.n_shared_experts, args.route_scale
+        self.n_routed = args.n_routed_experts
         h, i = args.hidden_size, args.moe_intermediate_size
         self.gate = {"weight": mx.zeros((args.n_routed_experts + self.shared, h)), "global_scale": mx.ones((1,)),
                      "bias": mx.zeros((args.n_routed_experts,))}
@@ -263,7 +264,7 @@ class MoE(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         logits = x.astype(mx.float32) @ self.gate["weight"].astype(mx.float32).T
-        routed, shared = logits[..., :-self.shared], logits[..., -self.shared:]
+        routed, shared = logits[..., :self.n_routed], logits[..., self.n_routed:]  # (no shared: empty)
         choice = mx.sigmoid(routed) + self.gate["bias"].astype(mx.float32)
         chosen = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., :self.top_k]
         picked = mx.concatenate([mx.take_along_axis(routed, chosen, axis=-1), shared], axis=-1)

@@ -34,15 +34,21 @@ from .placement import Placement
 logger = logging.getLogger(__name__)
 
 
+#: Seconds a node may send nothing before its request fails (a hung node, not a slow generation).
+READ_TIMEOUT = 600.0
+
+
 def backend_client() -> httpx.AsyncClient:
     """The client the router speaks to its nodes with.
 
-    No read timeout: a generation takes as long as it takes, and a node that dies
-    resets the connection (a hung one is found by the probes, which have a
-    timeout). Idle connections are dropped after 2 s, before a node's own
+    A read timeout of READ_TIMEOUT between bytes: a generation takes as long as it
+    takes (a non-streamed one sends nothing until it ends), and a node that dies
+    resets the connection, but one that hangs (stopped, partitioned) must not hold
+    its requests forever; the probes, which time out sooner, stop new requests
+    going there meanwhile. Idle connections are dropped after 2 s, before a node's own
     keep-alive timeout (5 s by default) closes them under a request.
     """
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, write=30.0, pool=30.0),
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, read=READ_TIMEOUT, write=30.0, pool=30.0),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                  keepalive_expiry=2.0),
                              headers={"Accept-Encoding": "identity"})

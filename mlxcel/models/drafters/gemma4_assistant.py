@@ -14,7 +14,7 @@ last sliding-window layer, by the layer's kind. One draft step, from the last ve
 where ``token`` is the next token to verify (not yet in the target's cache), at position P = the
 cache's length, and ``h`` the target's final normed hidden state at P - 1. Every step of a round uses
 the same position and the same keys (transformers' ``SinglePositionMultiTokenCandidateGenerator``).
-The sliding layers see the last :data:`SLIDING_VISIBLE` cached positions, as transformers' reference
+The sliding layers see the last ``window +`` :data:`SLIDING_EXTRA` cached positions, as transformers' reference
 mask does.
 """
 
