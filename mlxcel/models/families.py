@@ -42,23 +42,32 @@ def own_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     return module.Model, module.ModelArgs
 
 
+#: model_type -> the module under ``mlxcel.models`` holding the family's load hooks: any of
+#: ``config_overrides(config)``, ``prepare(model)`` and ``adopt_cache(cache)`` (below).
+LOAD_HOOKS = {"gemma4": "gemma4", "gemma4_text": "gemma4"}
+
+
+def _hook(model_type: str, name: str) -> Any:
+    import importlib
+
+    module = LOAD_HOOKS.get(model_type)
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name, None) if module else None
+
+
 def config_overrides(model_type: str, config: dict[str, Any]) -> dict[str, Any]:
     """Config values mlx-lm must be given on top of a checkpoint's ``config.json`` (a family's quirks)."""
-    from . import gemma4
-
-    return gemma4.config_overrides(config) if model_type in gemma4.TYPES else {}
+    hook = _hook(model_type, "config_overrides")
+    return hook(config) if hook else {}
 
 
 def prepare(model_type: str, model: Any) -> None:
-    """A family's changes to the loaded mlx-lm model, before anything runs on it (in place)."""
-    from . import gemma4
-
-    if model_type in gemma4.TYPES:
-        gemma4.prepare(model)  # its sliding-window caches, for classic decode and the burst alike
+    """A family's changes to the loaded mlx-lm model, before anything runs on it (in place): Gemma 4's
+    sliding-window caches, for classic decode and the burst alike."""
+    if hook := _hook(model_type, "prepare"):
+        hook(model)
 
 
 def adopt_cache(model_type: str, cache: list[Any]) -> list[Any]:
     """*cache* (a sequence's, from mlx-lm's batch or prefix cache) in the family's own cache classes."""
-    from . import gemma4
-
-    return gemma4.adopt_cache(cache) if model_type in gemma4.TYPES else cache
+    hook = _hook(model_type, "adopt_cache")
+    return hook(cache) if hook else cache
