@@ -116,7 +116,7 @@ def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None 
     return RouterConfig(
         backends=tuple(backends), host=args.host, port=args.port, api_keys=keys, backend_api_key=backend_key,
         placement=args.placement, health_interval=args.health_interval,
-        probe_timeout=min(2.0, max(0.5, args.health_interval)),
+        probe_timeout=2.0,  # not shorter with the interval: a loaded node answers slowly, and is not down
         show_addresses=args.router_stats_verbose or _switch(env, "MLXCEL_ROUTER_STATS_VERBOSE"),
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
         keep_alive_timeout=args.keep_alive_timeout, access_log=args.access_log)
