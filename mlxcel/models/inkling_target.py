@@ -36,6 +36,10 @@ class InklingTarget:
     def __init__(self, model: Model) -> None:
         self.model = model
         self.kernel = model.args.conv_kernel_size
+        args = model.args
+        #: Where the exactness probe also verifies: a block crossing the sliding window's edge and the
+        #: full layers' relative extent (past it a key's bias is zero, not read from the profile).
+        self.probe_offsets = (args.sliding_window_size - 2, args.rel_extent - 2)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         hidden = self.model.model(tokens, cache)
