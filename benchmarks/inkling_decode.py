@@ -30,13 +30,15 @@ def geometry(hidden: int, layers: int) -> dict[str, Any]:
 
 
 def inkling_model(hidden: int, layers: int, kind: str = "random") -> Path:
-    """A random (or ``permutation``) fp32 Inkling target of :func:`geometry`, built once under .bench."""
+    """A random (or ``permutation``) fp32 Inkling target of :func:`geometry` whose config declares one
+    MTP block (the weights are not there: tests/inkling_checkpoints.py's ``build_mtp`` writes them),
+    built once under .bench."""
     sys.path.insert(0, str(ROOT))
     from tests.inkling_checkpoints import build_target
 
     directory = BENCH_DIR / f"inkling{'' if kind == 'random' else '-' + kind}-h{hidden}-l{layers}"
     if not (directory / "model.safetensors").exists():
-        build_target(directory, kind=kind, **geometry(hidden, layers))
+        build_target(directory, kind=kind, mtp_layers=1, **geometry(hidden, layers))
     return directory
 
 

@@ -8,9 +8,9 @@ computed) with a one-block head built to agree with it on every token (``agreein
 one (``random``), each in a copy of the target's directory (``--mtp``). For each BLAS, head and K:
 acceptance, tokens per round, and decode tokens/s of a server with the burst pinned off and one
 pinned on, requests alternating between them (the server's own timings, pooled over the prompts),
-the ratio on / off, and whether the two servers' texts are equal. Under OpenBLAS the exactness probe
-declines these pairings (it multiplies 2+ rows with other kernels than one): the burst is run anyway
-(``MLXCEL_MTP_ALLOW_INEXACT=1``) to measure its speed.
+the ratio on / off, and whether the two servers' texts are equal (at temperature 0 they must be
+when the exactness probe passed; should it veto a pairing on some machine, the burst is run anyway,
+``MLXCEL_MTP_ALLOW_INEXACT=1``, to measure its speed, and the texts may then differ).
 """
 
 from __future__ import annotations
