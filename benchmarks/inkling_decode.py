@@ -20,13 +20,25 @@ from typing import Any
 from benchmarks._common import BENCH_DIR, ROOT, add_model_arguments, bench_model
 
 
-def inkling_model(hidden: int, layers: int) -> Path:
+def geometry(hidden: int, layers: int) -> dict[str, Any]:
+    """A benchmark Inkling's text config: the tests' layout at the width of the llama *bench_model*
+    builds (its heads; dense MLPs as wide as its MLP, no MoE), window 512, relative extent 1024."""
+    heads, kv_heads = hidden // 64, max(1, hidden // 256)
+    return dict(hidden=hidden, layers=layers, dense_mlp_idx=layers, intermediate_size=3 * hidden,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, swa_num_attention_heads=heads,
+                swa_num_key_value_heads=kv_heads, swa_head_dim=64, sliding_window_size=512, rel_extent=1024)
+
+
+def inkling_model(hidden: int, layers: int, kind: str = "random") -> Path:
+    """A random (or ``permutation``) fp32 Inkling target of :func:`geometry` whose config declares one
+    MTP block (the weights are not there: tests/inkling_checkpoints.py's ``build_mtp`` writes them),
+    built once under .bench."""
     sys.path.insert(0, str(ROOT))
     from tests.inkling_checkpoints import build_target
 
-    directory = BENCH_DIR / f"inkling-h{hidden}-l{layers}"
+    directory = BENCH_DIR / f"inkling{'' if kind == 'random' else '-' + kind}-h{hidden}-l{layers}"
     if not (directory / "model.safetensors").exists():
-        build_target(directory, hidden=hidden, layers=layers)
+        build_target(directory, kind=kind, mtp_layers=1, **geometry(hidden, layers))
     return directory
 
 
@@ -50,20 +62,6 @@ def main() -> None:
     args = parser.parse_args()
     from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
-    sys.path.insert(0, str(ROOT))
-    import tests.inkling_checkpoints as ink
-
-    original = ink.text_config
-
-    def same_size(**kw: Any) -> dict[str, Any]:  # dense MLPs as wide as the llama's, the llama's heads
-        config = original(**kw)
-        heads, kv_heads = args.hidden // 64, max(1, args.hidden // 256)
-        config.update(dense_mlp_idx=args.layers, intermediate_size=3 * args.hidden, num_attention_heads=heads,
-                      num_key_value_heads=kv_heads, head_dim=64, swa_num_attention_heads=heads,
-                      swa_num_key_value_heads=kv_heads, swa_head_dim=64, sliding_window_size=512, rel_extent=1024)
-        return config
-
-    ink.text_config = same_size
     models = {"inkling": load_checkpoint(inspect_checkpoint(inkling_model(args.hidden, args.layers)))[0],
               "llama": load_checkpoint(inspect_checkpoint(bench_model("llama", args.hidden, args.layers)))[0]}
     rates: dict[str, list[float]] = {name: [] for name in models}

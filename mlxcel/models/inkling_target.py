@@ -29,13 +29,20 @@ class InklingTarget:
 
     Hidden is the PRE-final-norm residual stream, which the MTP head reads. Rollback: the
     keys/values are trimmed, and each convolution's state after the kept prefix is a slice of
-    the inputs the verify saw anyway: nothing is recomputed or copied per token (chosen over
-    snapshot and replay, which recomputes the kept tokens; not measured against it yet).
+    the inputs the verify saw anyway: nothing is recomputed or copied per token. Chosen over
+    snapshot and replay (restore the caches from before the verify, run the kept tokens again)
+    by measurement (``benchmarks/inkling_rollback.py``, a 337 MB Inkling, docs/benchmarks.md): a
+    round with a rejection costs 0.47-0.60 of the replay's, and a round that rejects nothing
+    costs the same within noise (keeping the inputs is a few small concatenations).
     """
 
     def __init__(self, model: Model) -> None:
         self.model = model
         self.kernel = model.args.conv_kernel_size
+        args = model.args
+        #: Where the exactness probe also verifies: a block crossing the sliding window's edge and the
+        #: full layers' relative extent (past it a key's bias is zero, not read from the profile).
+        self.probe_offsets = (args.sliding_window_size - 2, args.rel_extent - 2)
 
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         hidden = self.model.model(tokens, cache)

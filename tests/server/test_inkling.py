@@ -82,9 +82,11 @@ def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def _served_texts(target: Path, tmp_path: Path, args: list[str], **env: str) -> tuple[list[dict[str, Any]], Any]:
-    """Completions at temperature 0 from a server in its own process under mlx's reference BLAS (this
-    machine's OpenBLAS multiplies 2+ rows with another kernel than 1, and the probe declines there)."""
+def _served_texts(target: Path, tmp_path: Path, args: list[str], prompts: list[list[int]] = PROMPTS,
+                  **env: str) -> tuple[list[dict[str, Any]], Any]:
+    """Completions of *prompts* at temperature 0 from a server in its own process under mlx's reference
+    BLAS (where the wide verify is exact at every K; under OpenBLAS the probe verifies in halves from
+    K = 3, tested below), and its policy afterwards."""
     from tests.server.conftest import serve_subprocess
 
     log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
@@ -92,7 +94,7 @@ def _served_texts(target: Path, tmp_path: Path, args: list[str], **env: str) -> 
     with serve_subprocess(["--model", str(target), *args], settings, log) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
         bodies = []
-        for prompt in PROMPTS:
+        for prompt in prompts:
             response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})
             response.raise_for_status()
             bodies.append(response.json())
@@ -109,9 +111,58 @@ def test_temperature_0_text_with_mtp_is_classic_decode_byte_for_byte(with_head: 
         assert all(b["timings"]["draft_rounds"] > 0 for b in burst)
 
 
+@pytest.fixture(scope="module")
+def permutation_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The permutation target, in two directories: one with the agreeing head, one with a random one."""
+    from tests.inkling_checkpoints import build_mtp
+
+    root = tmp_path_factory.mktemp("inkling-permutation-serve")
+    target = build_target(root / "inkling-permutation", kind="permutation", mtp_layers=1)
+    pairs = {}
+    for kind in ("agreeing", "random"):
+        pairs[kind] = root / f"inkling-permutation-{kind}"
+        shutil.copytree(target, pairs[kind])
+        build_mtp(pairs[kind], kind=kind)
+    return pairs
+
+
 @pytest.mark.slow
-def test_the_policy_profiles_and_settles_for_the_head(with_head: Path, tmp_path: Path) -> None:
-    _, policy = _served_texts(with_head, tmp_path, ["--mtp"], MLXCEL_MTP_PROFILE_SAMPLES="2")
-    assert policy["drafter"] == f"{with_head.name}#mtp"
-    assert policy["state"] == "settled" and policy["verdict"] in ("enable", "decline"), policy
-    assert list((tmp_path / "cache" / "mtp-policy").glob("*.json"))  # persisted for the next start
+def test_the_policy_profiles_settles_restores_and_reprofiles_a_new_k(permutation_pairs: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    env = {"MLXCEL_MTP_PROFILE_SAMPLES": "2", "MLXCEL_DRAFT_BLOCK_SIZE": "4"}
+    verdicts = {}
+    for kind, target in permutation_pairs.items():
+        bodies, verdicts[kind] = _served_texts(target, tmp_path, ["--mtp"], **env)
+        assert all(b["timings"]["draft_rounds"] > 0 for b in bodies[:2])  # the two profiled requests
+    agreeing, random = verdicts["agreeing"], verdicts["random"]
+    assert agreeing["drafter"] == "inkling-permutation-agreeing#mtp"
+    assert (agreeing["state"], agreeing["verdict"], agreeing["acceptance_rate"]) == ("settled", "enable", 1.0)
+    assert (random["state"], random["verdict"], random["mtp_enabled"]) == ("settled", "decline", False)
+    assert random["acceptance_rate"] < 0.2
+    assert len(list((tmp_path / "cache" / "mtp-policy").glob("*.json"))) == 2  # persisted for the next start
+    _, restored = _served_texts(permutation_pairs["agreeing"], tmp_path, ["--mtp"], [], **env)
+    assert restored == agreeing  # restored, not measured again
+    _, fresh = _served_texts(permutation_pairs["agreeing"], tmp_path, ["--mtp"], [],
+                             **{**env, "MLXCEL_DRAFT_BLOCK_SIZE": "3"})
+    assert (fresh["state"], fresh["block_size"], fresh["samples_remaining"]) == ("profiling", 3, 2)
+
+
+@pytest.mark.requires_openblas  # what this checks is OpenBLAS's kernels; CI requires it
+@pytest.mark.slow
+async def test_under_openblas_the_inkling_pairing_is_exact_and_the_burst_is_classic_decode(
+        with_head: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unlike the tiny Gemma pairings, OpenBLAS does not make this one inexact: the probe accepts the
+    wide verify at K = 2 and verifies in halves at K = 3 and 4 (tests/engine/test_inkling_mtp.py
+    pins the splits), so the burst runs in-process, under OpenBLAS, and equals classic decode."""
+    texts = {}
+    for pinned in ("0", "1"):
+        monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pinned)
+        async with running_server(["--model", str(with_head), "--mtp", "--draft-block-size", "4"]) as url, \
+                httpx.AsyncClient(base_url=url, timeout=120) as client:
+            policy = (await client.get("/v1/internal/mtp-policy")).json()
+            bodies = [(await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24,
+                                                                   "temperature": 0})).json() for prompt in PROMPTS]
+        texts[pinned] = [b["choices"][0]["text"] for b in bodies]
+        assert policy["decline_detail"] is None, policy
+        assert all((b["timings"]["draft_rounds"] > 0) == (pinned == "1") for b in bodies)
+    assert texts["1"] == texts["0"]
