@@ -89,7 +89,8 @@ def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterat
 
     BENCH_DIR.mkdir(exist_ok=True)
     log = BENCH_DIR / f"serve-{time.time_ns()}.log"
-    with serve_subprocess(["--model", str(model), *args], env or {}, log) as url:
+    # Benchmark models are big: loading and the exactness probe at boot take minutes on a slow BLAS.
+    with serve_subprocess(["--model", str(model), *args], env or {}, log, start_timeout=900) as url:
         yield url
 
 

@@ -173,7 +173,7 @@ async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.Sock
 
 
 @contextmanager
-def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path) -> Iterator[str]:
+def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120) -> Iterator[str]:
     """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
     import os
     import signal
@@ -185,7 +185,7 @@ def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path) -> Ite
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + start_timeout
             while True:
                 try:
                     if httpx.get(f"{url}/health").status_code == 200:
