@@ -212,10 +212,15 @@ class Attention(nn.Module):
         start = cache.offset if cache is not None else 0
         if cache is not None:
             k, v = cache.kv.update_and_fetch(k, v)
+        first = 0  # the position of the first key attended to
+        if self.window is not None and k.shape[2] > self.window + length - 1:
+            # A sliding layer's queries see only the last window keys each: O(window), not O(context).
+            first = k.shape[2] - (self.window + length - 1)
+            k, v = k[..., first:, :], v[..., first:, :]
         keys = k.shape[2]
         # Bias (b, heads, L, S): query i's profile read at distance (start + i) - j, zero past the extent.
         profiles = (self.r_proj(x).reshape(b, length, self.heads, -1) @ self.rel_proj).transpose(0, 2, 1, 3)
-        distance = (mx.arange(start, start + length)[:, None] - mx.arange(keys)[None, :])
+        distance = (mx.arange(start, start + length)[:, None] - mx.arange(first, first + keys)[None, :])
         extent = self.rel_proj.shape[1]
         index = mx.broadcast_to(mx.clip(distance, 0, extent - 1), (b, self.heads, length, keys))
         bias = mx.take_along_axis(profiles, index, axis=-1)
