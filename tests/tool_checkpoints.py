@@ -23,14 +23,16 @@ SCRIPT = ("Checking.", "<tool_call>", '{"name":"get_weather",', '"arguments":{"c
 """The answer, piece by piece: some content, then a call in the Hermes / Qwen format (mlx-lm's json_tools)."""
 
 
-def build_scripted_checkpoint(directory: Path, script: tuple[str, ...] = SCRIPT) -> Path:
+def build_scripted_checkpoint(directory: Path, script: tuple[str, ...] = SCRIPT,
+                              chat_template: str = TOOLS_CHATML) -> Path:
+    """A llama answering every chat with *script*; *chat_template* names its tool-call format to mlx-lm."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory, TOOLS_CHATML, added=script)
+    write_tokenizer(directory, chat_template, added=script)
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     config = {**CONFIGS["llama"], "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True)}
     (directory / "config.json").write_text(json.dumps(config, indent=2))

@@ -87,6 +87,34 @@ async def test_auto_parses_the_models_own_format_whole_and_streamed(scripted: Pa
     assert whole.usage.prompt_tokens == _prompt_length(scripted, ASK, [WEATHER, TIME])
 
 
+HERMES_INSTRUCTION = 'Call a function as <tool_call>{"name": <name>, "arguments": <object>}</tool_call>'
+OTHER_FORMATS = {
+    # mlx-lm's gemma4 parser: "<|tool_call>" and "<tool_call|>" in the template; strings in <|"|>.
+    "gemma4": ("Call a function as <|tool_call>call:name{key:value}<tool_call|>",
+               ("<|tool_call>", 'call:get_weather{city:<|"|>Paris<|"|>}', "<tool_call|>")),
+    # mlx-lm's glm47 parser: "<arg_key>" in the template.
+    "glm47": ("Call a function as <tool_call>name<arg_key>key</arg_key><arg_value>value</arg_value></tool_call>",
+              ("<tool_call>", "get_weather<arg_key>city</arg_key>", "<arg_value>Paris</arg_value>", "</tool_call>")),
+}
+
+
+@pytest.mark.parametrize("family_format", sorted(OTHER_FORMATS))
+async def test_auto_reads_gemma4_and_glm_calls(family_format: str, tmp_path: Path) -> None:
+    instruction, script = OTHER_FORMATS[family_format]
+    checkpoint = build_scripted_checkpoint(tmp_path / family_format, script,
+                                           TOOLS_CHATML.replace(HERMES_INSTRUCTION, instruction))
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    assert load_tokenizer(checkpoint).tool_call_start == script[0]  # mlx-lm picked that family's parser
+    async with running_server(["--model", str(checkpoint)]) as url:
+        whole, streamed, _ = await trio.to_thread.run_sync(
+            lambda: _whole_and_streamed(url, messages=ASK, tools=[WEATHER]))
+    for completion in (whole, streamed):
+        assert completion.choices[0].finish_reason == "tool_calls"
+        assert completion.choices[0].message.content is None
+        assert _calls(completion) == [("get_weather", {"city": "Paris"})]
+
+
 async def test_tool_choice_none_history_and_refusals(scripted: Path, llama: Path) -> None:
     history = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
