@@ -8,6 +8,7 @@ schema it was asked for.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +45,17 @@ def _person(body: dict[str, Any]) -> Any:
     return value
 
 
+SLOW_STREAM = 61
+"""max_tokens of the stream the handoff test slows down (so the second request surely comes mid-way)."""
+
+
+def _slow_stream_steps(point: str, request: Any) -> None:
+    if point == "solo_step" and request.max_tokens == SLOW_STREAM:
+        time.sleep(0.02)
+
+
 async def test_json_schema_and_json_object(llama: Path) -> None:
-    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
+    async with running_server(["--model", str(llama), "--metrics"], fault_hook=_slow_stream_steps) as url, httpx.AsyncClient(timeout=60) as client:
         free = await _chat(client, url)
         with pytest.raises(ValueError):
             json.loads(free["choices"][0]["message"]["content"])  # unconstrained, the model writes no JSON
@@ -82,6 +92,28 @@ async def test_json_schema_and_json_object(llama: Path) -> None:
         assert results["person"] == person["choices"][0]["message"]["content"]
         assert results["free"] == free["choices"][0]["message"]["content"]
         jsonschema.validate(json.loads(results["person2"]), PERSON)
+
+        # A constrained stream decoding alone, joined by a second request mid-way: it moves into the batch
+        # with its matcher and ends with the same text.
+        async def handoffs() -> float:
+            metrics = (await client.get(f"{url}/metrics")).text
+            return float(next(line.split()[1] for line in metrics.splitlines()
+                              if line.startswith("mlxcel_solo_handoffs_total ")))
+
+        before, joined = await handoffs(), ""
+        async with client.stream("POST", f"{url}/v1/chat/completions", json={
+                "messages": CHAT, "max_tokens": SLOW_STREAM, "temperature": 0, "response_format": AS_PERSON,
+                "stream": True}) as response:
+            async with trio.open_nursery() as nursery:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        for c in json.loads(line[6:])["choices"]:
+                            joined += c["delta"].get("content") or ""
+                        if joined and not nursery.child_tasks:
+                            nursery.start_soon(lambda: run("during", max_tokens=30))
+        assert joined == person["choices"][0]["message"]["content"]
+        assert results["during"]
+        assert await handoffs() > before  # it really moved mid-stream
 
         for bad in ({"type": "json_schema"}, {"type": "xml"},
                     {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}):
