@@ -101,14 +101,15 @@ def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprob
            delta: bool, first: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One entry of ``choices``: a completion's text, a chat message, or a chat delta (*first*: with the role).
 
-    A message with *tool_calls* has ``content`` null unless the model also wrote text.
+    A message with *tool_calls* has ``content`` null unless the model also wrote text (not only whitespace).
     """
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if delta:
         content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
-    message: dict[str, Any] = {"role": "assistant", "content": text if text or not tool_calls else None,
+    # Beside calls, whitespace alone (the newlines a model writes around them) is no content.
+    message: dict[str, Any] = {"role": "assistant", "content": text if text.strip() or not tool_calls else None,
                                "refusal": None}
     if tool_calls:
         message["tool_calls"] = tool_calls

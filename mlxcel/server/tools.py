@@ -175,8 +175,6 @@ class ToolCallReader:
                     content += start + body + end
                 else:
                     deltas += parsed
-        if self.calls and not content.strip():
-            content = ""  # the newlines between calls are no content
         return content, deltas
 
     def _parsed(self, body: str) -> list[dict[str, Any]] | None:

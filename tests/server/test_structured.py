@@ -55,7 +55,8 @@ def _slow_stream_steps(point: str, request: Any) -> None:
 
 
 async def test_json_schema_and_json_object(llama: Path) -> None:
-    async with running_server(["--model", str(llama), "--metrics"], fault_hook=_slow_stream_steps) as url, httpx.AsyncClient(timeout=60) as client:
+    async with running_server(["--model", str(llama), "--metrics"], fault_hook=_slow_stream_steps) as url, \
+            httpx.AsyncClient(timeout=60) as client:
         free = await _chat(client, url)
         with pytest.raises(ValueError):
             json.loads(free["choices"][0]["message"]["content"])  # unconstrained, the model writes no JSON
@@ -103,14 +104,13 @@ async def test_json_schema_and_json_object(llama: Path) -> None:
         before, joined = await handoffs(), ""
         async with client.stream("POST", f"{url}/v1/chat/completions", json={
                 "messages": CHAT, "max_tokens": SLOW_STREAM, "temperature": 0, "response_format": AS_PERSON,
-                "stream": True}) as response:
-            async with trio.open_nursery() as nursery:
-                async for line in response.aiter_lines():
-                    if line.startswith("data: {"):
-                        for c in json.loads(line[6:])["choices"]:
-                            joined += c["delta"].get("content") or ""
-                        if joined and not nursery.child_tasks:
-                            nursery.start_soon(lambda: run("during", max_tokens=30))
+                "stream": True}) as response, trio.open_nursery() as nursery:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    for c in json.loads(line[6:])["choices"]:
+                        joined += c["delta"].get("content") or ""
+                    if joined and not nursery.child_tasks:
+                        nursery.start_soon(lambda: run("during", max_tokens=30))
         assert joined == person["choices"][0]["message"]["content"]
         assert results["during"]
         assert await handoffs() > before  # it really moved mid-stream

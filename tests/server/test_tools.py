@@ -175,3 +175,26 @@ async def test_forced_calls_follow_the_tools_schemas(tool_llama: Path) -> None:
             (n == "get_weather" and a in ({"city": "Paris"}, {"city": "Berlin"}))
             or (n == "get_time" and set(a) == {"utc"} and isinstance(a["utc"], bool)) for n, a in calls)
     assert _calls(required_whole) == _calls(required_streamed)
+
+
+def test_the_reader_holds_back_split_markers_and_keeps_unreadable_calls_as_text() -> None:
+    from mlx_lm.tool_parsers import json_tools
+
+    from mlxcel.server.tools import ToolCallReader, ToolSetup
+
+    setup = ToolSetup("auto", [WEATHER], start=json_tools.tool_call_start, end=json_tools.tool_call_end,
+                      parse=json_tools.parse_tool_call)
+    text = 'a <tool_call>{"name": "get_weather", "arguments": {"city": "Berlin"}}</tool_call> b <tool_call>oops'
+    for pieces in ([text], list(text)):  # whole, and one character at a time (markers split across deltas)
+        reader = ToolCallReader(setup)
+        content, deltas = "", []
+        for piece in pieces:
+            more, calls = reader.feed(piece)
+            assert "<" not in more or more.startswith("<tool_call>oops")  # no half marker leaks out
+            content, deltas = content + more, deltas + calls
+        rest, calls = reader.finish()
+        content, deltas = content + rest, deltas + calls
+        assert content == "a  b <tool_call>oops"  # a call cut off stays text, and so does the text around calls
+        assert [(d["index"], d["function"]["name"], json.loads(d["function"]["arguments"])) for d in deltas] == \
+            [(0, "get_weather", {"city": "Berlin"})]
+        assert reader.calls[0]["id"] == deltas[0]["id"]
