@@ -20,6 +20,24 @@ CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+TOOLS_CHATML = (
+    # ChatML with tools, in the Hermes / Qwen 2.5 manner: the tools as JSON in a system turn, an
+    # assistant's calls as <tool_call>{json}</tool_call>, tool results in <tool_response>. mlx-lm
+    # reads "<tool_call>" and "tool_call.name" in it as its json_tools format.
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}{{ tool | tojson }}\n"
+    "{%- endfor %}</tools>\nCall a function as <tool_call>{\"name\": <name>, \"arguments\": <object>}"
+    "</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function %}"
+    "{%- set tool_call = tool_call.function %}{%- endif %}"
+    "<tool_call>{\"name\": \"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}"
+    "</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}"
+    "</tool_response><|im_end|>\n"
+    "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VOCAB_SIZE = 512
 
@@ -68,7 +86,8 @@ def _corpus() -> list[str]:
     return [(stdlib / name).read_text(encoding="utf-8") for name in ("textwrap.py", "string.py", "glob.py")]
 
 
-def write_tokenizer(directory: Path) -> None:
+def write_tokenizer(directory: Path, chat_template: str = CHATML, added: tuple[str, ...] = ()) -> None:
+    """A byte-level BPE tokenizer; *added*: extra tokens (not special: they decode as their text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -77,13 +96,15 @@ def write_tokenizer(directory: Path) -> None:
     trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    if added:
+        tokenizer.add_tokens(list(added))
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "bos_token": None,
-        "chat_template": CHATML,
+        "chat_template": chat_template,
         "model_max_length": 4096,
     }, indent=2))
 
@@ -121,7 +142,8 @@ def _fuse_experts(weights: dict[str, Any]) -> dict[str, Any]:
 _TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _to_hf_qwen3_5}
 
 
-def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float = 1.0) -> Path:
+def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float = 1.0,
+                     chat_template: str = CHATML) -> Path:
     """Write a tiny *family* checkpoint into *directory* (created) and return it.
 
     *scale* multiplies the random weights: larger values give peakier output
@@ -134,7 +156,7 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
     directory.mkdir(parents=True, exist_ok=True)
     config = CONFIGS[family]
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(directory)
+    write_tokenizer(directory, chat_template)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

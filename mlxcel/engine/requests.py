@@ -33,15 +33,17 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
+    grammar: str | None = None
+    """An llguidance grammar (its JSON form) the output must follow: constrained decoding."""
 
     @property
     def has_processors(self) -> bool:
-        """Whether the logits pass through processors (bias, penalties) before sampling.
+        """Whether the logits pass through processors (bias, penalties, a grammar) before sampling.
 
         The MTP burst does not apply them, so such a request always decodes classically.
         """
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
-            or bool(self.frequency_penalty)
+            or bool(self.frequency_penalty) or self.grammar is not None
 
 
 @dataclass(frozen=True, slots=True)

@@ -121,7 +121,7 @@ class Worker(Admission):
     def _burst_allowed(self, request: GenerationRequest) -> bool:
         """The runtime gates of the B=1 burst, below the policy's live gate."""
         # Logprobs come from classic decode; the burst does not apply logits processors (bias,
-        # penalties), so a request with any decodes classically rather than ignore them.
+        # penalties, a grammar), so a request with any decodes classically rather than ignore them.
         return bool(self.policy.mtp_enabled) and not request.logprobs and not request.sampling.has_processors
 
     def _loop(self) -> None:

@@ -15,12 +15,13 @@ from quart import Quart, Response, request
 
 from ..engine import EngineUnavailable, Event, GenerationRequest, QueueFull, TextDelta
 from ..observability import ModelLimits
-from . import shapes
+from . import shapes, structured
 from .context import ServerContext, at_request_end
 from .errors import ApiError, bad_request, finish_error, unavailable
 from .fanin import fan_in
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, json_problem, unsupported
 from .shapes import ChoiceLog, LogprobShaper
+from .tools import ToolCallReader, ToolSetup, template_messages
 
 
 def sse(payload: dict[str, Any] | str) -> bytes:
@@ -63,6 +64,8 @@ class _Generation:
         """Shapes the logprobs, when the request asked for them."""
         self.echo = ""
         """The prompt's text before each choice's (completions ``echo``)."""
+        self.tools: ToolSetup | None = None
+        """How the output is read for tool calls (None: it is text)."""
 
     async def respond(self) -> Response | dict[str, Any]:
         body = await _json_body()
@@ -77,6 +80,8 @@ class _Generation:
             name = "echo"  # a completions parameter; a chat echo has no agreed meaning
         if name is None and not self.chat and body.get("top_logprobs") not in (None, 0):
             name = "top_logprobs"  # a chat parameter; completions say `logprobs: N`
+        if name is None and not self.chat and body.get("tools") not in (None, []):
+            name = "tools"  # a chat parameter
         if name is not None:
             raise bad_request(f"the parameter {name!r} is not supported by this server", param=name,
                               code="unsupported_parameter")
@@ -89,6 +94,7 @@ class _Generation:
         problem = params.bias_problem(limits.vocab_size)
         if problem is not None:
             raise bad_request(problem, param="logit_bias")
+        self.tools, grammar = await structured.constraints(params, self.ctx.engine.tokenizer)
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
         tokens = await self._prompt_tokens(params, limits, requested or 1)
@@ -106,7 +112,7 @@ class _Generation:
         generations = [GenerationRequest(
             id=self.id if params.n == 1 else f"{self.id}-{index}", prompt_tokens=tuple(tokens),
             max_tokens=requested or min(options.default_max_tokens, room),
-            sampling=params.sampling(limits.vocab_size, index), stop=params.stop_strings(), logprobs=logprobs,
+            sampling=params.sampling(limits.vocab_size, index, grammar), stop=params.stop_strings(), logprobs=logprobs,
             top_logprobs=alternatives if logprobs else 0) for index in range(params.n)]
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
@@ -194,12 +200,15 @@ class _Generation:
                              completion: int) -> list[int]:
         tokenizer = self.ctx.engine.tokenizer
         if isinstance(params, ChatCompletionRequest):
-            messages = [{"role": m.role, "content": m.text()} for m in params.messages]
+            messages = template_messages(params.messages)
             if getattr(tokenizer, "chat_template", None) is None:
                 raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+            # tool_choice "none" renders no tools: the model is not told of calls it may not make.
+            tools = self.tools.tools if self.tools is not None else None
 
             def render() -> str:
-                return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+                return str(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                         tokenize=False))
 
             try:
                 text = await self.ctx.tokens.run(render)
@@ -269,8 +278,13 @@ class _Generation:
         for index, log in enumerate(logs):
             text = self.echo + "".join(d.text for d in log.deltas)
             assert log.finish is not None
-            choices.append(shapes.choice(self.chat, index, text, shapes.reason(log.finish),
-                                         await self._logprobs(log.deltas, log), delta=False))
+            reason, calls = shapes.reason(log.finish), None
+            if self.tools is not None:
+                reader = ToolCallReader(self.tools)
+                text = reader.feed(text)[0] + reader.finish()[0]
+                calls, reason = reader.calls, shapes.tool_reason(reason, reader.calls)
+            choices.append(shapes.choice(self.chat, index, text, reason, await self._logprobs(log.deltas, log),
+                                         delta=False, tool_calls=calls))
         body = self._envelope(self.object, choices)
         body["usage"] = shapes.usage(done)
         body["timings"] = asdict(done[0].timings)
@@ -280,23 +294,39 @@ class _Generation:
                       include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         logs = self._new_logs(n)
+        readers = [ToolCallReader(self.tools) if self.tools is not None else None for _ in range(n)]
         try:
             async with events:
                 for index in range(n):
                     if self.chat or self.echo:  # the role first (chat), or the echoed prompt (completions)
                         first = shapes.choice(self.chat, index, self.echo, None, None, delta=True, first=True)
+                        if self.tools is not None:  # no content yet: it may be tool calls only (as OpenAI)
+                            del first["delta"]["content"]
                         yield sse(self._envelope(obj, [first], include_usage))
                 async for index, event in events:
-                    log = logs[index]
+                    log, reader = logs[index], readers[index]
                     if isinstance(event, TextDelta):
-                        choice = shapes.choice(self.chat, index, event.text, None,
-                                               await self._logprobs([event], log), delta=True)
-                        yield sse(self._envelope(obj, [choice], include_usage))
+                        text, calls = (event.text, []) if reader is None else reader.feed(event.text)
+                        logprobs = await self._logprobs([event], log)
+                        if reader is None or text or logprobs is not None:
+                            choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
+                            yield sse(self._envelope(obj, [choice], include_usage))
+                        for call in calls:
+                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
                         continue
                     log.finish = event
                     if event.reason in ("error", "cancelled"):
                         break
-                    last = shapes.choice(self.chat, index, "", shapes.reason(event), None, delta=True)
+                    reason = shapes.reason(event)
+                    if reader is not None:
+                        text, calls = reader.finish()
+                        if text:
+                            choice = shapes.choice(self.chat, index, text, None, None, delta=True)
+                            yield sse(self._envelope(obj, [choice], include_usage))
+                        for call in calls:
+                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
+                        reason = shapes.tool_reason(reason, reader.calls)
+                    last = shapes.choice(self.chat, index, "", reason, None, delta=True)
                     if self.chat:
                         last["delta"] = {}
                     chunk = self._envelope(obj, [last], include_usage)

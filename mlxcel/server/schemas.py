@@ -2,7 +2,7 @@
 
 Strict: a string where a number belongs is an error, not a guess. Fields mlxcel
 does not know are ignored (OpenAI clients send many); fields it knows but
-cannot honour (``best_of > 1``, tools, ...) are rejected by :func:`unsupported`,
+cannot honour (``best_of > 1``, the legacy ``functions``, ...) are rejected by :func:`unsupported`,
 so a client never silently gets something else. Every bound here is
 documented in ``docs/http-api.md``.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..engine import SamplingParams
 from ..engine.requests import GREEDY_BELOW  # below it a temperature decodes greedily, as in vLLM
@@ -28,6 +28,37 @@ MAX_CHOICES = 16
 """``n``: every choice is a sequence of its own in the engine, holding one of its places."""
 MAX_LOGIT_BIAS = 300
 """Entries of ``logit_bias``, as OpenAI's limit."""
+MAX_TOOLS = 128
+"""Tools of one request, as OpenAI's limit."""
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("a json_schema response format needs its json_schema")
+        return self
+
+    def target_schema(self) -> dict[str, Any] | None:
+        """The JSON schema the output must match; None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            assert self.json_schema is not None
+            return self.json_schema.json_schema or {"type": "object"}
+        return None
 
 
 class _Request(BaseModel):
@@ -52,6 +83,7 @@ class _Request(BaseModel):
     presence_context_size: int = Field(default=20, ge=1, le=2**20)
     frequency_context_size: int = Field(default=20, ge=1, le=2**20)
     repetition_context_size: int = Field(default=20, ge=1, le=2**20)
+    response_format: ResponseFormat | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -92,12 +124,13 @@ class _Request(BaseModel):
                 return f"logit_bias: token id {key} is not below the vocabulary size {vocab_size}"
         return None
 
-    def sampling(self, vocab_size: int, choice: int = 0) -> SamplingParams:
+    def sampling(self, vocab_size: int, choice: int = 0, grammar: str | None = None) -> SamplingParams:
         """The engine's parameters for choice *choice*, brought into the ranges MLX and mlx-lm accept.
 
         ``top_k`` at or above the vocabulary keeps every token, which is what 0
         (off) means; mlx-lm would raise for it. A seed becomes ``(seed + choice)
         % 2**64``: the choices of one seeded request differ, and are reproducible.
+        *grammar*: the llguidance grammar the output must follow, if any.
         """
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
@@ -109,7 +142,7 @@ class _Request(BaseModel):
                               presence_penalty=self.presence_penalty,
                               presence_context_size=self.presence_context_size,
                               frequency_penalty=self.frequency_penalty,
-                              frequency_context_size=self.frequency_context_size)
+                              frequency_context_size=self.frequency_context_size, grammar=grammar)
 
 
 class CompletionRequest(_Request):
@@ -128,10 +161,29 @@ class TextPart(BaseModel):
     text: str
 
 
+class CallFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+    arguments: str
+    """JSON text, as OpenAI sends it."""
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    id: str
+    type: Literal["function"] = "function"
+    function: CallFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    """An assistant's earlier calls."""
+    tool_call_id: str | None = None
+    """A ``tool`` message: the call it answers."""
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -141,11 +193,47 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_mode(self) -> str:
+        """``none``, ``auto``, ``required`` or ``named``; ``none`` when there are no tools (OpenAI's default)."""
+        if not self.tools:
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
 
     def top_logprobs_count(self) -> int:
         return self.top_logprobs or 0
@@ -155,8 +243,8 @@ class ChatCompletionRequest(_Request):
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "best_of": (1,),
     "suffix": ("",),
-    "tools": ([],),
     "functions": ([],),
+    "function_call": ("none",),
 }
 
 
@@ -167,9 +255,6 @@ def unsupported(body: dict[str, Any]) -> str | None:
         # `type(v) is type(h)`: True == 1 in Python, but `"n": true` is not harmless.
         if value is not None and not any(type(value) is type(h) and value == h for h in harmless):
             return name
-    response_format = body.get("response_format")
-    if isinstance(response_format, dict) and response_format.get("type", "text") != "text":
-        return "response_format"
     return None
 
 

@@ -16,6 +16,9 @@ from typing import Any
 from ..engine import Finish, TextDelta
 from .tokens import Tokens
 
+UNLIKELY = -9999.0
+"""The log-probability reported for an excluded token (-inf), as OpenAI reports one."""
+
 
 @dataclass
 class ChoiceLog:
@@ -29,6 +32,16 @@ class ChoiceLog:
 
 def reason(finish: Finish) -> str:
     return "length" if finish.reason == "length" else "stop"
+
+
+def tool_reason(reason: str, calls: Sequence[Any]) -> str:
+    """A choice that ended by itself after calling tools finished with ``tool_calls`` (OpenAI's reason)."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def tool_delta(index: int, call: dict[str, Any]) -> dict[str, Any]:
+    """A chat chunk's choice carrying one tool-call delta."""
+    return {"index": index, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None}
 
 
 def usage(finishes: Sequence[Finish]) -> dict[str, Any]:
@@ -60,8 +73,10 @@ class LogprobShaper:
     async def shape(self, deltas: Sequence[TextDelta], log: ChoiceLog) -> dict[str, Any]:
         """The logprobs of *deltas* (the whole choice, or one stream chunk), advancing *log*'s offset."""
         ids = [t for d in deltas for t in d.token_ids]
-        values = [v for d in deltas for v in (d.logprobs or ())]
-        tops = [top for d in deltas for top in (d.top_logprobs or ())]
+        # A token a grammar or a -100 bias excludes has logprob -inf, which JSON cannot carry:
+        # OpenAI's stand-in for "very unlikely" is -9999.0.
+        values = [max(v, UNLIKELY) for d in deltas for v in (d.logprobs or ())]
+        tops = [tuple((t, max(v, UNLIKELY)) for t, v in top) for d in deltas for top in (d.top_logprobs or ())]
         if not self.alternatives:
             tops = [() for _ in ids]
         pieces = await self.tokens.pieces(self.tokenizer, ids)
@@ -83,12 +98,19 @@ class LogprobShaper:
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: Any,
-           delta: bool, first: bool = False) -> dict[str, Any]:
-    """One entry of ``choices``: a completion's text, a chat message, or a chat delta (*first*: with the role)."""
+           delta: bool, first: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One entry of ``choices``: a completion's text, a chat message, or a chat delta (*first*: with the role).
+
+    A message with *tool_calls* has ``content`` null unless the model also wrote text (not only whitespace).
+    """
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if delta:
         content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
-    message = {"role": "assistant", "content": text, "refusal": None}
+    # Beside calls, whitespace alone (the newlines a model writes around them) is no content.
+    message: dict[str, Any] = {"role": "assistant", "content": text if text.strip() or not tool_calls else None,
+                               "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -126,10 +126,15 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request",
      "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     400, "unsupported_parameter", "tools"),
+     400, "invalid_request", "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "unsupported_parameter",
-     "response_format"),
+                              "functions": [{"name": "f"}]}, 400, "unsupported_parameter", "functions"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "unsupported_parameter", "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_schema", "json_schema": {
+                                  "name": "x", "schema": {"type": "object", "minProperties": "two"}}}}, 400,
+     "invalid_request", "response_format"),
 ]
 
 

@@ -1,0 +1,72 @@
+"""Grammar-constrained decoding: llguidance's matcher as an mlx-lm logits processor. Worker thread only.
+
+A request with a grammar (``response_format``, a forced tool call) gets a
+:class:`GrammarProcessor` among its logits processors: before each sampling
+step it lets the matcher consume the tokens generated since its last call and
+sets every token the grammar forbids next to ``-inf``. Once the grammar is
+complete only the end-of-sequence tokens are allowed. Like every logits
+processor it makes the request decode classically (never the MTP burst), in
+solo decode and in the batch alike, and it moves with the sequence from one to
+the other: it reads the tokens from the context it is given, not from its own
+count of calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+
+def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int]) -> Any:
+    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face fast tokenizer).
+
+    *vocab_size* is the width of the model's logits (often padded beyond the
+    tokenizer's own vocabulary: those ids are never allowed). Built once per
+    worker: it walks the whole vocabulary (about a second for 150k tokens).
+    """
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_tokens))
+
+
+class GrammarError(RuntimeError):
+    """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar)."""
+
+
+class GrammarProcessor:
+    """``processor(tokens, logits) -> logits`` that keeps only the tokens *grammar* allows next.
+
+    *prompt_length* is where the generated tokens start in the context the
+    decode paths pass (every token of the sequence so far, prompt included).
+    """
+
+    def __init__(self, tokenizer: Any, grammar: str, prompt_length: int) -> None:
+        import llguidance
+
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.prompt_length = prompt_length
+        self.consumed = 0
+        """Generated tokens the matcher has consumed."""
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens.shape[0] - self.prompt_length
+        if self.matcher.is_stopped():
+            # The grammar is complete and its end-of-sequence token sampled: the sequence is over, and
+            # this is the step a pipelined decode path queues behind it, whose token is never used.
+            return logits
+        if generated > self.consumed:
+            new: list[int] = tokens[self.prompt_length + self.consumed:].tolist()  # type: ignore[assignment]
+            if not self.matcher.consume_tokens(new):
+                raise GrammarError(f"the output left its grammar: {self.matcher.get_error()}")
+            self.consumed = generated
+        words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        if self.matcher.is_error():
+            raise GrammarError(f"the grammar cannot go on: {self.matcher.get_error()}")
+        width = logits.shape[-1]
+        allowed = np.unpackbits(words, bitorder="little")[:width].astype(np.bool_)
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
