@@ -132,6 +132,16 @@ def _serve(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"mlxcel serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    sharding = config.worker.sharding
+    if sharding is not None and not sharding.leader:  # a rank other than 0 serves no HTTP: it follows
+        from .distributed.follower import run_follower
+
+        try:
+            run_follower(config.checkpoint, sharding)
+        except Exception as exc:
+            print(f"mlxcel serve: rank {sharding.rank}: stopped: {exc}", file=sys.stderr)
+            return EXIT_LOAD_FAILED
+        return 0
     import trio
 
     from .serve import main as serve_main

@@ -107,6 +107,8 @@ def _headline(body: dict[str, Any]) -> list[str]:
             return ["MTP policy not known yet: the model is still loading"]
         if reason == "no_mtp_dispatch":
             return ["MTP not available: this server has no MTP drafter"]
+        if reason == "sharded":
+            return ["MTP not available: the model is sharded across processes (--distributed); classic decode"]
         if reason == "adaptive_disabled":
             enabled = body.get("mtp_enabled")
             state_text = {True: "on", False: "off"}.get(enabled) if isinstance(enabled, bool) else None

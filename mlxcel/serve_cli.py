@@ -19,6 +19,8 @@ from .cli import UsageError
 from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, load_env, parse_draft_block_size
 
 if TYPE_CHECKING:
+    from .distributed import World
+    from .models.loader import CheckpointInfo
     from .serve import ServeConfig
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", action="store_true", help="mount GET /slots")
     parser.add_argument("--metrics", action="store_true", help="mount GET /metrics (Prometheus)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--distributed", choices=["pipeline", "tensor"], default=None,
+                        help="shard the model across the processes mlx.launch started (mlx-lm's pipeline or "
+                             "tensor parallelism); rank 0 serves HTTP (docs/scaling.md)")
     from .router.options import add_router_arguments
 
     add_router_arguments(parser)
@@ -167,11 +172,13 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(str(exc)) from exc
     if (args.api_key or args.api_key_file) and not keys:
         raise UsageError("--api-key/--api-key-file given, but no key in them")
-    parallel = 1 if args.no_batch else args.parallel
+    sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
+    # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
+    parallel = 1 if args.no_batch or sharding else args.parallel
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
-                            prefix_cache_entries=args.prompt_cache_size, policy=env.policy,
+                            prefix_cache_entries=0 if sharding else args.prompt_cache_size, policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
-                            draft_quantize=args.draft_quantize)
+                            draft_quantize=args.draft_quantize, sharding=sharding)
     options = ServerOptions(
         model_name=checkpoint.name, model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
@@ -182,3 +189,19 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
                        max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
                        access_log=args.access_log)
+
+
+def _join_group(mode: str, checkpoint: CheckpointInfo) -> World:
+    """``--distributed``: check mlx-lm can shard the family so, then join the group (it waits for every rank)."""
+    from .distributed import DistributedError, join
+    from .distributed.load import check_shardable
+    from .models.loader import CheckpointError
+
+    try:
+        check_shardable(checkpoint, mode)
+        world = join(mode)
+    except (CheckpointError, DistributedError) as exc:
+        raise UsageError(str(exc)) from exc
+    logger.info("rank %d of %d (%s backend), %s parallel%s", world.rank, world.size, world.backend, mode,
+                ": serving HTTP" if world.leader else ": following rank 0")
+    return world

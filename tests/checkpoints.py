@@ -221,3 +221,17 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     mx.eval(weights)
     mx.save_safetensors(str(directory / "model.safetensors"), weights, metadata={"format": "pt"})
     return directory
+
+
+def write_weight_index(directory: Path) -> Path:
+    """Add ``model.safetensors.index.json`` (every tensor -> its file), as a sharded Hugging Face checkpoint has.
+
+    mlx-lm's pipeline loading reads it to pick each rank's files.
+    """
+    import mlx.core as mx
+
+    weight_map = {name: file.name for file in sorted(directory.glob("model*.safetensors"))
+                  for name in mx.load(str(file))}
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+    return directory

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..hardware import HostInfo, detect_host
 from ..models.families import BATCH_BROKEN
 from ..models.loader import CheckpointInfo, load_checkpoint
+from ..policy import PairingKey
 from .batch import batchable
 from .messages import WorkerSettings
 from .speculation import Speculation
@@ -33,34 +34,75 @@ class Loaded:
     batching: bool
     parallel: int
     """Sequences decoding at once: ``--parallel`` when batching, else 1."""
+    pairing: PairingKey | None = None
+    """The MTP pairing configured (also when it cannot run), or None: no drafter."""
+    sharded: bool = False
+    """The model is sharded across processes (``--distributed``): no burst, one sequence at a time."""
+    release: Callable[[], None] = field(default=lambda: None)
+    """What the worker calls as it ends (a sharded model tells the other ranks to stop)."""
 
 
 def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:
-    """Load *checkpoint* and set up what serving it needs; *check* raises to abandon (a stop)."""
+    """Load *checkpoint* and set up what serving it needs; *check* raises to abandon (a stop).
+
+    With ``settings.sharding`` (rank 0 of ``--distributed``), this rank's shard, wrapped so that
+    every call of it is mirrored by the other ranks (:mod:`mlxcel.distributed`).
+    """
+    sharding = settings.sharding
+    if sharding is None:
+        model, tokenizer = load_checkpoint(checkpoint, check=check)
+        release: Callable[[], None] = lambda: None  # noqa: E731
+    else:
+        from ..distributed.load import load_leader
+
+        model, tokenizer = load_leader(checkpoint, sharding)
+        release = model.stop
+    try:
+        return _set_up(settings, checkpoint, model, tokenizer, release, check)
+    except BaseException:
+        release()  # the other ranks wait for rank 0's calls: let them go
+        raise
+
+
+def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, tokenizer: Any,
+            release: Callable[[], None], check: Callable[[], None]) -> Loaded:
     import mlx.core as mx
 
-    model, tokenizer = load_checkpoint(checkpoint, check=check)
     _warn_if_slow_here(model, checkpoint.name)
     host = detect_host()
+    sharding = settings.sharding
+    if sharding is not None:
+        host = replace(host, label=sharding.hardware_label(host.label))
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):  # one token through the model: the width of its logits
         vocab = int(model(mx.array([[0]])).shape[-1])
     speculation = None
-    if settings.drafter is not None and settings.batch:  # the legacy worker has no MTP path
+    pairing = None
+    if settings.drafter is not None and settings.batch and sharding is not None:
+        # The burst's verify and rollback reach inside the model, which no follower could mirror.
+        logger.warning("--distributed: the MTP burst does not run on a sharded model; %s is not loaded and "
+                       "every request decodes classically", settings.drafter.name)
+        pairing = PairingKey(checkpoint.name, settings.drafter.name, host.label, settings.block_size)
+    elif settings.drafter is not None and settings.batch:  # the legacy worker has no MTP path
         from .speculation import set_up
 
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
                              settings.policy.allow_inexact, settings.draft_quantize, check=check)
+        pairing = speculation.pairing
     check()
     # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
-    # --no-batch) sequences decode solo, one at a time, first come first served.
+    # --no-batch) sequences decode solo, one at a time, first come first served. A sharded
+    # model decodes one sequence at a time too: its followers mirror one cache.
     broken = BATCH_BROKEN.get(checkpoint.model_type)
+    if sharding is not None:
+        broken = f"--distributed {sharding.mode}: the other ranks follow one sequence at a time"
     batching = settings.batch and settings.parallel > 1 and batchable(model) and not broken
     if settings.batch and not batching and settings.parallel > 1:
         logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name,
                        broken or "its caches cannot be merged into a batch")
     return Loaded(model, tokenizer, stream, frozenset(tokenizer.eos_token_ids), vocab, _embedding_rows(model, vocab),
-                  host, speculation, batching, settings.parallel if batching else 1)
+                  host, speculation, batching, settings.parallel if batching else 1, pairing, sharding is not None,
+                  release)
 
 
 def _embedding_rows(model: Any, vocab: int) -> int:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..distributed import World
 from ..models.drafters import DrafterSpec
 from ..policy import PolicySettings
 from .requests import GenerationRequest
@@ -36,6 +37,8 @@ class WorkerSettings:
     """K, the verify width of a speculative round (K-1 drafts)."""
     draft_quantize: int | None = None
     """``--draft-quantize``: quantize the drafter's linear layers to this many bits at load (affine, group 64)."""
+    sharding: World | None = field(default=None, compare=False)
+    """``--distributed``: this rank's place in the group (rank 0 runs the worker), or None: one process."""
     fault_hook: FaultHook | None = field(default=None, compare=False)
     """Tests only: called at each of :data:`FAULT_POINTS`; an exception it raises is a fault there."""
 

@@ -65,6 +65,7 @@ class Worker(Admission):
         self.prefix: Any = None
         self._parallel = 1
         self._sequences: dict[str, Sequence] = {}
+        self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
 
     # -- the thread -------------------------------------------------------------
 
@@ -82,6 +83,7 @@ class Worker(Admission):
             self.policy.on_worker_lost()
             if self.batch is not None:
                 self.batch.close()
+            self._release()
 
     def _check_stopping(self) -> None:
         if self._stopping():
@@ -96,7 +98,7 @@ class Worker(Admission):
         loaded = load(self.settings, self.checkpoint, self._check_stopping)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation = loaded.eos_tokens, loaded.speculation
-        self._parallel = loaded.parallel
+        self._parallel, self._release = loaded.parallel, loaded.release
         if loaded.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
@@ -104,8 +106,9 @@ class Worker(Admission):
                                   self.checkpoint.model_type)
         self._publish_load()
         speculation = self.speculation
-        self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=speculation.pairing if speculation else None,
-                                              probe_decline=speculation.decline if speculation else None))
+        self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
+                                              probe_decline=speculation.decline if speculation else None,
+                                              sharded=loaded.sharded))
         if speculation is not None and speculation.decline is not None and self.policy.state != "exactness_declined":
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",

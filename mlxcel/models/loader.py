@@ -67,6 +67,14 @@ def _mlx_lm_utils() -> Any:
     return sys.modules["mlx_lm.utils"]
 
 
+def mlx_lm_module(model_type: str) -> Any:
+    """mlx-lm's module for *model_type* (after its remapping), or None when mlx-lm has none."""
+    name = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
+    if importlib.util.find_spec(f"mlx_lm.models.{name}") is None:
+        return None
+    return importlib.import_module(f"mlx_lm.models.{name}")
+
+
 def _supported(model_type: str) -> bool:
     from .families import OWN_MODELS
 
@@ -215,7 +223,7 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
         prepare(info.model_type, model)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
         raise CheckpointError(f"cannot load {info.path}: {exc}") from exc
-    tokenizer = _declared_tokenizer(info.path, tokenizer)
+    tokenizer = declared_tokenizer(info.path, tokenizer)
     flat: Any = tree_flatten(model.parameters())
     parameters = [array for _, array in flat]
     step = max(1, len(parameters) // 20)
@@ -234,7 +242,7 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     return model, tokenizer
 
 
-def _declared_tokenizer(directory: Path, wrapper: Any) -> Any:
+def declared_tokenizer(directory: Path, wrapper: Any) -> Any:
     """*wrapper* (mlx-lm's ``TokenizerWrapper``) around the tokenizer the checkpoint's files declare.
 
     transformers 5 chooses the tokenizer class from ``config.json``'s

@@ -68,6 +68,8 @@ class BootFacts:
     """The (target, drafter, hardware, K) served, or None: no MTP dispatch."""
     probe_decline: str | None = None
     """The exactness probe's one-line reason when it vetoed the pairing, else None."""
+    sharded: bool = False
+    """The model is sharded across processes (``--distributed``): the B=1 burst cannot run."""
 
 
 class MtpPolicy:
@@ -151,7 +153,7 @@ class MtpPolicy:
         refuse a burst.
         """
         state, facts = self.state, self._facts
-        if facts is None or state == sc.unavailable(sc.NO_MTP_DISPATCH):
+        if facts is None or state in (sc.unavailable(sc.NO_MTP_DISPATCH), sc.unavailable(sc.SHARDED)):
             return None if facts is None else False
         if state == sc.unavailable(sc.ADAPTIVE_DISABLED):
             return self.settings.pin if self.settings.pin is not None else facts.host.static_mtp_gate
@@ -167,6 +169,9 @@ class MtpPolicy:
 
     def lacks_mtp_dispatch(self) -> bool:
         return self._facts is None or self._facts.pairing is None
+
+    def runs_sharded(self) -> bool:
+        return self._facts is not None and self._facts.sharded
 
     def adaptive_is_off(self) -> bool:
         return not self.settings.adaptive

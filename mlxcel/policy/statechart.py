@@ -29,12 +29,14 @@ SETTLED = "settled"
 FORCED = "forced"
 EXACTNESS_DECLINED = "exactness_declined"
 
-# The three reasons of the ``unavailable`` state, modelled as its children so
-# that every reason is a real state with its own arrows.
+# The reasons of the ``unavailable`` state, modelled as its children so that
+# every reason is a real state with its own arrows. The contract lets the set
+# grow within a schema version: ``sharded`` came with ``--distributed``.
 WORKER_NOT_READY = "worker_not_ready"
 NO_MTP_DISPATCH = "no_mtp_dispatch"
+SHARDED = "sharded"
 ADAPTIVE_DISABLED = "adaptive_disabled"
-REASONS = (WORKER_NOT_READY, NO_MTP_DISPATCH, ADAPTIVE_DISABLED)
+REASONS = (WORKER_NOT_READY, NO_MTP_DISPATCH, SHARDED, ADAPTIVE_DISABLED)
 
 STATES: list[Any] = [
     {"name": UNAVAILABLE, "children": list(REASONS), "initial": WORKER_NOT_READY},
@@ -62,6 +64,8 @@ LEAF_STATES = (*(unavailable(r) for r in REASONS), PROFILING, SETTLED, FORCED, E
 BOOT_PRECEDENCE: list[dict[str, Any]] = [
     {"trigger": "resolve", "source": INITIAL, "dest": unavailable(NO_MTP_DISPATCH),
      "conditions": "lacks_mtp_dispatch"},
+    {"trigger": "resolve", "source": INITIAL, "dest": unavailable(SHARDED),
+     "conditions": "runs_sharded"},
     {"trigger": "resolve", "source": INITIAL, "dest": unavailable(ADAPTIVE_DISABLED),
      "conditions": "adaptive_is_off"},
     {"trigger": "resolve", "source": INITIAL, "dest": FORCED,
@@ -89,6 +93,7 @@ TRANSITIONS: list[dict[str, Any]] = [
 CONDITIONS: dict[str, str] = {
     "lacks_mtp_dispatch": "no MTP dispatch: no drafter, a drafter of another "
     "speculative kind, or a worker with no MTP path (`--no-batch`)",
+    "runs_sharded": "the model is sharded across processes (`--distributed`), where the burst cannot run",
     "adaptive_is_off": "`MLXCEL_MTP_ADAPTIVE` is off",
     "operator_pinned": "`MLXCEL_ENABLE_MTP_B1` is set (an operator pin)",
     "probe_vetoed": "the exactness probe vetoed the pairing",

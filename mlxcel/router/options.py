@@ -20,7 +20,7 @@ from .placement import PLACEMENT_MODES, PlacementMode
 ROLES = ("serving", "router")
 #: Serving-node options that mean nothing on a router: given with --node-role router, they are refused.
 SERVING_ONLY = {"model": "--model", "mtp": "--mtp", "draft_model": "--draft-model", "props": "--props",
-                "slots": "--slots", "metrics": "--metrics"}
+                "slots": "--slots", "metrics": "--metrics", "distributed": "--distributed"}
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,14 @@ def _key(host: HostInfo) -> PairingKey:
 
 
 def _boot(cache: Path, *, settings: PolicySettings, host: HostInfo = LINUX_CPU, has_pairing: bool = True,
-          probe: str | None = None, stored: str | None = None) -> MtpPolicy:
+          probe: str | None = None, stored: str | None = None, sharded: bool = False) -> MtpPolicy:
     store = HintStore(cache)
     if stored is not None:
         store.save(Hint(key=_key(host), verdict=stored, acceptance_rate=0.7, samples=4,  # type: ignore[arg-type]
                         estimated_speedup=1.8))
     policy = MtpPolicy(settings, store)
     policy.on_worker_ready(BootFacts(host=host, pairing=_key(host) if has_pairing else None,
-                                     probe_decline=probe))
+                                     probe_decline=probe, sharded=sharded))
     validate_wire(policy.snapshot.to_wire())
     return policy
 
@@ -37,6 +37,22 @@ def test_row1_no_mtp_dispatch_beats_everything(tmp_path: Path) -> None:
     assert (body["state"], body["reason"], body["mtp_enabled"]) == ("unavailable", "no_mtp_dispatch", False)
     assert body["target"] is body["drafter"] is body["hardware"] is body["block_size"] is None
     assert body["samples"] == 0 and body["samples_remaining"] is None
+
+
+def test_row2_sharded_model_is_unavailable_whatever_else_holds(tmp_path: Path) -> None:
+    policy = _boot(tmp_path, settings=PolicySettings(adaptive=False, pin=True), sharded=True,
+                   probe=DETAIL, stored="enable")
+    body = policy.snapshot.to_wire()
+    assert (body["state"], body["reason"], body["mtp_enabled"]) == ("unavailable", "sharded", False)
+    # The pairing is still named, so a consumer sees what is configured and where.
+    assert (body["target"], body["hardware"], body["block_size"]) == ("qwen-tiny", LINUX_CPU.label, 4)
+    assert body["verdict"] is None and body["samples"] == 0 and body["decline_detail"] is None
+    assert policy.mtp_enabled is False
+
+
+def test_row1_without_a_drafter_a_sharded_model_has_no_mtp_dispatch(tmp_path: Path) -> None:
+    policy = _boot(tmp_path, settings=PolicySettings(), has_pairing=False, sharded=True)
+    assert (policy.snapshot.state, policy.snapshot.reason) == ("unavailable", "no_mtp_dispatch")
 
 
 @pytest.mark.parametrize(("pin", "host", "enabled"), [
@@ -92,10 +108,13 @@ def test_row6_otherwise_profiles(tmp_path: Path) -> None:
 
 
 def _expected(has_pairing: bool, adaptive: bool, pin: bool | None, allow_inexact: bool,
-              probe: str | None, stored: str | None, host: HostInfo) -> tuple[str, str | None, bool]:
+              probe: str | None, stored: str | None, host: HostInfo,
+              sharded: bool = False) -> tuple[str, str | None, bool]:
     """The precedence table of the architecture doc, written out as plainly as possible."""
     if not has_pairing:
         return "unavailable", "no_mtp_dispatch", False
+    if sharded:
+        return "unavailable", "sharded", False
     if not adaptive:
         return "unavailable", "adaptive_disabled", pin if pin is not None else host.static_mtp_gate
     if pin is not None:
@@ -109,18 +128,18 @@ def _expected(has_pairing: bool, adaptive: bool, pin: bool | None, allow_inexact
 
 COMBINATIONS = list(itertools.product(
     [True, False], [True, False], [None, True, False], [True, False], [None, DETAIL],
-    [None, "enable", "decline"], [LINUX_CPU, APPLE_M5]))
+    [None, "enable", "decline"], [LINUX_CPU, APPLE_M5], [False, True]))
 
 
-@pytest.mark.parametrize(("has_pairing", "adaptive", "pin", "allow_inexact", "probe", "stored", "host"),
+@pytest.mark.parametrize(("has_pairing", "adaptive", "pin", "allow_inexact", "probe", "stored", "host", "sharded"),
                          COMBINATIONS)
 def test_every_combination_follows_the_table(tmp_path: Path, has_pairing: bool, adaptive: bool,
                                              pin: bool | None, allow_inexact: bool, probe: str | None,
-                                             stored: str | None, host: HostInfo) -> None:
+                                             stored: str | None, host: HostInfo, sharded: bool) -> None:
     settings = PolicySettings(adaptive=adaptive, pin=pin, allow_inexact=allow_inexact)
     policy = _boot(tmp_path, settings=settings, host=host, has_pairing=has_pairing, probe=probe,
-                   stored=stored)
-    expected = _expected(has_pairing, adaptive, pin, allow_inexact, probe, stored, host)
+                   stored=stored, sharded=sharded)
+    expected = _expected(has_pairing, adaptive, pin, allow_inexact, probe, stored, host, sharded)
     snap = policy.snapshot
     assert (snap.state, snap.reason, snap.mtp_enabled) == expected
     assert policy.mtp_enabled == expected[2]  # the live gate the worker consults, against the table too

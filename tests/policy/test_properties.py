@@ -26,7 +26,7 @@ keys = st.builds(PairingKey, target=st.sampled_from(["a", "b"]), drafter=st.just
                  hardware=st.sampled_from([APPLE_M5.label, LINUX_CPU.label]),
                  block_size=st.integers(2, 5))
 boots = st.builds(BootFacts, host=st.sampled_from([APPLE_M5, LINUX_CPU]), pairing=st.none() | keys,
-                  probe_decline=st.none() | st.just("verify block position 0 differs"))
+                  probe_decline=st.none() | st.just("verify block position 0 differs"), sharded=st.booleans())
 
 
 @st.composite
@@ -76,6 +76,8 @@ class Reference:
         pairing, settings = boot.pairing, self.settings
         if pairing is None:
             self.state, self.reason = "unavailable", "no_mtp_dispatch"
+        elif boot.sharded:
+            self.state, self.reason = "unavailable", "sharded"
         elif not settings.adaptive:
             self.state, self.reason = "unavailable", "adaptive_disabled"
         elif settings.pin is not None:
@@ -107,7 +109,7 @@ class Reference:
         if self.boot is None:
             return None
         pin = self.settings.pin
-        if self.reason == "no_mtp_dispatch":
+        if self.reason in ("no_mtp_dispatch", "sharded"):
             return False
         if self.reason == "adaptive_disabled":
             return self.boot.host.static_mtp_gate if pin is None else pin

@@ -59,8 +59,8 @@ def test_every_named_condition_exists_and_is_documented() -> None:
 
 def test_precedence_table_lists_the_boot_rows_in_order() -> None:
     rows = [line for line in sc.render_precedence_table().splitlines() if line[:3] in {f"| {i}" for i in
-                                                                                        range(1, 7)}]
+                                                                                        range(1, 8)}]
     dests = [row.rsplit("`", 2)[-2] for row in rows]
-    assert dests == ["unavailable/no_mtp_dispatch", "unavailable/adaptive_disabled", "forced",
-                     "exactness_declined", "settled", "profiling"]
-    assert rows[-1].startswith("| 6 | otherwise |")
+    assert dests == ["unavailable/no_mtp_dispatch", "unavailable/sharded", "unavailable/adaptive_disabled",
+                     "forced", "exactness_declined", "settled", "profiling"]
+    assert rows[-1].startswith("| 7 | otherwise |")
