@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .speculative import Split
+from .speculative import Split, split_forward
 
 #: Ring slots beyond the sliding window. A verify block of up to SLACK tokens writes in place and
 #: rolls back; larger blocks (prompt chunks) take mlx-lm's concatenating path.
@@ -226,13 +226,7 @@ class Gemma4Target:
         width = tokens.shape[1]
         if width > SLACK:
             raise ValueError(f"a Gemma 4 verify block is at most {SLACK} tokens, not {width}")
-        if split == "wide" or width <= 2:
-            logits, hidden = self.forward(tokens, cache)
-        else:
-            half = (width + 1) // 2
-            first, second = self.forward(tokens[:, :half], cache), self.forward(tokens[:, half:], cache)
-            logits = mx.concatenate([first[0], second[0]], axis=1)
-            hidden = mx.concatenate([first[1], second[1]], axis=1)
+        logits, hidden = split_forward(self.forward, tokens, cache, split)
         return Gemma4Verify(logits, hidden, width)
 
     def rollback(self, cache: list[Any], verify: Gemma4Verify, kept: int) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .speculative import Split
+from .speculative import Split, split_forward
 
 
 def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
@@ -94,14 +94,7 @@ class Glm4MoeLiteTarget:
     def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Glm4MoeLiteVerify:
         """The forward of a (1, K) block under *split*, attention row by row (see the module docstring)."""
         width = tokens.shape[1]
-        if split == "wide" or width <= 2:
-            logits, hidden = self._verify_forward(tokens, cache)
-        else:
-            half = (width + 1) // 2
-            first = self._verify_forward(tokens[:, :half], cache)
-            second = self._verify_forward(tokens[:, half:], cache)
-            logits = mx.concatenate([first[0], second[0]], axis=1)
-            hidden = mx.concatenate([first[1], second[1]], axis=1)
+        logits, hidden = split_forward(self._verify_forward, tokens, cache, split)
         return Glm4MoeLiteVerify(logits, hidden, width)
 
     def rollback(self, cache: list[Any], verify: Glm4MoeLiteVerify, kept: int) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import mlx.core as mx
 
 from .inkling import Model
+from .speculative import split_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,13 +54,7 @@ class InklingTarget:
             c.windows = {}
         try:
             width = tokens.shape[1]
-            if split == "wide" or width <= 2:
-                logits, hidden = self.forward(tokens, cache)
-            else:
-                half = (width + 1) // 2
-                first, second = self.forward(tokens[:, :half], cache), self.forward(tokens[:, half:], cache)
-                logits = mx.concatenate([first[0], second[0]], axis=1)
-                hidden = mx.concatenate([first[1], second[1]], axis=1)
+            logits, hidden = split_forward(self.forward, tokens, cache, split)
             return InklingVerify(logits, hidden, width, [c.windows for c in cache])
         finally:
             for c in cache:

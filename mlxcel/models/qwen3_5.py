@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .speculative import Split
+from .speculative import Split, split_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,14 +162,7 @@ class Qwen35Target:
             mixer.states = []
         try:
             width = tokens.shape[1]
-            if split == "wide" or width <= 2:
-                logits, hidden = self.forward(tokens, cache)
-            else:
-                half = (width + 1) // 2
-                first = self.forward(tokens[:, :half], cache)
-                second = self.forward(tokens[:, half:], cache)
-                logits = mx.concatenate([first[0], second[0]], axis=1)
-                hidden = mx.concatenate([first[1], second[1]], axis=1)
+            logits, hidden = split_forward(self.forward, tokens, cache, split)
             states = [mixer.states or [] for _, mixer in self.mixers]
             if any(len(kept) != width for kept in states):
                 raise RuntimeError("a gated-delta mixer did not keep its per-token states during the verify "

@@ -27,6 +27,20 @@ DESCRIBE: dict[Split, str] = {
 }
 
 
+def split_forward(forward: Callable[[Any, list[Any]], tuple[Any, Any]], tokens: Any, cache: list[Any],
+                  split: Split) -> tuple[Any, Any]:
+    """*forward* (tokens, cache) -> (logits, hidden) over a verify block under *split*: one forward, or
+    (``half``, blocks of three or more) two of at most ceil(K/2) tokens, their outputs joined."""
+    import mlx.core as mx
+
+    width = tokens.shape[1]
+    if split == "wide" or width <= 2:
+        return forward(tokens, cache)
+    half = (width + 1) // 2
+    first, second = forward(tokens[:, :half], cache), forward(tokens[:, half:], cache)
+    return mx.concatenate([first[0], second[0]], axis=1), mx.concatenate([first[1], second[1]], axis=1)
+
+
 class Verify(Protocol):
     """One verify forward's result: what the acceptance rule reads, and what a rollback restores."""
 
