@@ -1,0 +1,202 @@
+"""B=1 classic decode against the memory-bandwidth ceiling, at realistic sizes, fp32 and 4-bit.
+
+    python -m benchmarks.bandwidth [--sizes 0.5 1 2] [--blas openblas mkl] [--tokens 64] [--rounds 3]
+
+A B=1 decode step reads every weight once (the embedding table aside: one row
+of it), so it cannot beat ``read bandwidth / bytes per token``. For each BLAS
+(a child process each: mlx resolves its BLAS once, before it loads) and each
+model, the rounds interleave: the machine's read bandwidth (numpy sum over 1 GiB,
+one thread, as a decode step's matmuls run on one BLAS thread), mlx-lm
+``stream_generate``'s decode rate in this process, and two servers' as their
+streaming client sees it (first token to last): ``mlxcel serve`` and
+``mlx_lm.server``, the latter started with the same BLAS loaded first.
+Printed: the ceiling, each side as a fraction of it, mlxcel serve / mlx-lm
+``stream_generate`` and mlxcel serve / ``mlx_lm.server``.
+The models are random-weight llamas (hidden 1024, the layer count chosen for
+the size; 4-bit by mlx-lm's own ``convert``), built once into ``.bench/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PROMPT = "def wrap(text, width=70, **kwargs):"
+#: fp32 bytes of one layer of the hidden-1024 llama (attention 2.5 M + MLP 9.4 M parameters).
+LAYER_BYTES = 4 * (2 * 1024 * 1024 + 2 * 1024 * 256 + 3 * 1024 * 3072)
+
+
+def read_bandwidth(buffer: object) -> float:
+    """Bytes/s of one thread summing *buffer* (a 1 GiB numpy array): the best of three."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        buffer.sum()  # type: ignore[attr-defined]
+        best = min(best, time.perf_counter() - start)
+    return float(buffer.nbytes) / best  # type: ignore[attr-defined]
+
+
+def bytes_per_token(model: object) -> int:
+    """What one decode step reads: every parameter, less the embedding table when the head is separate."""
+    from mlx.utils import tree_flatten
+
+    params = dict(tree_flatten(model.parameters()))  # type: ignore[attr-defined]
+    total = sum(v.nbytes for v in params.values())
+    if any(name.startswith("lm_head.") for name in params):
+        total -= sum(v.nbytes for name, v in params.items() if name.startswith("model.embed_tokens."))
+    return total
+
+
+def models(sizes: list[float], bits: list[str]) -> list[Path]:
+    from benchmarks._common import BENCH_DIR, bench_model
+
+    found = []
+    for size in sizes:
+        layers = max(1, round(size * 1e9 / LAYER_BYTES))
+        fp32 = bench_model("llama", 1024, layers)
+        if "fp32" in bits:
+            found.append(fp32)
+        if "4bit" in bits:
+            quantized = BENCH_DIR / f"{fp32.name}-4bit"
+            if not (quantized / "model.safetensors").exists():
+                from mlx_lm import convert
+
+                convert(str(fp32), mlx_path=str(quantized), quantize=True, q_bits=4, q_group_size=64)
+            found.append(quantized)
+    return found
+
+
+def mlx_lm_rate(loaded: tuple[object, object], max_tokens: int) -> float:
+    from mlx_lm import stream_generate
+
+    times = [time.perf_counter() for _ in stream_generate(*loaded, PROMPT, max_tokens=max_tokens)]  # type: ignore[arg-type]
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def stream_rate(client: object, url: str, tokens: int) -> float:
+    """Client-observed decode rate of one greedy streamed completion: (tokens - 1) / (first to last text)."""
+    times = []
+    with client.stream("POST", f"{url}/v1/completions", json={  # type: ignore[attr-defined]
+            "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}) as response:
+        count = 0
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.perf_counter())
+            if chunk.get("usage"):
+                count = chunk["usage"]["completion_tokens"]
+    if count < 2 or len(times) < 2:
+        raise RuntimeError(f"{url}: the stream produced too few tokens to time")
+    return (count - 1) / (times[-1] - times[0])
+
+
+@contextmanager
+def mlx_lm_server(path: Path) -> Iterator[str]:
+    """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
+    import httpx
+
+    from benchmarks._common import BENCH_DIR
+    from tests.server.conftest import free_port
+
+    port = free_port()
+    code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
+            "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; runpy.run_module('mlx_lm.server', run_name='__main__')")
+    log = (BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log").open("w")
+    with subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port", str(port)],
+                          stdout=log, stderr=subprocess.STDOUT) as process:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + 900
+            while True:
+                try:
+                    if httpx.get(f"{url}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"mlx_lm.server did not start: see {log.name}")
+                time.sleep(0.2)
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
+
+
+def measure(paths: list[Path], tokens: int, rounds: int) -> list[dict[str, object]]:
+    """This process's BLAS: one row per model (run as the child of :func:`main`)."""
+    import httpx
+    import numpy as np
+    from mlx_lm import load
+
+    from benchmarks._common import median, server
+
+    buffer = np.ones(1 << 28, dtype=np.float32)
+    rows = []
+    for path in paths:
+        loaded = load(str(path))
+        per_token = bytes_per_token(loaded[0])
+        rates: dict[str, list[float]] = {"bandwidth": [], "mlxcel": [], "mlx_lm": [], "mlx_lm_server": []}
+        with server(path, "--parallel", "1") as ours, mlx_lm_server(path) as theirs, \
+                httpx.Client(timeout=900) as client:
+            stream_rate(client, ours, 4)
+            stream_rate(client, theirs, 4)
+            mlx_lm_rate(loaded, 4)
+            for _ in range(rounds):
+                rates["bandwidth"].append(read_bandwidth(buffer))
+                rates["mlxcel"].append(stream_rate(client, ours, tokens))
+                rates["mlx_lm"].append(mlx_lm_rate(loaded, tokens))
+                rates["mlx_lm_server"].append(stream_rate(client, theirs, tokens))
+        row = {name: median(values) for name, values in rates.items()}
+        rows.append({"model": path.name, "gb": per_token / 1e9, **row, "bandwidth": row["bandwidth"] / 1e9,
+                     "ceiling": row["bandwidth"] / per_token})
+        del loaded
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="fp32 GB")
+    parser.add_argument("--bits", nargs="+", default=["fp32", "4bit"], choices=["fp32", "4bit"])
+    parser.add_argument("--blas", nargs="+", default=["openblas", "mkl"], help="MLXCEL_BLAS values")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.server.conftest's helpers
+    if args.child:  # one BLAS, chosen before mlx loads; rows as JSON on the last line
+        from mlxcel.blas import load_fast_blas
+
+        print(f"BLAS: {load_fast_blas()}", file=sys.stderr)
+        paths = [Path(p) for p in json.loads(args.child)]
+        print(json.dumps(measure(paths, args.tokens, args.rounds)))
+        return
+    paths = models(args.sizes, args.bits)
+    print(f"{'BLAS':<9} {'model':<22} {'GB/token':>8} {'read GB/s':>9} {'ceiling':>8} {'mlxcel':>7} "
+          f"{'of ceil':>7} {'mlx-lm':>7} {'of ceil':>7} {'mlx-lm srv':>10} {'/mlx-lm':>7} {'/mlx-lm srv':>11}")
+    for blas in args.blas:
+        blas_env = {**os.environ, "MLXCEL_BLAS": "auto" if blas == "openblas" else blas}
+        child = subprocess.run([sys.executable, "-m", "benchmarks.bandwidth", "--child", json.dumps(
+            [str(p) for p in paths]), "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
+            env=blas_env, capture_output=True, text=True)
+        if child.returncode != 0:
+            print(f"{blas}: failed\n{child.stderr[-2000:]}")
+            continue
+        for row in json.loads(child.stdout.strip().splitlines()[-1]):
+            print(f"{blas:<9} {row['model']:<22} {row['gb']:>8.3f} {row['bandwidth']:>9.1f} "
+                  f"{row['ceiling']:>8.1f} {row['mlxcel']:>7.1f} {row['mlxcel'] / row['ceiling']:>7.0%} "
+                  f"{row['mlx_lm']:>7.1f} {row['mlx_lm'] / row['ceiling']:>7.0%} {row['mlx_lm_server']:>10.1f} "
+                  f"{row['mlxcel'] / row['mlx_lm']:>7.3f} {row['mlxcel'] / row['mlx_lm_server']:>11.3f}")
+
+
+if __name__ == "__main__":
+    main()
