@@ -40,8 +40,6 @@ class Admission:
     prefix: Any
     _sequences: dict[str, Sequence]
     _deliver: Callable[[list[tuple[str, Event]]], None]
-    _grammar_tokenizer: Any = None
-    """llguidance's tokenizer, built when the first request with a grammar comes."""
 
     # Defined by the worker (these stubs only declare them).
     def _fault(self, point: str, request: GenerationRequest) -> None: ...
@@ -90,6 +88,7 @@ class Admission:
 
     def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
         """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
+        from .grammar import GrammarProcessor
         from .sampling import make_processors, make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
@@ -112,7 +111,7 @@ class Admission:
                 cache, rest = self.prefix.fetch(tokens)
                 processors = make_processors(request.sampling)
                 if request.sampling.grammar is not None:  # last: it masks what the others computed
-                    processors.append(self._grammar(request.sampling.grammar, len(tokens)))
+                    processors.append(GrammarProcessor(request.sampling.grammar, len(tokens)))
                 sequence = Sequence(request=request, chain=chain, sampler=sampler, processors=processors,
                                      output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
@@ -129,16 +128,6 @@ class Admission:
             self._sequences[request.id] = sequence
             self.observability.prompt_tokens.inc(len(tokens))
         self.observability.cache = self.prefix.stats()
-
-    def _grammar(self, grammar: str, prompt_length: int) -> Any:
-        """The constrained-decoding processor of a request (llguidance's tokenizer is built on first use)."""
-        from .grammar import GrammarProcessor, grammar_tokenizer
-
-        if self._grammar_tokenizer is None:
-            limits = self.observability.limits
-            assert limits is not None, "requests are admitted once the model has loaded"
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, limits.vocab_size, self.eos_tokens)
-        return GrammarProcessor(self._grammar_tokenizer, grammar, prompt_length)
 
     def _insert(self, sequence: Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
         assert self.batch is not None

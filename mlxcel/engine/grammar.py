@@ -19,36 +19,21 @@ import mlx.core as mx
 import numpy as np
 
 
-def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int]) -> Any:
-    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face fast tokenizer).
-
-    *vocab_size* is the width of the model's logits (often padded beyond the
-    tokenizer's own vocabulary: those ids are never allowed). Built once per
-    worker: it walks the whole vocabulary (about a second for 150k tokens).
-    """
-    import llguidance.hf
-
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_tokens))
-
-
 class GrammarError(RuntimeError):
     """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar)."""
 
 
 class GrammarProcessor:
-    """``processor(tokens, logits) -> logits`` that keeps only the tokens *grammar* allows next.
+    """``processor(tokens, logits) -> logits`` that keeps only the tokens *matcher*'s grammar allows next.
 
+    *matcher* is an llguidance ``LLMatcher`` at the start of its grammar,
+    compiled by the HTTP layer (compiling here would stall every sequence).
     *prompt_length* is where the generated tokens start in the context the
     decode paths pass (every token of the sequence so far, prompt included).
     """
 
-    def __init__(self, tokenizer: Any, grammar: str, prompt_length: int) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
+    def __init__(self, matcher: Any, prompt_length: int) -> None:
+        self.matcher = matcher
         self.prompt_length = prompt_length
         self.consumed = 0
         """Generated tokens the matcher has consumed."""

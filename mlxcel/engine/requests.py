@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..policy import BurstSample
 
@@ -33,8 +33,9 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
-    grammar: str | None = None
-    """An llguidance grammar (its JSON form) the output must follow: constrained decoding."""
+    grammar: Any = None
+    """Constrained decoding: an llguidance ``LLMatcher`` at the start of its grammar, this sequence's own.
+    Compiled by the HTTP layer (mlxcel.server.matchers), so the worker never compiles."""
 
     @property
     def has_processors(self) -> bool:

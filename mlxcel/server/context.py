@@ -20,6 +20,7 @@ import trio
 
 from ..engine import Event, GenerationRequest
 from ..observability import Observability
+from .matchers import Matchers
 from .tokens import Tokens
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ class ServerContext:
     observability: Observability
     options: ServerOptions
     tokens: Tokens = field(default_factory=Tokens)
+    matchers: Matchers = field(default_factory=Matchers)
+    """llguidance's tokenizer and the grammar matchers compiled with it."""
     admission: Admission = field(default_factory=Admission)
 
 

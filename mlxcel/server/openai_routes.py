@@ -94,7 +94,7 @@ class _Generation:
         problem = params.bias_problem(limits.vocab_size)
         if problem is not None:
             raise bad_request(problem, param="logit_bias")
-        self.tools, grammar = await structured.constraints(params, self.ctx.engine.tokenizer)
+        self.tools, matchers = await structured.constraints(params, self.ctx, params.n)
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
         tokens = await self._prompt_tokens(params, limits, requested or 1)
@@ -112,7 +112,8 @@ class _Generation:
         generations = [GenerationRequest(
             id=self.id if params.n == 1 else f"{self.id}-{index}", prompt_tokens=tuple(tokens),
             max_tokens=requested or min(options.default_max_tokens, room),
-            sampling=params.sampling(limits.vocab_size, index, grammar), stop=params.stop_strings(), logprobs=logprobs,
+            sampling=params.sampling(limits.vocab_size, index, matchers[index] if matchers else None),
+            stop=params.stop_strings(), logprobs=logprobs,
             top_logprobs=alternatives if logprobs else 0) for index in range(params.n)]
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()

@@ -124,13 +124,13 @@ class _Request(BaseModel):
                 return f"logit_bias: token id {key} is not below the vocabulary size {vocab_size}"
         return None
 
-    def sampling(self, vocab_size: int, choice: int = 0, grammar: str | None = None) -> SamplingParams:
+    def sampling(self, vocab_size: int, choice: int = 0, grammar: Any = None) -> SamplingParams:
         """The engine's parameters for choice *choice*, brought into the ranges MLX and mlx-lm accept.
 
         ``top_k`` at or above the vocabulary keeps every token, which is what 0
         (off) means; mlx-lm would raise for it. A seed becomes ``(seed + choice)
         % 2**64``: the choices of one seeded request differ, and are reproducible.
-        *grammar*: the llguidance grammar the output must follow, if any.
+        *grammar*: the compiled llguidance matcher the output must follow, if any (this choice's own).
         """
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
