@@ -34,6 +34,9 @@ class Admission:
     settings: WorkerSettings
     observability: Observability
     inbox: queue.SimpleQueue[Message]
+    model: Any
+    stream: Any
+    sharded: bool
     tokenizer: Any
     eos_tokens: frozenset[int]
     batch: ContinuousBatch[Sequence] | None
@@ -89,6 +92,7 @@ class Admission:
     def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
         """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
         from .grammar import GrammarProcessor
+        from .prompt_scoring import score_prompt
         from .sampling import make_processors, make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
@@ -103,6 +107,13 @@ class Admission:
                         self._fail([sequence], exc)
         for request in requests:
             tokens = list(request.prompt_tokens)
+            if request.prompt_logprobs and self.sharded:
+                # Scoring is a forward of its own, between the running sequence's: the other ranks would
+                # not know which cache it runs on (mlxcel.distributed.mirror).
+                events.append((request.id, Finish("error", len(tokens), 0, error_type="invalid_request_error",
+                                                  error="the prompt's log-probabilities (echo with logprobs) "
+                                                        "are not computed on a sharded model")))
+                continue
             try:
                 chain = make_sampler(request.sampling)
                 sampler: Callable[[Any], Any] | None = chain
@@ -116,6 +127,9 @@ class Admission:
                                      output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
+                if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
+                    events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs,
+                                                            self.settings.prefill_step_size)))
                 if batch:
                     self._insert(sequence, rest, cache, cached_tokens, request.max_tokens)
                 else:

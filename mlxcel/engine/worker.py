@@ -63,6 +63,7 @@ class Worker(Admission):
         self.speculation: Speculation | None = None
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
+        self.sharded = False
         self._parallel = 1
         self._sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
@@ -98,7 +99,7 @@ class Worker(Admission):
         loaded = load(self.settings, self.checkpoint, self._check_stopping)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation = loaded.eos_tokens, loaded.speculation
-        self._parallel, self._release = loaded.parallel, loaded.release
+        self._parallel, self._release, self.sharded = loaded.parallel, loaded.release, loaded.sharded
         if loaded.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
