@@ -128,8 +128,7 @@ class Admission:
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
                 if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
-                    events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs,
-                                                            self.settings.prefill_step_size)))
+                    events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs)))
                 if batch:
                     self._insert(sequence, rest, cache, cached_tokens, request.max_tokens)
                 else:

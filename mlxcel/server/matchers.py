@@ -62,8 +62,13 @@ class Matchers:
                 # reads only the JSON, so it runs beside other requests' tokenizing.
                 text = await tokens.run(spec)
                 eos = sorted(getattr(tokenizer, "eos_token_ids", None) or [hf.eos_token_id])
-                self._tokenizer = await trio.to_thread.run_sync(
-                    lambda: llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos))
+                def build() -> Any:
+                    try:
+                        return llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos)
+                    except ValueError as exc:  # a tokenizer.json llguidance cannot make a token table of
+                        raise GrammarProblem(f"llguidance cannot read this model's tokenizer: {exc}") from exc
+
+                self._tokenizer = await trio.to_thread.run_sync(build)
             return self._tokenizer
 
     async def compile(self, grammar: str, copies: int, tokenizer: Any, vocab_size: int,

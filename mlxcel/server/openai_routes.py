@@ -54,8 +54,9 @@ class _Generation:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc
         name = unsupported(body)
-        if name is None and self.chat and body.get("best_of") is not None and body.get("best_of") != 1:
-            name = "best_of"  # a completions parameter
+        best_of = body.get("best_of")
+        if name is None and self.chat and best_of is not None and not (type(best_of) is int and best_of == 1):
+            name = "best_of"  # a completions parameter (`type(...) is int`: `true` is not 1 here)
         if name is None and self.chat and body.get("echo") not in (None, False):
             name = "echo"  # a completions parameter; a chat echo has no agreed meaning
         if name is None and not self.chat and body.get("top_logprobs") not in (None, 0):
@@ -357,7 +358,6 @@ class _Generation:
             yield sse("[DONE]")
         finally:
             self.ctx.observability.request_seconds.observe(time.perf_counter() - self.started)
-
 
     async def _until_prompt_scored(self, events: trio.MemoryReceiveChannel[tuple[int, Event]]
                                    ) -> list[tuple[int, Event]]:
