@@ -19,6 +19,25 @@ import mlx.core as mx
 import numpy as np
 
 
+def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int]) -> Any:
+    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face tokenizer), or None when it is
+    not a fast one (llguidance reads the Rust tokenizer's JSON).
+
+    *vocab_size* is the width of the model's logits (often padded beyond the
+    tokenizer's own vocabulary: those ids are never allowed). Built once, at
+    load: it walks the whole vocabulary (about a second for 150k tokens)
+    holding the GIL, which would stall every decoding sequence if it ran
+    later, on whatever thread. The HTTP layer compiles matchers with it.
+    """
+    import llguidance.hf
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if not hasattr(hf, "backend_tokenizer"):
+        return None
+    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_tokens))
+
+
+
 class GrammarError(RuntimeError):
     """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar)."""
 

@@ -44,7 +44,7 @@ class Worker(Admission):
 
     def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
                  inbox: queue.SimpleQueue[Message], deliver: Callable[[list[tuple[str, Event]]], None],
-                 on_ready: Callable[[Any], None], before_load: Callable[[], None] | None = None,
+                 on_ready: Callable[[Any, Any], None], before_load: Callable[[], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
         self.checkpoint = checkpoint
@@ -116,7 +116,7 @@ class Worker(Admission):
                            self.policy.state, speculation.decline)
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length)
-        self._on_ready(self.tokenizer)
+        self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _fault(self, point: str, request: GenerationRequest) -> None:
         if self.settings.fault_hook is not None:

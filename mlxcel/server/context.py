@@ -20,7 +20,6 @@ import trio
 
 from ..engine import Event, GenerationRequest
 from ..observability import Observability
-from .matchers import Matchers
 from .tokens import Tokens
 
 logger = logging.getLogger(__name__)
@@ -30,6 +29,8 @@ class EngineApi(Protocol):
     """The engine as the HTTP layer sees it (see :class:`mlxcel.engine.Engine`)."""
 
     tokenizer: Any
+    grammar_tokenizer: Any
+    """llguidance's tokenizer, built at load; None when the model's tokenizer is not one llguidance reads."""
     ready: trio.Event
     capacity: int
 
@@ -72,8 +73,6 @@ class ServerContext:
     observability: Observability
     options: ServerOptions
     tokens: Tokens = field(default_factory=Tokens)
-    matchers: Matchers = field(default_factory=Matchers)
-    """llguidance's tokenizer and the grammar matchers compiled with it."""
     admission: Admission = field(default_factory=Admission)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
@@ -18,6 +19,7 @@ from . import shapes, structured
 from .context import ServerContext, at_request_end
 from .errors import ApiError, bad_request, finish_error, unavailable
 from .fanin import fan_in
+from .matchers import token_bytes
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolCallReader, ToolSetup, template_messages
@@ -89,12 +91,9 @@ class _Generation:
         ranked = candidates > params.n  # ranking needs every candidate's log-probabilities
         alternatives = params.top_logprobs_count()
         if logprobs:
-            tokenizer, ctx = self.ctx.engine.tokenizer, self.ctx
-
-            async def token_bytes(ids: Sequence[int]) -> list[bytes] | None:
-                return await ctx.matchers.token_bytes(ids, tokenizer, limits.vocab_size, ctx.tokens)
-
-            self.shaper = LogprobShaper(ctx.tokens, tokenizer, self.chat, alternatives, token_bytes)
+            engine = self.ctx.engine
+            self.shaper = LogprobShaper(self.ctx.tokens, engine.tokenizer, self.chat, alternatives,
+                                        lambda ids: token_bytes(ids, engine))
         if isinstance(params, CompletionRequest) and params.echo:
             self.prompt = tokens if logprobs else None
             self.echo = (params.prompt if isinstance(params.prompt, str) else await self.ctx.tokens.run(
@@ -313,37 +312,39 @@ class _Generation:
                         if self.tools is not None:  # no content yet: it may be tool calls only (as OpenAI)
                             del first["delta"]["content"]
                         yield sse(self._envelope(obj, [first], include_usage))
-                async for index, event in replayed(held, events):
-                    log, reader = logs[index], readers[index]
-                    if isinstance(event, TextDelta):
-                        text, calls = (event.text, []) if reader is None else reader.feed(event.text)
-                        logprobs = await self._logprobs([event], log)
-                        if reader is None or text or logprobs is not None:
-                            choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
-                            yield sse(self._envelope(obj, [choice], include_usage))
-                        for call in calls:
-                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
-                        continue
-                    if isinstance(event, PromptLogprobs):  # read already
-                        continue
-                    log.finish = event
-                    if event.reason in ("error", "cancelled"):
-                        break
-                    reason = shapes.reason(event)
-                    if reader is not None:
-                        text, calls = reader.finish()
-                        if text:
-                            choice = shapes.choice(self.chat, index, text, None, None, delta=True)
-                            yield sse(self._envelope(obj, [choice], include_usage))
-                        for call in calls:
-                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
-                        reason = shapes.tool_reason(reason, reader.calls)
-                    last = shapes.choice(self.chat, index, "", reason, None, delta=True)
-                    if self.chat:
-                        last["delta"] = {}
-                    chunk = self._envelope(obj, [last], include_usage)
-                    chunk["timings"] = asdict(event.timings)
-                    yield sse(chunk)
+                # A loop left early (an error) must close the replay: trio finalizes no async generator.
+                async with aclosing(replayed(held, events)) as replay:
+                    async for index, event in replay:
+                        log, reader = logs[index], readers[index]
+                        if isinstance(event, TextDelta):
+                            text, calls = (event.text, []) if reader is None else reader.feed(event.text)
+                            logprobs = await self._logprobs([event], log)
+                            if reader is None or text or logprobs is not None:
+                                choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
+                                yield sse(self._envelope(obj, [choice], include_usage))
+                            for call in calls:
+                                yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
+                            continue
+                        if isinstance(event, PromptLogprobs):  # read already
+                            continue
+                        log.finish = event
+                        if event.reason in ("error", "cancelled"):
+                            break
+                        reason = shapes.reason(event)
+                        if reader is not None:
+                            text, calls = reader.finish()
+                            if text:
+                                choice = shapes.choice(self.chat, index, text, None, None, delta=True)
+                                yield sse(self._envelope(obj, [choice], include_usage))
+                            for call in calls:
+                                yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
+                            reason = shapes.tool_reason(reason, reader.calls)
+                        last = shapes.choice(self.chat, index, "", reason, None, delta=True)
+                        if self.chat:
+                            last["delta"] = {}
+                        chunk = self._envelope(obj, [last], include_usage)
+                        chunk["timings"] = asdict(event.timings)
+                        yield sse(chunk)
             failed = [log.finish for log in logs if log.finish is None or log.finish.reason in ("error", "cancelled")]
             if failed:
                 error, done = finish_error(failed[0], stopping=self._stopping())

@@ -9,7 +9,7 @@ completions logprobs are four parallel arrays (``tokens``, ``token_logprobs``,
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +68,7 @@ class LogprobShaper:
     """
 
     def __init__(self, tokens: Tokens, tokenizer: Any, chat: bool, alternatives: int,
-                 token_bytes: Callable[[Sequence[int]], Awaitable[list[bytes] | None]]) -> None:
+                 token_bytes: Callable[[Sequence[int]], list[bytes] | None]) -> None:
         self.tokens = tokens
         self.tokenizer = tokenizer
         self.chat = chat
@@ -89,7 +89,7 @@ class LogprobShaper:
         named = iter(alternatives)
         top_named = [[(next(named), v) for _, v in top] for top in tops]
         if self.chat:
-            own = await self.token_bytes(ids + [t for top in tops for t, _ in top])
+            own = self.token_bytes(ids + [t for top in tops for t, _ in top])
             if own is None:
                 own = [p.encode() for p in pieces] + [a.encode() for a in alternatives]
             chosen, others = iter(own[:len(ids)]), iter(own[len(ids):])

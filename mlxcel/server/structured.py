@@ -21,7 +21,7 @@ import trio
 
 from .context import ServerContext
 from .errors import bad_request
-from .matchers import GrammarProblem
+from .matchers import GrammarProblem, compile_matchers
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .tools import ToolProblem, ToolSetup, tool_setup
 
@@ -94,11 +94,9 @@ async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: Se
             schema, param = required_calls_schema(functions, setup is not None and setup.single), "tools"
     if schema is None:
         return setup, None
-    limits = ctx.observability.limits
-    assert limits is not None, "generation is admitted once the model has loaded"
     try:
         grammar = await trio.to_thread.run_sync(from_schema, schema)
-        return setup, await ctx.matchers.compile(grammar, copies, tokenizer, limits.vocab_size, ctx.tokens)
+        return setup, await compile_matchers(grammar, copies, ctx.engine)
     except GrammarProblem as exc:
         raise bad_request(f"{param}: constrained decoding cannot serve this request: {exc}",
                           param=param) from exc

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, TypeVar
 
 import trio
@@ -42,7 +42,7 @@ async def json_body() -> dict[str, Any]:
     return body
 
 
-async def replayed(held: list[T], events: trio.MemoryReceiveChannel[T]) -> AsyncIterator[T]:
+async def replayed(held: list[T], events: trio.MemoryReceiveChannel[T]) -> AsyncGenerator[T, None]:
     """*held* events, then the rest of *events*."""
     for item in held:
         yield item
