@@ -52,7 +52,7 @@ class Engine:
         """Requests that may be in flight at once: decoding plus waiting."""
         self.tokenizer: Any = None
         self.grammar_tokenizer: Any = None
-        """llguidance's tokenizer, built at load (None: the model's tokenizer is not one llguidance reads)."""
+        """llguidance's tokenizer, built at load, or a sentence saying why there is none."""
         self.ready = trio.Event()
         self.finished = trio.Event()
         """Set when the worker has returned (stopped, or failed to load)."""

@@ -13,19 +13,24 @@ count of calls.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int]) -> Any:
-    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face tokenizer), or None when it is
-    not a fast one (llguidance reads the Rust tokenizer's JSON).
+    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face tokenizer), or, when there can
+    be none, a sentence saying why (it is not a fast one: llguidance reads the Rust tokenizer's JSON).
 
-    *vocab_size* is the width of the model's logits (often padded beyond the
-    tokenizer's own vocabulary: those ids are never allowed). Built once, at
-    load: it walks the whole vocabulary (about a second for 150k tokens)
+    *vocab_size* is the width of the model's logits; the table is as wide as
+    the wider of it and the tokenizer (logits are often padded beyond the
+    vocabulary: those ids are never allowed; a vocabulary wider than the
+    logits has ids the model never produces, cut off the mask). Built once,
+    at load: it walks the whole vocabulary (about a second for 150k tokens)
     holding the GIL, which would stall every decoding sequence if it ran
     later, on whatever thread. The HTTP layer compiles matchers with it.
     """
@@ -33,8 +38,15 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
     if not hasattr(hf, "backend_tokenizer"):
-        return None
-    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_tokens))
+        return (f"constrained decoding needs a Hugging Face fast tokenizer, and this model's is "
+                f"{type(hf).__name__}")
+    try:
+        width = max(vocab_size, hf.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+        return llguidance.hf.from_tokenizer(hf, n_vocab=width, eos_token=sorted(eos_tokens))
+    except Exception as exc:  # a vocabulary llguidance cannot tabulate must not stop the server
+        logger.warning("constrained decoding is unavailable: llguidance cannot read the tokenizer (%s: %s)",
+                       type(exc).__name__, exc)
+        return f"llguidance cannot read this model's tokenizer: {exc}"
 
 
 

@@ -41,8 +41,8 @@ class Loaded:
     release: Callable[[], None] = field(default=lambda: None)
     """What the worker calls as it ends (a sharded model tells the other ranks to stop)."""
     grammar_tokenizer: Any = None
-    """llguidance's tokenizer for constrained decoding (``engine.grammar``); None: the tokenizer is not one
-    llguidance reads."""
+    """llguidance's tokenizer for constrained decoding (``engine.grammar``), or a sentence saying why there
+    is none."""
 
 
 def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:

@@ -30,7 +30,7 @@ class EngineApi(Protocol):
 
     tokenizer: Any
     grammar_tokenizer: Any
-    """llguidance's tokenizer, built at load; None when the model's tokenizer is not one llguidance reads."""
+    """llguidance's tokenizer, built at load, or a sentence (a str) saying why there is none."""
     ready: trio.Event
     capacity: int
 

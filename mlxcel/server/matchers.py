@@ -35,10 +35,8 @@ async def compile_matchers(grammar: str, copies: int, engine: EngineApi) -> list
     import llguidance
 
     ll = engine.grammar_tokenizer
-    if ll is None:
-        hf = getattr(engine.tokenizer, "_tokenizer", engine.tokenizer)
-        raise GrammarProblem(f"constrained decoding needs a Hugging Face fast tokenizer, and this model's is "
-                             f"{type(hf).__name__}")
+    if isinstance(ll, str):  # why there is none
+        raise GrammarProblem(ll)
 
     def build() -> list[Any]:
         matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
@@ -52,4 +50,4 @@ async def compile_matchers(grammar: str, copies: int, engine: EngineApi) -> list
 def token_bytes(ids: Sequence[int], engine: EngineApi) -> list[bytes] | None:
     """Each token's own bytes (a special token's are its text); None without llguidance's tokenizer."""
     ll = engine.grammar_tokenizer
-    return None if ll is None else [ll.decode_bytes([t]) for t in ids]
+    return None if isinstance(ll, str) else [ll.decode_bytes([t]) for t in ids]

@@ -152,3 +152,17 @@ async def test_a_grammar_with_a_tokenizer_llguidance_cannot_read_is_a_400(senten
         error = refused.json()["error"]
         assert error["param"] == "response_format" and "fast tokenizer" in error["message"]
         assert "GPTSw3Tokenizer" in error["message"]
+
+
+async def test_a_grammar_serves_a_model_whose_vocabulary_is_wider_than_its_logits(tmp_path: Path) -> None:
+    """The tiny Inkling target: 512 tokenizer entries, 500 logits. The ids past the logits are cut off the mask."""
+    pytest.importorskip("torch")
+    from tests.inkling_checkpoints import build_target
+
+    target = build_target(tmp_path / "inkling-tiny", seed=1)
+    pet = {"type": "json_schema", "json_schema": {"name": "pet", "schema": {"enum": ["cat", "dog"]}}}
+    async with running_server(["--model", str(target)]) as url, httpx.AsyncClient(timeout=60) as client:
+        answer = await client.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 10,
+                                                                  "temperature": 0, "response_format": pet})
+        assert answer.status_code == 200, answer.text
+        assert json.loads(answer.json()["choices"][0]["text"]) in ("cat", "dog")
