@@ -5,7 +5,11 @@ committed so that CI's clean clone has it; provenance in ``tests/data/openai-ope
 read with ``jsonschema``'s Draft 2020-12 validator (the dialect of OpenAPI
 3.1). Two readings the README names: OpenAPI 3.0's ``nullable: true`` is "or
 null", and streamed completion chunks share ``CreateCompletionResponse`` with a
-``finish_reason`` that is null on every chunk but the last.
+``finish_reason`` that is null on every chunk but the last. A third, which the
+document does not spell: with ``echo`` and ``logprobs`` the prompt's first token
+has nothing before it, so its ``token_logprobs`` and ``top_logprobs`` entries
+are null, as OpenAI's API sends them (and vLLM). The reading lets any entry of
+those two arrays be null; the tests check that it is only the first.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ def _or_null(node: Any) -> Any:
 def _load() -> dict[str, Any]:
     document: dict[str, Any] = _or_null(json.loads(SPEC_PATH.read_text()))
     schemas = document["components"]["schemas"]
+    logprobs = schemas["CreateCompletionResponse"]["properties"]["choices"]["items"]["properties"]["logprobs"]
+    arrays = next(option for option in logprobs["anyOf"] if option.get("type") == "object")["properties"]
+    for name in ("token_logprobs", "top_logprobs"):  # the third reading: the echoed prompt's first token
+        arrays[name]["items"] = {"anyOf": [arrays[name]["items"], {"type": "null"}]}
     chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
     reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
     chunk["properties"]["choices"]["items"]["properties"]["finish_reason"] = {"anyOf": [reason, {"type": "null"}]}

@@ -5,7 +5,7 @@ Importing this package does not import mlx; the worker imports it on its own thr
 
 from .engine import Engine, EngineUnavailable, QueueFull
 from .messages import WorkerSettings
-from .requests import Event, Finish, GenerationRequest, SamplingParams, TextDelta, Timings
+from .requests import Event, Finish, GenerationRequest, PromptLogprobs, SamplingParams, TextDelta, Timings
 
 __all__ = [
     "Engine",
@@ -13,6 +13,7 @@ __all__ = [
     "Event",
     "Finish",
     "GenerationRequest",
+    "PromptLogprobs",
     "QueueFull",
     "SamplingParams",
     "TextDelta",

@@ -34,14 +34,15 @@ class Admission:
     settings: WorkerSettings
     observability: Observability
     inbox: queue.SimpleQueue[Message]
+    model: Any
+    stream: Any
+    sharded: bool
     tokenizer: Any
     eos_tokens: frozenset[int]
     batch: ContinuousBatch[Sequence] | None
     prefix: Any
     _sequences: dict[str, Sequence]
     _deliver: Callable[[list[tuple[str, Event]]], None]
-    _grammar_tokenizer: Any = None
-    """llguidance's tokenizer, built when the first request with a grammar comes."""
 
     # Defined by the worker (these stubs only declare them).
     def _fault(self, point: str, request: GenerationRequest) -> None: ...
@@ -90,6 +91,8 @@ class Admission:
 
     def _admit(self, requests: list[GenerationRequest], events: list[tuple[str, Event]]) -> None:
         """A lone request decodes solo; anything more joins (or moves into) the continuous batch."""
+        from .grammar import GrammarProcessor
+        from .prompt_scoring import score_prompt
         from .sampling import make_processors, make_sampler, sampler_with_hook
 
         alone = not self._sequences and len(requests) == 1
@@ -104,6 +107,13 @@ class Admission:
                         self._fail([sequence], exc)
         for request in requests:
             tokens = list(request.prompt_tokens)
+            if request.prompt_logprobs and self.sharded:
+                # Scoring is a forward of its own, between the running sequence's: the other ranks would
+                # not know which cache it runs on (mlxcel.distributed.mirror).
+                events.append((request.id, Finish("error", len(tokens), 0, error_type="invalid_request_error",
+                                                  error="the prompt's log-probabilities (echo with logprobs) "
+                                                        "are not computed on a sharded model")))
+                continue
             try:
                 chain = make_sampler(request.sampling)
                 sampler: Callable[[Any], Any] | None = chain
@@ -112,11 +122,13 @@ class Admission:
                 cache, rest = self.prefix.fetch(tokens)
                 processors = make_processors(request.sampling)
                 if request.sampling.grammar is not None:  # last: it masks what the others computed
-                    processors.append(self._grammar(request.sampling.grammar, len(tokens)))
+                    processors.append(GrammarProcessor(request.sampling.grammar, len(tokens)))
                 sequence = Sequence(request=request, chain=chain, sampler=sampler, processors=processors,
                                      output=SequenceOutput(request, self.tokenizer.detokenizer, self.eos_tokens),
                                      admitted=time.perf_counter(), cached=len(tokens) - len(rest))
                 cached_tokens = tokens[:len(tokens) - len(rest)]
+                if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
+                    events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs)))
                 if batch:
                     self._insert(sequence, rest, cache, cached_tokens, request.max_tokens)
                 else:
@@ -129,16 +141,6 @@ class Admission:
             self._sequences[request.id] = sequence
             self.observability.prompt_tokens.inc(len(tokens))
         self.observability.cache = self.prefix.stats()
-
-    def _grammar(self, grammar: str, prompt_length: int) -> Any:
-        """The constrained-decoding processor of a request (llguidance's tokenizer is built on first use)."""
-        from .grammar import GrammarProcessor, grammar_tokenizer
-
-        if self._grammar_tokenizer is None:
-            limits = self.observability.limits
-            assert limits is not None, "requests are admitted once the model has loaded"
-            self._grammar_tokenizer = grammar_tokenizer(self.tokenizer, limits.vocab_size, self.eos_tokens)
-        return GrammarProcessor(self._grammar_tokenizer, grammar, prompt_length)
 
     def _insert(self, sequence: Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
         assert self.batch is not None

@@ -51,6 +51,8 @@ class Engine:
         self.capacity = parallel + max_queue_depth
         """Requests that may be in flight at once: decoding plus waiting."""
         self.tokenizer: Any = None
+        self.grammar_tokenizer: Any = None
+        """llguidance's tokenizer, built at load, or a sentence saying why there is none."""
         self.ready = trio.Event()
         self.finished = trio.Event()
         """Set when the worker has returned (stopped, or failed to load)."""
@@ -117,8 +119,8 @@ class Engine:
         with contextlib.suppress(trio.RunFinishedError):  # the server is already gone
             self._token.run_sync_soon(self._dispatch, events)
 
-    def _ready_from_worker(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
+    def _ready_from_worker(self, tokenizer: Any, grammar_tokenizer: Any) -> None:
+        self.tokenizer, self.grammar_tokenizer = tokenizer, grammar_tokenizer
         assert self._token is not None
         with contextlib.suppress(trio.RunFinishedError):
             self._token.run_sync_soon(self._became_ready)

@@ -13,23 +13,41 @@ count of calls.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
+logger = logging.getLogger(__name__)
+
 
 def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int]) -> Any:
-    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face fast tokenizer).
+    """llguidance's view of *tokenizer* (mlx-lm's wrapper of a Hugging Face tokenizer), or, when there can
+    be none, a sentence saying why (it is not a fast one: llguidance reads the Rust tokenizer's JSON).
 
-    *vocab_size* is the width of the model's logits (often padded beyond the
-    tokenizer's own vocabulary: those ids are never allowed). Built once per
-    worker: it walks the whole vocabulary (about a second for 150k tokens).
+    *vocab_size* is the width of the model's logits; the table is as wide as
+    the wider of it and the tokenizer (logits are often padded beyond the
+    vocabulary: those ids are never allowed; a vocabulary wider than the
+    logits has ids the model never produces, cut off the mask). Built once,
+    at load: it walks the whole vocabulary (about a second for 150k tokens)
+    holding the GIL, which would stall every decoding sequence if it ran
+    later, on whatever thread. The HTTP layer compiles matchers with it.
     """
     import llguidance.hf
 
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_tokens))
+    if not hasattr(hf, "backend_tokenizer"):
+        return (f"constrained decoding needs a Hugging Face fast tokenizer, and this model's is "
+                f"{type(hf).__name__}")
+    try:
+        width = max(vocab_size, hf.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+        return llguidance.hf.from_tokenizer(hf, n_vocab=width, eos_token=sorted(eos_tokens))
+    except Exception as exc:  # a vocabulary llguidance cannot tabulate must not stop the server
+        logger.warning("constrained decoding is unavailable: llguidance cannot read the tokenizer (%s: %s)",
+                       type(exc).__name__, exc)
+        return f"llguidance cannot read this model's tokenizer: {exc}"
+
 
 
 class GrammarError(RuntimeError):
@@ -37,18 +55,16 @@ class GrammarError(RuntimeError):
 
 
 class GrammarProcessor:
-    """``processor(tokens, logits) -> logits`` that keeps only the tokens *grammar* allows next.
+    """``processor(tokens, logits) -> logits`` that keeps only the tokens *matcher*'s grammar allows next.
 
+    *matcher* is an llguidance ``LLMatcher`` at the start of its grammar,
+    compiled by the HTTP layer (compiling here would stall every sequence).
     *prompt_length* is where the generated tokens start in the context the
     decode paths pass (every token of the sequence so far, prompt included).
     """
 
-    def __init__(self, tokenizer: Any, grammar: str, prompt_length: int) -> None:
-        import llguidance
-
-        self.matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(f"the grammar cannot be used: {self.matcher.get_error()}")
+    def __init__(self, matcher: Any, prompt_length: int) -> None:
+        self.matcher = matcher
         self.prompt_length = prompt_length
         self.consumed = 0
         """Generated tokens the matcher has consumed."""

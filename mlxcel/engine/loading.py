@@ -40,6 +40,9 @@ class Loaded:
     """The model is sharded across processes (``--distributed``): no burst, one sequence at a time."""
     release: Callable[[], None] = field(default=lambda: None)
     """What the worker calls as it ends (a sharded model tells the other ranks to stop)."""
+    grammar_tokenizer: Any = None
+    """llguidance's tokenizer for constrained decoding (``engine.grammar``), or a sentence saying why there
+    is none."""
 
 
 def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:
@@ -100,9 +103,12 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     if settings.batch and not batching and settings.parallel > 1:
         logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name,
                        broken or "its caches cannot be merged into a batch")
-    return Loaded(model, tokenizer, stream, frozenset(tokenizer.eos_token_ids), vocab, _embedding_rows(model, vocab),
+    from .grammar import grammar_tokenizer
+
+    eos = frozenset(tokenizer.eos_token_ids)
+    return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab),
                   host, speculation, batching, settings.parallel if batching else 1, pairing, sharding is not None,
-                  release)
+                  release, grammar_tokenizer(tokenizer, vocab, eos))
 
 
 def _embedding_rows(model: Any, vocab: int) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from ..policy import BurstSample
 
@@ -33,8 +33,9 @@ class SamplingParams:
     presence_context_size: int = 20
     frequency_penalty: float = 0.0
     frequency_context_size: int = 20
-    grammar: str | None = None
-    """An llguidance grammar (its JSON form) the output must follow: constrained decoding."""
+    grammar: Any = None
+    """Constrained decoding: an llguidance ``LLMatcher`` at the start of its grammar, this sequence's own.
+    Compiled by the HTTP layer (mlxcel.server.matchers), so the worker never compiles."""
 
     @property
     def has_processors(self) -> bool:
@@ -57,6 +58,9 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     """With *logprobs*: this many most likely alternatives per token, with their log-probabilities."""
+    prompt_logprobs: bool = False
+    """Score the prompt too (completions ``echo`` with ``logprobs``): a :class:`PromptLogprobs` comes first,
+    with *top_logprobs* alternatives per position."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +72,18 @@ class TextDelta:
     logprobs: tuple[float, ...] | None = None
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
     """Per token, the request's ``top_logprobs`` most likely (id, log-probability), most likely first."""
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """The prompt's own log-probabilities: of each prompt token after the first, given the tokens before it.
+
+    The model's distribution itself (the prompt was not sampled: no bias, penalty or grammar applies).
+    """
+
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
+    """Per position, the request's ``top_logprobs`` most likely (id, log-probability), most likely first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +115,7 @@ class Finish:
     """Whose fault an ``error`` finish is: the server's (HTTP 500) or the request's (HTTP 400)."""
 
 
-Event = TextDelta | Finish
+Event = TextDelta | Finish | PromptLogprobs
 
 
 @dataclass

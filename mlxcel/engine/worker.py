@@ -44,7 +44,7 @@ class Worker(Admission):
 
     def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
                  inbox: queue.SimpleQueue[Message], deliver: Callable[[list[tuple[str, Event]]], None],
-                 on_ready: Callable[[Any], None], before_load: Callable[[], None] | None = None,
+                 on_ready: Callable[[Any, Any], None], before_load: Callable[[], None] | None = None,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
         self.checkpoint = checkpoint
@@ -63,6 +63,7 @@ class Worker(Admission):
         self.speculation: Speculation | None = None
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
+        self.sharded = False
         self._parallel = 1
         self._sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
@@ -98,7 +99,7 @@ class Worker(Admission):
         loaded = load(self.settings, self.checkpoint, self._check_stopping)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation = loaded.eos_tokens, loaded.speculation
-        self._parallel, self._release = loaded.parallel, loaded.release
+        self._parallel, self._release, self.sharded = loaded.parallel, loaded.release, loaded.sharded
         if loaded.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
@@ -115,7 +116,7 @@ class Worker(Admission):
                            self.policy.state, speculation.decline)
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length)
-        self._on_ready(self.tokenizer)
+        self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _fault(self, point: str, request: GenerationRequest) -> None:
         if self.settings.fault_hook is not None:

@@ -29,6 +29,8 @@ class EngineApi(Protocol):
     """The engine as the HTTP layer sees it (see :class:`mlxcel.engine.Engine`)."""
 
     tokenizer: Any
+    grammar_tokenizer: Any
+    """llguidance's tokenizer, built at load, or a sentence (a str) saying why there is none."""
     ready: trio.Event
     capacity: int
 

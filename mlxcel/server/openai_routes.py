@@ -2,52 +2,28 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import asdict
 from typing import Any
 
 import trio
 from pydantic import ValidationError
-from quart import Quart, Response, request
+from quart import Quart, Response
 
-from ..engine import EngineUnavailable, Event, GenerationRequest, QueueFull, TextDelta
+from ..engine import EngineUnavailable, Event, Finish, GenerationRequest, PromptLogprobs, QueueFull, TextDelta
 from ..observability import ModelLimits
 from . import shapes, structured
 from .context import ServerContext, at_request_end
 from .errors import ApiError, bad_request, finish_error, unavailable
 from .fanin import fan_in
-from .schemas import ChatCompletionRequest, CompletionRequest, describe, json_problem, unsupported
+from .matchers import token_bytes
+from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolCallReader, ToolSetup, template_messages
-
-
-def sse(payload: dict[str, Any] | str) -> bytes:
-    """One server-sent event carrying *payload* (JSON, or a literal like ``[DONE]``)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-def _no_constants(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
-async def _json_body() -> dict[str, Any]:
-    raw = await request.get_data(as_text=False)
-    try:
-        body = json.loads(raw, parse_constant=_no_constants)
-    except RecursionError as exc:  # the C parser's own depth guard, at about 1,000 levels
-        raise bad_request("the request body nests arrays and objects too deeply", code="invalid_json") from exc
-    except ValueError as exc:  # not JSON, not UTF-8, NaN/Infinity, an integer of over 4,300 digits
-        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    problem = json_problem(body)
-    if problem is not None:
-        raise bad_request(problem, code="invalid_json")
-    return body
+from .wire import json_body, replayed, sse
 
 
 class _Generation:
@@ -66,9 +42,13 @@ class _Generation:
         """The prompt's text before each choice's (completions ``echo``)."""
         self.tools: ToolSetup | None = None
         """How the output is read for tool calls (None: it is text)."""
+        self.prompt: list[int] | None = None
+        """The prompt's tokens, when its log-probabilities are asked for (completions ``echo`` with ``logprobs``)."""
+        self.prompt_scores: PromptLogprobs | None = None
+        """Their log-probabilities, once the engine has sent them (computed once, for the first choice)."""
 
     async def respond(self) -> Response | dict[str, Any]:
-        body = await _json_body()
+        body = await json_body()
         schema = ChatCompletionRequest if self.chat else CompletionRequest
         try:
             params = schema.model_validate(body)
@@ -76,6 +56,9 @@ class _Generation:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc
         name = unsupported(body)
+        best_of = body.get("best_of")
+        if name is None and self.chat and best_of is not None and not (type(best_of) is int and best_of == 1):
+            name = "best_of"  # a completions parameter (`type(...) is int`: `true` is not 1 here)
         if name is None and self.chat and body.get("echo") not in (None, False):
             name = "echo"  # a completions parameter; a chat echo has no agreed meaning
         if name is None and not self.chat and body.get("top_logprobs") not in (None, 0):
@@ -90,11 +73,13 @@ class _Generation:
         if params.model is not None and params.model not in (options.model_name, "default"):
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves "
                                 f"{options.model_name!r}", param="model", code="model_not_found")
-        limits = self._admit(params.n)
+        # best_of candidates are generated, each a sequence; the n most likely are returned.
+        candidates = params.candidates() if isinstance(params, CompletionRequest) else params.n
+        limits = self._admit(candidates)
         problem = params.bias_problem(limits.vocab_size)
         if problem is not None:
             raise bad_request(problem, param="logit_bias")
-        self.tools, grammar = await structured.constraints(params, self.ctx.engine.tokenizer)
+        self.tools, matchers = await structured.constraints(params, self.ctx, candidates)
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
         tokens = await self._prompt_tokens(params, limits, requested or 1)
@@ -103,17 +88,23 @@ class _Generation:
             raise self._too_long(f"{len(tokens)}", requested or 1)
         logprobs = (params.logprobs is True) if isinstance(params, ChatCompletionRequest) \
             else params.logprobs is not None
+        ranked = candidates > params.n  # ranking needs every candidate's log-probabilities
         alternatives = params.top_logprobs_count()
         if logprobs:
-            self.shaper = LogprobShaper(self.ctx.tokens, self.ctx.engine.tokenizer, self.chat, alternatives)
+            engine = self.ctx.engine
+            self.shaper = LogprobShaper(self.ctx.tokens, engine.tokenizer, self.chat, alternatives,
+                                        lambda ids: token_bytes(ids, engine))
         if isinstance(params, CompletionRequest) and params.echo:
+            self.prompt = tokens if logprobs else None
             self.echo = (params.prompt if isinstance(params.prompt, str) else await self.ctx.tokens.run(
                 lambda: str(self.ctx.engine.tokenizer.decode(tokens))))
         generations = [GenerationRequest(
-            id=self.id if params.n == 1 else f"{self.id}-{index}", prompt_tokens=tuple(tokens),
+            id=self.id if candidates == 1 else f"{self.id}-{index}", prompt_tokens=tuple(tokens),
             max_tokens=requested or min(options.default_max_tokens, room),
-            sampling=params.sampling(limits.vocab_size, index, grammar), stop=params.stop_strings(), logprobs=logprobs,
-            top_logprobs=alternatives if logprobs else 0) for index in range(params.n)]
+            sampling=params.sampling(limits.vocab_size, index, matchers[index] if matchers else None),
+            stop=params.stop_strings(), logprobs=logprobs or ranked,
+            top_logprobs=alternatives if logprobs else 0, prompt_logprobs=self.prompt is not None and index == 0)
+            for index in range(candidates)]
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
         events = self._submit(generations)
@@ -123,18 +114,19 @@ class _Generation:
             response.headers["Cache-Control"] = "no-cache"
             response.timeout = None
             return response
-        return await self._complete(events, params.n)
+        return await self._complete(events, candidates, params.n)
 
     def _check_combinations(self, params: CompletionRequest | ChatCompletionRequest) -> None:
         if params.stream_options is not None and not params.stream:
             # As OpenAI and vLLM: options for a stream that is not there are a mistake, not a no-op.
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+        if isinstance(params, CompletionRequest) and params.best_of is not None:
+            if params.best_of < params.n:
+                raise bad_request(f"best_of ({params.best_of}) must be at least n ({params.n})", param="best_of")
+            if params.best_of > 1 and params.stream:  # as OpenAI: the best is known only at the end
+                raise bad_request("best_of cannot be used with stream", param="best_of")
         if isinstance(params, ChatCompletionRequest) and params.top_logprobs and not params.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
-        if isinstance(params, CompletionRequest) and params.echo and params.logprobs is not None:
-            # The prompt's own log-probabilities would need the prefill's logits at every position.
-            raise bad_request("echo with logprobs is not supported: this server does not compute the prompt's "
-                              "log-probabilities", param="echo", code="unsupported_parameter")
 
     def _submit(self, generations: list[GenerationRequest]) -> trio.MemoryReceiveChannel[tuple[int, Event]]:
         """Submit every choice at once (so the worker admits them together, into one batch)."""
@@ -255,16 +247,27 @@ class _Generation:
     async def _logprobs(self, deltas: list[TextDelta], log: ChoiceLog) -> Any:
         return None if self.shaper is None else await self.shaper.shape(deltas, log)
 
-    def _new_logs(self, n: int) -> list[ChoiceLog]:
-        return [ChoiceLog(deltas=[], offset=len(self.echo)) for _ in range(n)]
+    async def _prompt_logprobs(self, log: ChoiceLog) -> Any:
+        """The echoed prompt's logprobs, when they were asked for (they advance *log*'s offset)."""
+        if self.shaper is None or self.prompt is None or self.prompt_scores is None:
+            return None
+        return await self.shaper.shape_prompt(self.prompt, self.prompt_scores, log)
 
-    async def _complete(self, events: trio.MemoryReceiveChannel[tuple[int, Event]], n: int) -> dict[str, Any]:
-        logs = self._new_logs(n)
+    def _new_logs(self, n: int) -> list[ChoiceLog]:
+        # With the prompt's logprobs, the offsets count its token texts from 0.
+        return [ChoiceLog(deltas=[], offset=0 if self.prompt is not None else len(self.echo)) for _ in range(n)]
+
+    async def _complete(self, events: trio.MemoryReceiveChannel[tuple[int, Event]], candidates: int,
+                        n: int) -> dict[str, Any]:
+        """The body of *n* choices: all *candidates*, or (``best_of``) the *n* of them most likely."""
+        logs = self._new_logs(candidates)
         try:
             async with events:
                 async for index, event in events:
                     if isinstance(event, TextDelta):
                         logs[index].deltas.append(event)
+                    elif isinstance(event, PromptLogprobs):
+                        self.prompt_scores = event
                     else:
                         logs[index].finish = event
         finally:
@@ -274,6 +277,8 @@ class _Generation:
         if failed:
             raise finish_error(failed[0], stopping=self._stopping())[0]
         done = [f for f in finishes if f is not None]
+        if candidates > n:  # best_of: the highest cumulative log-probability first
+            logs = sorted(logs, key=lambda log: -sum(v for d in log.deltas for v in d.logprobs or ()))[:n]
         choices = []
         for index, log in enumerate(logs):
             text = self.echo + "".join(d.text for d in log.deltas)
@@ -283,11 +288,12 @@ class _Generation:
                 reader = ToolCallReader(self.tools)
                 text = reader.feed(text)[0] + reader.finish()[0]
                 calls, reason = reader.calls, shapes.tool_reason(reason, reader.calls)
-            choices.append(shapes.choice(self.chat, index, text, reason, await self._logprobs(log.deltas, log),
-                                         delta=False, tool_calls=calls))
+            logprobs = shapes.joined(await self._prompt_logprobs(log), await self._logprobs(log.deltas, log))
+            choices.append(shapes.choice(self.chat, index, text, reason, logprobs, delta=False, tool_calls=calls))
         body = self._envelope(self.object, choices)
-        body["usage"] = shapes.usage(done)
-        body["timings"] = asdict(done[0].timings)
+        body["usage"] = shapes.usage(done)  # every candidate's tokens were generated (OpenAI bills best_of)
+        assert logs[0].finish is not None
+        body["timings"] = asdict(logs[0].finish.timings)
         return body
 
     async def _stream(self, events: trio.MemoryReceiveChannel[tuple[int, Event]], n: int,
@@ -297,41 +303,48 @@ class _Generation:
         readers = [ToolCallReader(self.tools) if self.tools is not None else None for _ in range(n)]
         try:
             async with events:
+                held = await self._until_prompt_scored(events)
                 for index in range(n):
                     if self.chat or self.echo:  # the role first (chat), or the echoed prompt (completions)
-                        first = shapes.choice(self.chat, index, self.echo, None, None, delta=True, first=True)
+                        prompt_logprobs = await self._prompt_logprobs(logs[index])
+                        first = shapes.choice(self.chat, index, self.echo, None, prompt_logprobs, delta=True,
+                                              first=True)
                         if self.tools is not None:  # no content yet: it may be tool calls only (as OpenAI)
                             del first["delta"]["content"]
                         yield sse(self._envelope(obj, [first], include_usage))
-                async for index, event in events:
-                    log, reader = logs[index], readers[index]
-                    if isinstance(event, TextDelta):
-                        text, calls = (event.text, []) if reader is None else reader.feed(event.text)
-                        logprobs = await self._logprobs([event], log)
-                        if reader is None or text or logprobs is not None:
-                            choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
-                            yield sse(self._envelope(obj, [choice], include_usage))
-                        for call in calls:
-                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
-                        continue
-                    log.finish = event
-                    if event.reason in ("error", "cancelled"):
-                        break
-                    reason = shapes.reason(event)
-                    if reader is not None:
-                        text, calls = reader.finish()
-                        if text:
-                            choice = shapes.choice(self.chat, index, text, None, None, delta=True)
-                            yield sse(self._envelope(obj, [choice], include_usage))
-                        for call in calls:
-                            yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
-                        reason = shapes.tool_reason(reason, reader.calls)
-                    last = shapes.choice(self.chat, index, "", reason, None, delta=True)
-                    if self.chat:
-                        last["delta"] = {}
-                    chunk = self._envelope(obj, [last], include_usage)
-                    chunk["timings"] = asdict(event.timings)
-                    yield sse(chunk)
+                # A loop left early (an error) must close the replay: trio finalizes no async generator.
+                async with aclosing(replayed(held, events)) as replay:
+                    async for index, event in replay:
+                        log, reader = logs[index], readers[index]
+                        if isinstance(event, TextDelta):
+                            text, calls = (event.text, []) if reader is None else reader.feed(event.text)
+                            logprobs = await self._logprobs([event], log)
+                            if reader is None or text or logprobs is not None:
+                                choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
+                                yield sse(self._envelope(obj, [choice], include_usage))
+                            for call in calls:
+                                yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
+                            continue
+                        if isinstance(event, PromptLogprobs):  # read already
+                            continue
+                        log.finish = event
+                        if event.reason in ("error", "cancelled"):
+                            break
+                        reason = shapes.reason(event)
+                        if reader is not None:
+                            text, calls = reader.finish()
+                            if text:
+                                choice = shapes.choice(self.chat, index, text, None, None, delta=True)
+                                yield sse(self._envelope(obj, [choice], include_usage))
+                            for call in calls:
+                                yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
+                            reason = shapes.tool_reason(reason, reader.calls)
+                        last = shapes.choice(self.chat, index, "", reason, None, delta=True)
+                        if self.chat:
+                            last["delta"] = {}
+                        chunk = self._envelope(obj, [last], include_usage)
+                        chunk["timings"] = asdict(event.timings)
+                        yield sse(chunk)
             failed = [log.finish for log in logs if log.finish is None or log.finish.reason in ("error", "cancelled")]
             if failed:
                 error, done = finish_error(failed[0], stopping=self._stopping())
@@ -346,6 +359,22 @@ class _Generation:
             yield sse("[DONE]")
         finally:
             self.ctx.observability.request_seconds.observe(time.perf_counter() - self.started)
+
+    async def _until_prompt_scored(self, events: trio.MemoryReceiveChannel[tuple[int, Event]]
+                                   ) -> list[tuple[int, Event]]:
+        """When the prompt's logprobs are asked for, read events until they come (they open the stream), or
+        until the first choice ends without them; the events read before them, to be handled after."""
+        held: list[tuple[int, Event]] = []
+        if self.prompt is None:
+            return held
+        async for index, event in events:
+            held.append((index, event))
+            if isinstance(event, PromptLogprobs):
+                self.prompt_scores = event
+                break
+            if index == 0 and isinstance(event, Finish):
+                break
+        return held
 
 
 def register(app: Quart, ctx: ServerContext) -> None:

@@ -2,7 +2,7 @@
 
 Strict: a string where a number belongs is an error, not a guess. Fields mlxcel
 does not know are ignored (OpenAI clients send many); fields it knows but
-cannot honour (``best_of > 1``, the legacy ``functions``, ...) are rejected by :func:`unsupported`,
+cannot honour (``suffix``, the legacy ``functions``, ...) are rejected by :func:`unsupported`,
 so a client never silently gets something else. Every bound here is
 documented in ``docs/http-api.md``.
 """
@@ -124,13 +124,13 @@ class _Request(BaseModel):
                 return f"logit_bias: token id {key} is not below the vocabulary size {vocab_size}"
         return None
 
-    def sampling(self, vocab_size: int, choice: int = 0, grammar: str | None = None) -> SamplingParams:
+    def sampling(self, vocab_size: int, choice: int = 0, grammar: Any = None) -> SamplingParams:
         """The engine's parameters for choice *choice*, brought into the ranges MLX and mlx-lm accept.
 
         ``top_k`` at or above the vocabulary keeps every token, which is what 0
         (off) means; mlx-lm would raise for it. A seed becomes ``(seed + choice)
         % 2**64``: the choices of one seeded request differ, and are reproducible.
-        *grammar*: the llguidance grammar the output must follow, if any.
+        *grammar*: the compiled llguidance matcher the output must follow, if any (this choice's own).
         """
         temperature = 0.0 if self.temperature < GREEDY_BELOW else self.temperature
         bias = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
@@ -150,6 +150,13 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     """How many alternatives per token (besides the chosen one); None: no logprobs."""
     echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    """Candidates generated (each a sequence of the engine, like a choice of ``n``); the ``n`` most likely
+    are returned."""
+
+    def candidates(self) -> int:
+        """How many sequences the request generates: ``best_of``, or ``n`` without it."""
+        return self.best_of or self.n
 
     def top_logprobs_count(self) -> int:
         return self.logprobs or 0
@@ -241,10 +248,14 @@ class ChatCompletionRequest(_Request):
 
 #: Parameters mlxcel knows and cannot honour, with the values that are harmless.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "best_of": (1,),
     "suffix": ("",),
     "functions": ([],),
     "function_call": ("none",),
+    # Output mlxcel cannot produce, and services it does not run: ignoring them would answer something else.
+    "modalities": (["text"],),
+    "audio": (),
+    "web_search_options": (),
+    "moderation": (),
 }
 
 

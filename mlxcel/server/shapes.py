@@ -9,11 +9,11 @@ completions logprobs are four parallel arrays (``tokens``, ``token_logprobs``,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine import Finish, TextDelta
+from ..engine import Finish, PromptLogprobs, TextDelta
 from .tokens import Tokens
 
 UNLIKELY = -9999.0
@@ -61,14 +61,19 @@ class LogprobShaper:
     *alternatives* is how many most likely tokens each position lists (chat
     ``top_logprobs``, completions ``logprobs``). In completions, OpenAI always
     lists the chosen token among them too, so a position has up to
-    *alternatives* + 1 entries there.
+    *alternatives* + 1 entries there. *token_bytes* gives each token's own
+    bytes (chat's ``bytes``): a byte-level token may be part of a UTF-8
+    character, whose decoded text is only U+FFFD. When it gives None (a
+    tokenizer without a byte table), ``bytes`` are those of the token's text.
     """
 
-    def __init__(self, tokens: Tokens, tokenizer: Any, chat: bool, alternatives: int) -> None:
+    def __init__(self, tokens: Tokens, tokenizer: Any, chat: bool, alternatives: int,
+                 token_bytes: Callable[[Sequence[int]], list[bytes] | None]) -> None:
         self.tokens = tokens
         self.tokenizer = tokenizer
         self.chat = chat
         self.alternatives = alternatives
+        self.token_bytes = token_bytes
 
     async def shape(self, deltas: Sequence[TextDelta], log: ChoiceLog) -> dict[str, Any]:
         """The logprobs of *deltas* (the whole choice, or one stream chunk), advancing *log*'s offset."""
@@ -84,10 +89,34 @@ class LogprobShaper:
         named = iter(alternatives)
         top_named = [[(next(named), v) for _, v in top] for top in tops]
         if self.chat:
+            own = self.token_bytes(ids + [t for top in tops for t, _ in top])
+            if own is None:
+                own = [p.encode() for p in pieces] + [a.encode() for a in alternatives]
+            chosen, others = iter(own[:len(ids)]), iter(own[len(ids):])
             return {"content": [
-                {"token": p, "logprob": v, "bytes": list(p.encode()),
-                 "top_logprobs": [{"token": a, "logprob": w, "bytes": list(a.encode())} for a, w in top]}
+                {"token": p, "logprob": v, "bytes": list(next(chosen)),
+                 "top_logprobs": [{"token": a, "logprob": w, "bytes": list(next(others))} for a, w in top]}
                 for p, v, top in zip(pieces, values, top_named, strict=True)], "refusal": None}
+        return self._arrays(pieces, values, top_named, log)
+
+    async def shape_prompt(self, ids: Sequence[int], scores: PromptLogprobs, log: ChoiceLog) -> dict[str, Any]:
+        """Completions logprobs of the echoed prompt *ids*, advancing *log*'s offset: the first token has
+        nothing before it, so its log-probability and alternatives are null (as OpenAI sends them)."""
+        values = [max(v, UNLIKELY) for v in scores.logprobs]
+        tops = [tuple((t, max(v, UNLIKELY)) for t, v in top) for top in scores.top_logprobs or ()] \
+            if self.alternatives else [() for _ in values]
+        pieces = await self.tokens.pieces(self.tokenizer, ids)
+        named = iter(await self.tokens.pieces(self.tokenizer, [t for top in tops for t, _ in top]))
+        first = self._arrays(pieces[:1], [0.0], [[]], log)
+        rest = self._arrays(pieces[1:], values, [[(next(named), v) for _, v in top] for top in tops], log)
+        return {"tokens": pieces, "token_logprobs": [None, *rest["token_logprobs"]],
+                "top_logprobs": [None, *rest["top_logprobs"]],
+                "text_offset": first["text_offset"] + rest["text_offset"]}
+
+    @staticmethod
+    def _arrays(pieces: list[str], values: list[float], top_named: list[list[tuple[str, float]]],
+                log: ChoiceLog) -> dict[str, Any]:
+        """Completions' four parallel arrays, advancing *log*'s offset past *pieces*."""
         offsets = []
         for piece in pieces:
             offsets.append(log.offset)
@@ -95,6 +124,13 @@ class LogprobShaper:
         # The chosen token is always listed (OpenAI's rule), after the alternatives if it is not one.
         top_maps = [{**dict(top), p: v} for p, v, top in zip(pieces, values, top_named, strict=True)]
         return {"tokens": pieces, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+
+
+def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two completions logprobs objects one after the other (the echoed prompt's, then the completion's)."""
+    if first is None or then is None:
+        return then or first
+    return {key: first[key] + then[key] for key in first}
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: Any,

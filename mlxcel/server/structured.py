@@ -1,10 +1,11 @@
 """Grammars for constrained decoding: ``response_format`` and forced tool calls, in llguidance's form.
 
-llguidance compiles a JSON schema into a grammar the engine's matcher
-follows token by token (:mod:`mlxcel.engine.grammar`). Here the HTTP layer
-builds that grammar and checks it before anything is submitted, so a schema
+llguidance compiles a JSON schema into a grammar, and the grammar into a
+matcher over the served vocabulary (:mod:`mlxcel.server.matchers`), which the
+engine follows token by token (:mod:`mlxcel.engine.grammar`). Both happen
+here, in the HTTP layer's threads, before anything is submitted: a schema
 llguidance cannot compile is a 400 naming the parameter, not a failed
-generation. No mlx here: llguidance's compiler needs no model.
+generation, and the engine's decode loop never waits on a compile. No mlx here.
 
 The JSON is compact (``","`` and ``":"``, no whitespace between tokens):
 a model under a grammar that allows free whitespace can spend its whole
@@ -18,16 +19,14 @@ from typing import Any
 
 import trio
 
+from .context import ServerContext
 from .errors import bad_request
+from .matchers import GrammarProblem, compile_matchers
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .tools import ToolProblem, ToolSetup, tool_setup
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """How the grammar spells JSON: one space after ``,`` and ``:``, none elsewhere (as ``json.dumps``)."""
-
-
-class GrammarProblem(ValueError):
-    """A schema llguidance cannot compile; the message says why."""
 
 
 def from_schema(schema: dict[str, Any]) -> str:
@@ -66,11 +65,12 @@ def required_calls_schema(functions: list[tuple[str, dict[str, Any] | None]], si
     return {"type": "array", "minItems": 1, **({"maxItems": 1} if single else {}), "items": {"anyOf": calls}}
 
 
-async def constraints(params: CompletionRequest | ChatCompletionRequest,
-                      tokenizer: Any) -> tuple[ToolSetup | None, str | None]:
-    """How the output is read for tool calls, and the grammar it must follow (``response_format``, a
-    forced tool call), if any. A bad combination, or a schema llguidance cannot compile, is a 400 on
-    the parameter that sent it."""
+async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: ServerContext,
+                      copies: int) -> tuple[ToolSetup | None, list[Any] | None]:
+    """How the output is read for tool calls, and *copies* matchers of the grammar it must follow
+    (``response_format``, a forced tool call; one per sequence), if any. A bad combination, a schema
+    llguidance cannot compile, or a tokenizer it cannot read is a 400 on the parameter that sent it."""
+    tokenizer = ctx.engine.tokenizer
     schema = params.response_format.target_schema() if params.response_format is not None else None
     param, setup = "response_format", None
     if isinstance(params, ChatCompletionRequest):
@@ -95,7 +95,8 @@ async def constraints(params: CompletionRequest | ChatCompletionRequest,
     if schema is None:
         return setup, None
     try:
-        return setup, await trio.to_thread.run_sync(from_schema, schema)
+        grammar = await trio.to_thread.run_sync(from_schema, schema)
+        return setup, await compile_matchers(grammar, copies, ctx.engine)
     except GrammarProblem as exc:
-        raise bad_request(f"{param}: the JSON schema cannot be used for constrained decoding: {exc}",
+        raise bad_request(f"{param}: constrained decoding cannot serve this request: {exc}",
                           param=param) from exc

@@ -89,7 +89,8 @@ async def test_values_the_engine_cannot_take_are_brought_into_range(llama: Path)
         for seed in (-1, -(2**63), 2**63 - 1):
             assert await text(temperature=1.0, seed=seed) == await text(temperature=1.0, seed=seed)
         # Harmless values of unsupported parameters, and bounds at their limit.
-        assert await text(temperature=0, top_logprobs=0, suffix="", presence_penalty=0.0, logit_bias={})
+        assert await text(temperature=0, top_logprobs=0, suffix="", presence_penalty=0.0, logit_bias={},
+                          modalities=["text"], audio=None, best_of=1)
         assert await text(temperature=0, stop=["\u00a7" * 1000] * 32) == greedy
         for path, prompt in (("/v1/completions", {"prompt": PROMPT}),
                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})):
