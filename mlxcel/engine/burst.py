@@ -153,8 +153,8 @@ class Burst:
         fed = [round_.next_input, *drafts[:accepted]]
         emitted = [*drafts[:accepted], last]
         if self.grammar is not None:
-            # Back to the drafts kept. More can be kept than consumed only past an end of sequence the
-            # grammar accepted (it stops there, and the sequence with it).
+            # Back to the drafts kept. More can be kept than consumed only from an end of sequence on: a
+            # stopped matcher consumes nothing more, and the sequence ends there.
             self.grammar.rollback(max(0, round_.grammar_consumed - accepted))
         self.target.rollback(cache, round_.verify, kept=accepted + 1)
         self.drafter.accept(round_.verify.hidden[:, :accepted + 1], mx.array([emitted]), drafted=width - 1)

@@ -67,15 +67,16 @@ class GrammarProcessor:
     def draft_masks(self, context: list[int], drafts: list[int], width: int) -> tuple[list[np.ndarray], int]:
         """The masks of a verify whose position i follows *context* + ``drafts[:i]``, as far as they matter.
 
-        Mask 0 is the one a classic step would apply after *context* (every
-        token so far, the round's input included). Each draft its position's
-        mask allows is consumed and the next position's mask computed. A draft
-        its mask forbids can never be the masked argmax nor be sampled from
-        the masked distribution, so the round keeps nothing past it: the
-        masks stop there (as they do once the matcher has stopped, where a
-        classic step masks nothing either). Returns the masks and how many
-        drafts the matcher consumed (every one up to the first forbidden one);
-        :meth:`rollback` takes back those the round did not keep.
+        Mask i is the one a classic step would apply after *context* (every
+        token so far, the round's input included) and ``drafts[:i]``: each
+        draft its position's mask allows is consumed and the next position's
+        mask computed. A draft its mask forbids can never be the masked argmax
+        nor be sampled from the masked distribution, so the round keeps
+        nothing past it: the masks stop there. They stop too where the
+        matcher has stopped (the grammar complete, or its end of sequence
+        consumed): from there a classic step masks nothing and consumes
+        nothing either. Returns the masks and how many drafts the matcher
+        consumed; :meth:`rollback` takes back those the round did not keep.
         """
         if self.matcher.is_stopped():
             return [], 0
@@ -83,12 +84,10 @@ class GrammarProcessor:
         masks = [self._allowed(width)]
         consumed = 0
         for draft in drafts:
-            if not masks[-1][draft]:
+            if self.matcher.is_stopped() or not masks[-1][draft]:
                 break
             self._consume([draft])
             consumed += 1
-            if self.matcher.is_stopped():
-                break
             masks.append(self._allowed(width))
         return masks, consumed
 
