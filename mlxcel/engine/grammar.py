@@ -99,7 +99,7 @@ class GrammarProcessor:
 
     @staticmethod
     def apply(allowed: np.ndarray, logits: mx.array) -> mx.array:
-        """*logits* with every token *allowed* (bool, the logits' width) does not hold at ``-inf``."""
+        """*logits* with every token that *allowed* (bools, the logits' width) excludes at ``-inf``."""
         return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
 
     def _consume(self, tokens: list[int]) -> None:
