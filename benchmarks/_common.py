@@ -22,6 +22,11 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / ".bench"
+NOTES_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
+                                                 "notes": {"type": "array", "items": {"type": "string"}}},
+                "required": ["title", "notes"], "additionalProperties": False}
+"""The constrained-decoding benchmarks' JSON schema: room for a long answer (a random model fills the
+strings until max_tokens)."""
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: int) -> None:
@@ -62,10 +67,10 @@ def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int 
     return directory
 
 
-def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy completion; its body."""
+def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy completion (with *extra* request fields); its body."""
     response = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
-                                                            "temperature": 0})
+                                                            "temperature": 0, **extra})
     response.raise_for_status()
     body: dict[str, Any] = response.json()
     return body

@@ -26,12 +26,9 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
+from benchmarks._common import NOTES_SCHEMA as SCHEMA  # noqa: E402
 from benchmarks._common import add_model_arguments, bench_model, decode_rate, median, server  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
-                                           "notes": {"type": "array", "items": {"type": "string"}}},
-          "required": ["title", "notes"], "additionalProperties": False}
-"""Room for a long answer: a random model fills the strings until max_tokens."""
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:"]
 
 

@@ -1,20 +1,27 @@
 """B=1 decode with the MTP burst pinned on vs off: same prompts, same run, two servers side by side.
 
-    python -m benchmarks.mtp_speedup [--drafter aligned --context 0.05] [--k 2 3 4]
+    python -m benchmarks.mtp_speedup [--drafter aligned --context 0.05] [--k 2 3 4] [--schema | --zero-bias]
 
 For each K: acceptance, mean accepted drafts per round, tokens per round, both
 decode rates (the server's own timings, median over the prompts, requests
-alternating between the two servers) and the ratio on / off.
+alternating between the two servers) and the ratio on / off. With
+``--schema`` every request (both sides) is constrained by
+the constrained-decoding benchmarks' JSON schema: the burst with the grammar
+at every verified position against classic decode with the grammar. With
+``--zero-bias`` every request carries ``logit_bias: {"0": 0}``: the logits
+processors' path, position by position, with the tokens (and so the
+acceptance) of a plain run, i.e. its overhead alone.
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from benchmarks._common import complete, decode_rate, median, mtp_model, server
+from benchmarks._common import NOTES_SCHEMA, complete, decode_rate, median, mtp_model, server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':"]
@@ -33,23 +40,32 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
+    processors = parser.add_mutually_exclusive_group()
+    processors.add_argument("--schema", action="store_true", help="every request under a JSON schema")
+    processors.add_argument("--zero-bias", action="store_true", help="every request with a logit bias of 0")
     args = parser.parse_args()
+    fields: dict[str, Any] = {}
+    if args.schema:
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES_SCHEMA}}
+    if args.zero_bias:
+        fields["logit_bias"] = {"0": 0}
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden)
     prompts = args.prompts.read_text().split("\n\n") if args.prompts else PROMPTS
     extra = dict(item.split("=", 1) for item in args.server_env)
-    print(f"model: {model.name}, {args.tokens} tokens, {len(prompts)} prompts")
+    print(f"model: {model.name}, {args.tokens} tokens, {len(prompts)} prompts"
+          f"{', under a JSON schema' if args.schema else ''}{', logit_bias 0' if args.zero_bias else ''}")
     print(f"{'K':>2} {'accept':>7} {'drafts/round':>12} {'tok/round':>9} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6}")
     for k in args.k:
         env = {**extra, "MLXCEL_DRAFT_BLOCK_SIZE": str(k)}
         with server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "0"}) as off, \
                 server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}) as on, \
                 httpx.Client(timeout=600) as client:
-            complete(client, off, "warm up", 8)
-            complete(client, on, "warm up", 8)
+            complete(client, off, "warm up", 8, **fields)
+            complete(client, on, "warm up", 8, **fields)
             off_rates, on_rates, proposed, accepted, rounds, emitted = [], [], 0, 0, 0, 0
             for prompt in prompts:
-                off_rates.append(decode_rate(complete(client, off, prompt, args.tokens)))
-                body = complete(client, on, prompt, args.tokens)
+                off_rates.append(decode_rate(complete(client, off, prompt, args.tokens, **fields)))
+                body = complete(client, on, prompt, args.tokens, **fields)
                 on_rates.append(decode_rate(body))
                 t = body["timings"]
                 proposed, accepted, rounds = proposed + t["draft_n"], accepted + t["draft_n_accepted"], \

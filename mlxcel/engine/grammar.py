@@ -4,11 +4,11 @@ A request with a grammar (``response_format``, a forced tool call) gets a
 :class:`GrammarProcessor` among its logits processors: before each sampling
 step it lets the matcher consume the tokens generated since its last call and
 sets every token the grammar forbids next to ``-inf``. Once the grammar is
-complete only the end-of-sequence tokens are allowed. Like every logits
-processor it makes the request decode classically (never the MTP burst), in
-solo decode and in the batch alike, and it moves with the sequence from one to
-the other: it reads the tokens from the context it is given, not from its own
-count of calls.
+complete only the end-of-sequence tokens are allowed. It moves with the
+sequence between solo decode, the batch and the MTP burst: it reads the tokens
+from the context it is given, not from its own count of calls. The burst asks
+for one mask per verify position at once (:meth:`GrammarProcessor.draft_masks`)
+and rolls the matcher back to the drafts it kept (:meth:`GrammarProcessor.rollback`).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int
         return f"llguidance cannot read this model's tokenizer: {exc}"
 
 
-
 class GrammarError(RuntimeError):
     """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar)."""
 
@@ -70,19 +69,62 @@ class GrammarProcessor:
         """Generated tokens the matcher has consumed."""
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
-        generated = tokens.shape[0] - self.prompt_length
         if self.matcher.is_stopped():
             # The grammar is complete and its end-of-sequence token sampled: the sequence is over, and
             # this is the step a pipelined decode path queues behind it, whose token is never used.
             return logits
+        generated = tokens.shape[0] - self.prompt_length
         if generated > self.consumed:
             new: list[int] = tokens[self.prompt_length + self.consumed:].tolist()  # type: ignore[assignment]
-            if not self.matcher.consume_tokens(new):
-                raise GrammarError(f"the output left its grammar: {self.matcher.get_error()}")
-            self.consumed = generated
+            self._consume(new)
+        return self.apply(self._allowed(logits.shape[-1]), logits)
+
+    def draft_masks(self, context: list[int], drafts: list[int], width: int) -> tuple[list[np.ndarray], int]:
+        """The masks of a verify whose position i follows *context* + ``drafts[:i]``, as far as they matter.
+
+        Mask i is the one a classic step would apply after *context* (every
+        token so far, the round's input included) and ``drafts[:i]``: each
+        draft its position's mask allows is consumed and the next position's
+        mask computed. A draft its mask forbids can never be the masked argmax
+        nor be sampled from the masked distribution, so the round keeps
+        nothing past it: the masks stop there. They stop too where the
+        matcher has stopped (the grammar complete, or its end of sequence
+        consumed): from there a classic step masks nothing and consumes
+        nothing either. Returns the masks and how many drafts the matcher
+        consumed; :meth:`rollback` takes back those the round did not keep.
+        """
+        if self.matcher.is_stopped():
+            return [], 0
+        self._consume(context[self.prompt_length + self.consumed:])
+        masks = [self._allowed(width)]
+        consumed = 0
+        for draft in drafts:
+            if self.matcher.is_stopped() or not masks[-1][draft]:
+                break
+            self._consume([draft])
+            consumed += 1
+            masks.append(self._allowed(width))
+        return masks, consumed
+
+    def rollback(self, count: int) -> None:
+        """Take back the last *count* tokens consumed (drafts the burst did not keep)."""
+        if count and not self.matcher.rollback(count):
+            raise GrammarError(f"the matcher cannot roll back {count} tokens: {self.matcher.get_error()}")
+        self.consumed -= count
+
+    @staticmethod
+    def apply(allowed: np.ndarray, logits: mx.array) -> mx.array:
+        """*logits* with every token that *allowed* (bools, the logits' width) excludes at ``-inf``."""
+        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+
+    def _consume(self, tokens: list[int]) -> None:
+        if tokens and not self.matcher.consume_tokens(tokens):
+            raise GrammarError(f"the output left its grammar: {self.matcher.get_error()}")
+        self.consumed += len(tokens)
+
+    def _allowed(self, width: int) -> np.ndarray:
+        """The tokens the grammar allows next, as a bool vector of the logits' *width*."""
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():
             raise GrammarError(f"the grammar cannot go on: {self.matcher.get_error()}")
-        width = logits.shape[-1]
-        allowed = np.unpackbits(words, bitorder="little")[:width].astype(np.bool_)
-        return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))
+        return np.unpackbits(words, bitorder="little")[:width].astype(np.bool_)

@@ -41,7 +41,7 @@ class SamplingParams:
     def has_processors(self) -> bool:
         """Whether the logits pass through processors (bias, penalties, a grammar) before sampling.
 
-        The MTP burst does not apply them, so such a request always decodes classically.
+        Every decode path applies them (the MTP burst at every verify position).
         """
         return bool(self.logit_bias) or self.repetition_penalty != 1.0 or bool(self.presence_penalty) \
             or bool(self.frequency_penalty) or self.grammar is not None

@@ -27,7 +27,8 @@ class Sequence:
     """What classic decode calls: the chain (with the test hook around it, if any)."""
     admitted: float
     processors: list[Callable[[Any, Any], Any]]
-    """mlx-lm's logits processors for its bias and penalties (empty: none); classic decode applies them."""
+    """mlx-lm's logits processors for its bias and penalties, then its grammar (empty: none); every decode
+    path applies them (solo, the batch, the burst)."""
     cached: int
     """Prompt tokens reused from the prefix cache."""
     solo: SoloDecoder | None = None

@@ -54,8 +54,8 @@ class SoloDecoder:
         self.tokens_in_cache = tokens_in_cache
         self.pending = pending
         self._before_step = before_step
-        assert not (processors and burst is not None), "the burst does not apply logits processors"
         self.processors = tuple(processors)
+        """Applied by classic steps; the burst, if any, applies the same ones at every verify position."""
         self._context: Any = None  # every token fed so far, on the device: what the processors read
         self._in_flight: tuple[Any, Any] | None = None
         self._round: PendingRound | None = None
@@ -187,7 +187,7 @@ class SoloDecoder:
         """Dispatch one speculative round of verify width *width* from the parked state."""
         assert self.parked and self.can_draft and self.burst is not None
         with mx.stream(self.stream):
-            self._round = self.burst.start_round(self.cache, self.next_input, width)
+            self._round = self.burst.start_round(self.cache, self.next_input, width, self.tokens_in_cache)
 
     def finish_round(self, count: bool = True) -> list[int]:
         """Read back the round in flight and park; the tokens it emits (1 to its width)."""
@@ -196,5 +196,6 @@ class SoloDecoder:
             fed, emitted = self.burst.finish_round(self._round, self.cache, count)
         self._round = None
         self.tokens_in_cache.extend(fed)
+        self._context = None  # the next classic step reads the processors' context from tokens_in_cache
         self.pending = [emitted[-1]]
         return emitted

@@ -124,9 +124,9 @@ class Worker(Admission):
 
     def _burst_allowed(self, request: GenerationRequest) -> bool:
         """The runtime gates of the B=1 burst, below the policy's live gate."""
-        # Logprobs come from classic decode; the burst does not apply logits processors (bias,
-        # penalties, a grammar), so a request with any decodes classically rather than ignore them.
-        return bool(self.policy.mtp_enabled) and not request.logprobs and not request.sampling.has_processors
+        # Logprobs come from classic decode. Logits processors (bias, penalties, a grammar) do not gate:
+        # the burst applies them at every verify position.
+        return bool(self.policy.mtp_enabled) and not request.logprobs
 
     def _loop(self) -> None:
         while True:
@@ -215,7 +215,7 @@ class Worker(Admission):
             chain = sequence.chain
             burst = Burst(speculation.target, speculation.drafter.new_sequence(cache), speculation.split,
                           SpeculativeSampler(chain) if chain is not None else None,
-                          before_verify=lambda: self._fault("verify", request))
+                          before_verify=lambda: self._fault("verify", request), processors=sequence.processors)
             sequence.burst = burst.stats
         return SoloDecoder(self.model, self.stream, sequence.sampler, cache, list(cached_tokens), list(rest), burst,
                            before_step=lambda: self._fault("solo_step", request), processors=sequence.processors)

@@ -1,4 +1,4 @@
-"""The OpenAI surface against references: shapes, n, logprobs, echo, bias, penalties, min-p, MTP gating.
+"""The OpenAI surface against references: shapes, n, logprobs, echo, bias, penalties, min-p, MTP.
 
 Every response here (and in every other server test) is also validated
 against OpenAI's OpenAPI schemas by the autouse fixture in ``conftest.py``.
@@ -235,26 +235,44 @@ async def test_bias_and_penalties_decode_as_mlx_lm_with_its_processors(llama: Pa
                            "plain": tokenizer.decode(plain)}
 
 
+MTP_PROCESSED = [
+    # (request parameters, mlx-lm's keywords): each changes the MTP target's 48 tokens (a presence or a
+    # frequency penalty alone does not; the repetition penalty, alone or chained with all the others, does).
+    ({"logit_bias": {"7": 5}}, {"logit_bias": {7: 5}}),
+    PROCESSED[2],
+    ({"repetition_penalty": 3.0, "repetition_context_size": 30, "presence_penalty": 2.0, "frequency_penalty": 2.0,
+      "logit_bias": {"9": -3}},
+     {"repetition_penalty": 3.0, "repetition_context_size": 30, "presence_penalty": 2.0, "frequency_penalty": 2.0,
+      "logit_bias": {9: -3}}),
+]
+
+
 @pytest.fixture(scope="module")
 def mtp_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_mtp_checkpoint(tmp_path_factory.mktemp("mtp") / "qwen35-partial", drafter="aligned",
                                 context_scale=0.05)
 
 
-async def test_processors_never_run_the_mtp_burst(mtp_target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_processors_run_in_the_mtp_burst_and_decode_as_mlx_lm(mtp_target: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bias or a penalty no longer keeps a request out of the burst, and its text is mlx-lm's own."""
+    tokenizer = _tokenizer(mtp_target)
+    prompt = tokenizer.encode(PROMPT)
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")  # the policy forced on: every eligible request bursts
     async with running_server(["--model", str(mtp_target), "--mtp"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
-        async def timings(**params: Any) -> dict[str, int]:
-            body = await _post(client, url, "/v1/completions", prompt=PROMPT, max_tokens=24, **params)
-            return dict(body["timings"])
+        async def completion(**params: Any) -> dict[str, Any]:
+            return await _post(client, url, "/v1/completions", prompt=prompt, max_tokens=48, **params)
 
-        assert (await timings(temperature=0))["draft_rounds"] > 0
-        # min-p is part of the sampling chain the burst's acceptance rule uses: it may burst.
-        assert (await timings(temperature=0.8, min_p=0.1, seed=1))["draft_rounds"] > 0
-        for params in ({"logit_bias": {"7": 5}}, {"presence_penalty": 1.0}, {"frequency_penalty": 0.5},
-                       {"repetition_penalty": 1.3}):
-            got = await timings(temperature=0, **params)
-            assert got["draft_rounds"] == got["draft_n"] == 0, params
+        assert (await completion(temperature=0))["timings"]["draft_rounds"] > 0
+        # min-p is part of the sampling chain the burst's acceptance rule uses: it bursts too.
+        assert (await completion(temperature=0.8, min_p=0.1, seed=1))["timings"]["draft_rounds"] > 0
+        plain = _reference(mtp_target, prompt, 48)
+        for params, keywords in MTP_PROCESSED:
+            expected = _reference(mtp_target, prompt, 48, **keywords)
+            assert expected != plain, params  # the processor changes this output
+            body = await completion(temperature=0, **params)
+            assert body["timings"]["draft_rounds"] > 0, params
+            assert body["choices"][0]["text"] == tokenizer.decode(expected), params
         policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
         assert policy["mtp_enabled"] is True

@@ -1,4 +1,4 @@
-"""Structured output: ``response_format`` under llguidance's grammar, solo, batched and beside MTP.
+"""Structured output: ``response_format`` under llguidance's grammar, solo, batched and in the MTP burst.
 
 The oracle for "valid" is ``jsonschema`` (the suite's validator), not the
 grammar library: a random model's output must parse as JSON and match the
@@ -138,8 +138,7 @@ async def test_constrained_requests_with_mtp_forced_on_match_mtp_off(mtp_target:
             free = await _chat(client, url, max_tokens=16)
             person = await _chat(client, url, response_format=AS_PERSON)
             outputs[mtp] = person["choices"][0]["message"]["content"]
-            if mtp:
-                assert free["timings"]["draft_rounds"] > 0  # the burst really runs here
-                assert person["timings"]["draft_rounds"] == person["timings"]["draft_n"] == 0
+            if mtp:  # both run the burst, the constrained one with its grammar at every verified position
+                assert free["timings"]["draft_rounds"] > 0 and person["timings"]["draft_rounds"] > 0
             _person(person)
     assert outputs[True] == outputs[False]
