@@ -1,7 +1,7 @@
 """MTP efficiency at a realistic size: the burst's measured speedup against its ideals, and where a round goes.
 
     python -m benchmarks.mtp_efficiency [--layers 24 --hidden 1024] [--k 2 3 4] [--tokens 48] [--chunk 12]
-                                        [--contexts 0.0 0.003 0.01] [--passes 3]
+                                        [--contexts 0.0 0.001 0.003] [--passes 3]
 
 In process, no server: the engine's own pieces (``SoloDecoder``, ``Burst``, the Qwen 3.5 target
 adapter and its in-checkpoint head, loaded as the worker loads them, on a stream of their own), and
@@ -265,10 +265,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--tokens", type=int, default=48, help="tokens a sequence decodes on each side, per pass")
-    parser.add_argument("--chunk", type=int, default=12, help="tokens a side decodes before the next side's turn")
-    parser.add_argument("--contexts", type=float, nargs="+", default=[0.0, 0.003, 0.01])
+    parser.add_argument("--chunk", type=int, default=12, help="tokens a side decodes before the next side's turn "
+                        "(a multiple of every K, or rounds narrow at each chunk's end)")
+    parser.add_argument("--contexts", type=float, nargs="+", default=[0.0, 0.001, 0.003],
+                        help="target context scales (at 24 x 1024: acceptance ~1.0, ~0.9, ~0.35-0.7)")
     parser.add_argument("--passes", type=int, default=3)
     args = parser.parse_args()
+    if args.chunk < 2 or args.tokens < args.chunk:
+        parser.error("--chunk must be at least 2 and --tokens at least --chunk")
     print(f"BLAS: {BLAS}; {args.tokens} tokens a sequence in chunks of {args.chunk}, {args.passes} passes, medians")
     for context in args.contexts:
         path = mtp_model("aligned", context, args.layers, args.hidden)
