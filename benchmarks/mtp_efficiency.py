@@ -211,8 +211,8 @@ class SyncTimedBurst(Burst):
 
     stages: Stages
 
-    def start_round(self, cache: list[Any], next_input: int, width: int) -> Any:
-        pending = super().start_round(cache, next_input, width)
+    def start_round(self, *args: Any, **kwargs: Any) -> Any:  # whatever the burst's own start_round takes
+        pending = super().start_round(*args, **kwargs)
         self.stages.timed("sync", [pending.drafts, pending.last])
         return pending
 
