@@ -148,9 +148,9 @@ def measure(paths: list[Path], tokens: int, rounds: int) -> list[dict[str, objec
         rates: dict[str, list[float]] = {"bandwidth": [], "mlxcel": [], "mlx_lm": [], "mlx_lm_server": []}
         with server(path, "--parallel", "1") as ours, mlx_lm_server(path) as theirs, \
                 httpx.Client(timeout=900) as client:
-            stream_rate(client, ours, 4)
-            stream_rate(client, theirs, 4)
-            mlx_lm_rate(loaded, 4)
+            stream_rate(client, ours, 16)  # warm up every side (a stream of 4 may hold back all its text)
+            stream_rate(client, theirs, 16)
+            mlx_lm_rate(loaded, 16)
             for _ in range(rounds):
                 rates["bandwidth"].append(read_bandwidth(buffer))
                 rates["mlxcel"].append(stream_rate(client, ours, tokens))

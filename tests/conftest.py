@@ -43,6 +43,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     it and sets ``MLXCEL_REQUIRE_OPENBLAS=1``, so there those tests fail rather
     than silently disappear.
     """
+    if item.get_closest_marker("requires_mkl") is not None:
+        from mlxcel.blas import mkl_library
+
+        if mkl_library() is None:
+            if os.environ.get("MLXCEL_REQUIRE_OPENBLAS") == "1":
+                pytest.fail("MLXCEL_REQUIRE_OPENBLAS=1 but the mkl wheel is not installed (the dev extra "
+                            "installs it on Linux x86_64)", pytrace=False)
+            pytest.skip("needs the mkl wheel (pip install 'mlxcel[mkl]')")
     if item.get_closest_marker("requires_openblas") is None or blas_kind() == "openblas":
         return
     if os.environ.get("MLXCEL_REQUIRE_OPENBLAS") == "1":

@@ -118,13 +118,33 @@ def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _splits(model: Any, block_size: int) -> tuple[Split, ...]:
+    """The splits to try, cheapest first. ``rows`` only when some matmul shape of *model* multiplies
+    2..K rows inexactly here (else it is ``wide``), and before ``half`` when it is the cheaper one on a
+    bandwidth-bound machine: the split shapes' share of the weights read K times instead of once,
+    against every weight read twice. ``half`` only from K = 3 (at K = 2 it is the chain itself)."""
+    from ..models.row_exact import measure
+
+    inexact, share = measure(model, block_size)
+    order: list[Split] = ["wide"]
+    if inexact and share * (block_size - 1) < 1:
+        order.append("rows")
+    if block_size > 2:
+        order.append("half")
+    if inexact and "rows" not in order:
+        order.append("rows")
+    assert set(order) <= set(SPLITS)
+    return tuple(order)
+
+
 def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, block_size: int, vocab: int,
                     context_length: int, seed: int = 0, check: Callable[[], None] | None = None) -> ProbeResult:
     """The first verify split under which the burst is byte-identical to classic decode, if any.
 
     *model* is the served mlx-lm model (``model(tokens, cache=...)`` is classic
-    decode); *target* its speculative adapter. At K = 2 there is only one split
-    (half of two is one token, which is the chain itself), so only ``wide`` is tried. *check* runs
+    decode); *target* its speculative adapter. The splits are tried cheapest first (:func:`_splits`);
+    at K = 2 ``half`` is the chain itself, and ``rows`` is ``wide`` when no matmul shape of *model*
+    multiplies rows inexactly here, so either may be left out. *check* runs
     before each starting state is built and each split is tried, and may raise to abandon the probe.
     """
     check = check or (lambda: None)
@@ -137,7 +157,7 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
         check()
         cases.append(_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
                            rng.integers(0, vocab, size=block_size).tolist()))
-    splits = SPLITS if block_size > 2 else SPLITS[:1]
+    splits = _splits(model, block_size)
     failures = []
     for split in splits:
         found = None

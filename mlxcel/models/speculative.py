@@ -18,22 +18,31 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
-Split = Literal["wide", "half"]
-"""How a verify block is computed: one K-wide forward, or two of at most ceil(K/2) tokens."""
-SPLITS: tuple[Split, ...] = ("wide", "half")
+Split = Literal["wide", "rows", "half"]
+"""How a verify block is computed: one K-wide forward; the same with the matmuls this BLAS multiplies
+inexactly done a row at a time (:mod:`.row_exact`); or two forwards of at most ceil(K/2) tokens."""
+SPLITS: tuple[Split, ...] = ("wide", "rows", "half")
 DESCRIBE: dict[Split, str] = {
     "wide": "one K-wide verify forward",
+    "rows": "row-split verify (one K-wide forward, the matmuls whose multi-row products differ on this BLAS a row "
+            "at a time)",
     "half": "half-width verify (the K-wide block in two forwards of at most ceil(K/2) tokens)",
 }
 
 
 def split_forward(forward: Callable[[Any, list[Any]], tuple[Any, Any]], tokens: Any, cache: list[Any],
                   split: Split) -> tuple[Any, Any]:
-    """*forward* (tokens, cache) -> (logits, hidden) over a verify block under *split*: one forward, or
-    (``half``, blocks of three or more) two of at most ceil(K/2) tokens, their outputs joined."""
+    """*forward* (tokens, cache) -> (logits, hidden) over a verify block under *split*: one forward
+    (``wide``; ``rows``, with :func:`.row_exact.rows_apart`), or (``half``, blocks of three or more) two
+    of at most ceil(K/2) tokens, their outputs joined."""
     import mlx.core as mx
 
     width = tokens.shape[1]
+    if split == "rows":
+        from .row_exact import rows_apart
+
+        with rows_apart():
+            return forward(tokens, cache)
     if split == "wide" or width <= 2:
         return forward(tokens, cache)
     half = (width + 1) // 2

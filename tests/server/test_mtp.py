@@ -225,62 +225,60 @@ async def test_sampled_requests_burst_and_logprob_requests_run_classic_decode(
         assert last["timings"]["draft_n"] >= last["timings"]["draft_n_accepted"]
 
 
-@pytest.mark.requires_openblas  # the inexact pairing needs it; CI requires it
-async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
-                                             caplog: pytest.LogCaptureFixture) -> None:
-    """A genuinely inexact pairing: OpenBLAS multiplies 4+ rows with another kernel than 1-3 rows, so an
-    8-wide verify (and its two 4-wide halves) is not byte-identical to the single-token chain."""
+@pytest.mark.requires_mkl  # the inexact pairing needs it; CI installs it
+@pytest.mark.slow
+def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], tmp_path: Path) -> None:
+    """A genuinely inexact pairing: under MKL a verify's attention over 2+ queries is not the one-query
+    attention of classic decode, so no split (wide, row-split products, halves) is byte-identical to the
+    single-token chain. A BLAS is chosen per process: the servers run in their own."""
+    from tests.server.conftest import serve_subprocess
+
     model = mtp_models["partial"]
-    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "8")
-    with caplog.at_level(logging.WARNING, logger="mlxcel"):
-        async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=60) as client:
-            policy = await _policy(client, url)
-            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    env = {"MLXCEL_BLAS": "mkl", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+
+    def serve(log: Path, **extra: str) -> tuple[dict[str, object], dict[str, object], str]:
+        with serve_subprocess(["--model", str(model), "--mtp"], {**env, **extra}, log) as url:
+            policy = httpx.get(f"{url}/v1/internal/mtp-policy", timeout=10).json()
+            validate_wire(policy)
+            body = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 30,
+                                                             "temperature": 0}, timeout=120).json()
+        return policy, body["timings"], log.read_text()
+
+    policy, timings, log = serve(tmp_path / "declined.log")
     detail = policy["decline_detail"]
     assert isinstance(detail, str) and detail.startswith("With one K-wide verify forward, a width-")
     assert "; with half-width verify (the K-wide block in two forwards" in detail
+    assert "; with row-split verify (one K-wide forward, the matmuls" in detail
     assert policy == {**policy, "schema_version": 1, "state": "exactness_declined", "reason": None,
                       "verdict": None, "mtp_enabled": False, "target": model.name, "drafter": f"{model.name}#mtp",
-                      "block_size": 8, "acceptance_rate": None, "samples": 0, "samples_required": 4,
+                      "block_size": 4, "acceptance_rate": None, "samples": 0, "samples_required": 4,
                       "samples_remaining": None, "estimated_speedup": None, "gpu_vendor": "Unknown"}
+    assert str(policy["hardware"]).startswith("cpu-mkl-")
     assert timings["draft_n"] == 0  # type: ignore[index]  # served by classic decode
-    assert [r.getMessage() for r in caplog.records if "declined" in r.getMessage()] == [
-        f"MTP exactness probe declined the pairing: {detail}"]
+    assert f"MTP exactness probe declined the pairing: {detail}" in log
 
     # Pinned on, the policy does not decline, so the worker says itself that no burst will run.
-    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mlxcel"):
-        async with running_server(["--model", str(model), "--mtp"]) as url, \
-                httpx.AsyncClient(timeout=60) as client:
-            pinned = await _policy(client, url)
-            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    pinned, timings, log = serve(tmp_path / "pinned.log", MLXCEL_ENABLE_MTP_B1="1")
     assert (pinned["state"], pinned["mtp_enabled"], timings["draft_rounds"]) == ("forced", True, 0)  # type: ignore[index]
-    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
-        f"MTP exactness probe vetoed the burst (MTP is forced, so no burst will run): {detail}"]
-    monkeypatch.delenv("MLXCEL_ENABLE_MTP_B1")
+    assert f"MTP exactness probe vetoed the burst (MTP is forced, so no burst will run): {detail}" in log
 
-    monkeypatch.setenv("MLXCEL_MTP_ALLOW_INEXACT", "1")
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="mlxcel"):
-        async with running_server(["--model", str(model), "--mtp"]) as url, \
-                httpx.AsyncClient(timeout=60) as client:
-            allowed = await _policy(client, url)
-            timings = (await _complete(client, url, PROMPTS[0], 30))["timings"]
+    allowed, timings, log = serve(tmp_path / "allowed.log", MLXCEL_MTP_ALLOW_INEXACT="1")
     assert allowed["state"] == "profiling" and timings["draft_rounds"] > 0  # type: ignore[index,operator]
-    assert any("byte identity is forfeited" in r.getMessage() for r in caplog.records)
+    assert "byte identity is forfeited" in log
 
 
 @pytest.mark.requires_openblas  # the retry path needs it; CI requires it
-async def test_probe_retries_with_half_width_verify(mtp_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_probe_retries_with_a_split_verify(mtp_models: dict[str, Path], caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenBLAS multiplies some of this pairing's shapes with another kernel for 2+ rows: the wide
+    verify is inexact, and the probe goes on to the row-split one, which is exact."""
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "4")
     with caplog.at_level(logging.INFO, logger="mlxcel"):
         async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
                 httpx.AsyncClient() as client:
             policy = await _policy(client, url)
     assert policy["state"] == "profiling"
-    assert any("with half-width verify" in r.getMessage() for r in caplog.records)
+    assert any("byte-identical to classic decode with row-split verify" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.slow

@@ -1,0 +1,75 @@
+"""A verify's matmuls a row at a time, only where this process's BLAS needs it for exactness.
+
+A BLAS picks its kernel by the shape of a product: for some weight shapes the
+rows of a K-row ``x @ W.T`` are not bit for bit the 1-row products classic
+decode computes (OpenBLAS here: the 512 x 1024 and 64 x 1024 products of a
+1024-wide Qwen 3.5, docs/blas.md), so the whole K-wide verify is inexact. The
+``rows`` verify split runs the same K-wide forward with just those products
+done one row at a time: exact where they were the only cause, and on a
+bandwidth-bound machine nearly as cheap as the wide verify, since the other
+weights are still read once (the half split reads all of them twice).
+
+Which shapes need it is measured once per process (:func:`measure`), with the
+model's own weights and random rows: a kernel's summation order does not depend
+on the values, so a product that differs once differs for almost any input. The exactness probe still
+judges the whole verify. Worker thread only (the patch is process-wide while a
+``rows`` verify builds its graph, and only the worker builds graphs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+_split: frozenset[tuple[int, int]] = frozenset()
+"""The (out, in) weight shapes a ``rows`` verify multiplies a row at a time."""
+
+
+def measure(model: Any, max_rows: int) -> tuple[frozenset[tuple[int, int]], float]:
+    """The float weight shapes of *model*'s linear layers (and tied embeddings) whose 2..*max_rows*-row
+    products differ from 1-row ones, and their share of those layers' bytes. Sets them for :func:`rows_apart`."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    global _split
+    sizes: dict[tuple[int, int], int] = {}
+    weights: dict[tuple[int, int], Any] = {}
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating):
+            shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
+            sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
+            weights.setdefault(shape, module.weight)  # the model's own: no copy of a large head
+    inexact = set()
+    for shape, weight in weights.items():
+        rows = mx.random.normal((max_rows, shape[1]), key=mx.random.key(0)).astype(weight.dtype)
+        single = mx.concatenate([rows[i:i + 1] @ weight.T for i in range(max_rows)])
+        if any(not bool(mx.array_equal(rows[:m] @ weight.T, single[:m]).item()) for m in range(2, max_rows + 1)):
+            inexact.add(shape)
+    _split = frozenset(inexact)
+    total = sum(sizes.values())
+    return _split, (sum(sizes[s] for s in inexact) / total if total else 0.0)
+
+
+@contextmanager
+def rows_apart() -> Iterator[None]:
+    """While open, linear layers (and tied-embedding heads) of the measured shapes multiply one row at a time."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    linear, as_linear = nn.Linear.__call__, nn.Embedding.as_linear
+
+    def by_rows(original: Any) -> Any:
+        def call(self: Any, x: Any) -> Any:
+            if x.ndim < 2 or x.shape[-2] < 2 or tuple(self.weight.shape) not in _split:
+                return original(self, x)
+            return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(x.shape[-2])], axis=-2)
+        return call
+
+    nn.Linear.__call__ = by_rows(linear)  # type: ignore[method-assign]
+    nn.Embedding.as_linear = by_rows(as_linear)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Linear.__call__ = linear  # type: ignore[method-assign]
+        nn.Embedding.as_linear = as_linear  # type: ignore[method-assign]
