@@ -1,6 +1,6 @@
 """B=1 classic decode against the memory-bandwidth ceiling, at realistic sizes, fp32 and 4-bit.
 
-    python -m benchmarks.bandwidth [--sizes 0.5 1 2] [--blas openblas mkl] [--tokens 64] [--rounds 3]
+    python -m benchmarks.bandwidth [--sizes 0.5 1 2] [--blas openblas openblas:2 mkl] [--tokens 64] [--rounds 3]
 
 A B=1 decode step reads every weight once (the embedding table aside: one row
 of it), so it cannot beat ``read bandwidth / bytes per token``. For each BLAS
@@ -167,7 +167,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="fp32 GB")
     parser.add_argument("--bits", nargs="+", default=["fp32", "4bit"], choices=["fp32", "4bit"])
-    parser.add_argument("--blas", nargs="+", default=["openblas", "mkl"], help="MLXCEL_BLAS values")
+    parser.add_argument("--blas", nargs="+", default=["openblas", "mkl"],
+                        help="MLXCEL_BLAS values, each optionally :THREADS (openblas:2)")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -184,7 +185,10 @@ def main() -> None:
     print(f"{'BLAS':<9} {'model':<22} {'GB/token':>8} {'read GB/s':>9} {'ceiling':>8} {'mlxcel':>7} "
           f"{'of ceil':>7} {'mlx-lm':>7} {'of ceil':>7} {'mlx-lm srv':>10} {'/mlx-lm':>7} {'/mlx-lm srv':>11}")
     for blas in args.blas:
-        blas_env = {**os.environ, "MLXCEL_BLAS": "auto" if blas == "openblas" else blas}
+        name, _, threads = blas.partition(":")  # NAME[:THREADS], e.g. openblas:2
+        blas_env = {**os.environ, "MLXCEL_BLAS": "auto" if name == "openblas" else name}
+        if threads:
+            blas_env["MKL_NUM_THREADS" if name == "mkl" else "OPENBLAS_NUM_THREADS"] = threads
         child = subprocess.run([sys.executable, "-m", "benchmarks.bandwidth", "--child", json.dumps(
             [str(p) for p in paths]), "--tokens", str(args.tokens), "--rounds", str(args.rounds)],
             env=blas_env, capture_output=True, text=True)

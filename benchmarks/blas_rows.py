@@ -26,11 +26,12 @@ SHAPES = [(1024, 1024), (256, 1024), (3072, 1024), (1024, 3072)]
 
 
 def measure(rows: list[int]) -> dict[str, object]:
-    import mlx.core as mx
-
     from mlxcel.blas import load_fast_blas
 
-    described = load_fast_blas()
+    described = load_fast_blas()  # before mlx loads, or mlx keeps its bundled BLAS
+
+    import mlx.core as mx
+
     mx.random.seed(0)
     layer_bytes = 4 * sum(o * i for o, i in SHAPES)
     weights = [mx.random.normal(shape) for _ in range(max(1, (1 << 29) // layer_bytes)) for shape in SHAPES]
