@@ -20,9 +20,10 @@ from .context import ServerContext, at_request_end
 from .errors import ApiError, bad_request, finish_error, unavailable
 from .fanin import fan_in
 from .matchers import token_bytes
+from .prompts import prompt_tokens, too_long
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
-from .tools import ToolCallReader, ToolSetup, template_messages
+from .tools import ToolCallReader, ToolSetup
 from .wire import json_body, replayed, sse
 
 
@@ -82,10 +83,10 @@ class _Generation:
         self.tools, matchers = await structured.constraints(params, self.ctx, candidates)
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
-        tokens = await self._prompt_tokens(params, limits, requested or 1)
+        tokens = await prompt_tokens(self.ctx, params, limits, requested or 1, self.tools)
         room = options.context_length - len(tokens)
         if room <= 0 or (requested is not None and requested > room):
-            raise self._too_long(f"{len(tokens)}", requested or 1)
+            raise too_long(self.ctx, self.chat, f"{len(tokens)}", requested or 1)
         logprobs = (params.logprobs is True) if isinstance(params, ChatCompletionRequest) \
             else params.logprobs is not None
         ranked = candidates > params.n  # ranking needs every candidate's log-probabilities
@@ -170,62 +171,6 @@ class _Generation:
 
         at_request_end(release)
         return limits
-
-    def _too_long(self, prompt: str, completion: int) -> ApiError:
-        return bad_request(
-            f"this model's maximum context length is {self.ctx.options.context_length} tokens, but the "
-            f"request needs {prompt} for the prompt and {completion} for the completion",
-            param="messages" if self.chat else "prompt", code="context_length_exceeded")
-
-    async def _encode(self, text: str, completion: int, **kwargs: Any) -> list[int]:
-        """*text*'s tokens, refusing it by its length alone when it cannot fit the context."""
-        tokenizer, tokens = self.ctx.engine.tokenizer, self.ctx.tokens
-        if len(text) > self.ctx.options.context_length:  # each token covers at least one character
-            least = await tokens.min_tokens(tokenizer, text)
-            if least + completion > self.ctx.options.context_length:
-                raise self._too_long(f"at least {least}", completion)
-        # The text is UTF-8 without lone surrogates (checked with the body): if the tokenizer still
-        # fails, that is the server's fault, a 500.
-        return await tokens.encode(tokenizer, text, **kwargs)
-
-    async def _prompt_tokens(self, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
-                             completion: int) -> list[int]:
-        tokenizer = self.ctx.engine.tokenizer
-        if isinstance(params, ChatCompletionRequest):
-            messages = template_messages(params.messages)
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-            # tool_choice "none" renders no tools: the model is not told of calls it may not make.
-            tools = self.tools.tools if self.tools is not None else None
-
-            def render() -> str:
-                return str(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                         tokenize=False))
-
-            try:
-                text = await self.ctx.tokens.run(render)
-            except Exception as exc:  # a template that rejects these messages
-                raise bad_request(f"the chat template cannot render these messages: {exc}",
-                                  param="messages") from exc
-            # What apply_chat_template(tokenize=True) does, in two steps so the length bound comes first.
-            return await self._encode(text, completion, add_special_tokens=False)
-        prompt: str | list[int] | list[str] = params.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            if len(prompt) != 1:
-                raise bad_request("only one prompt per request is supported", param="prompt",
-                                  code="unsupported_parameter")
-            prompt = str(prompt[0])
-        if isinstance(prompt, str):
-            if not prompt:
-                raise bad_request("the prompt is empty", param="prompt")
-            return await self._encode(prompt, completion)
-        if len(prompt) + completion > self.ctx.options.context_length:  # before looking at every id
-            raise self._too_long(f"{len(prompt)}", completion)
-        rows = limits.embedding_size
-        if not prompt or any(not isinstance(t, int) or not 0 <= t < rows for t in prompt):
-            raise bad_request(f"prompt token ids must be a non-empty list of integers from 0 to {rows - 1}",
-                              param="prompt")
-        return list(prompt)  # type: ignore[arg-type]
 
     # -- shapes ------------------------------------------------------------------
 
