@@ -103,29 +103,19 @@ def stream_rate(client: object, url: str, tokens: int) -> float:
 @contextmanager
 def mlx_lm_server(path: Path) -> Iterator[str]:
     """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
-    import httpx
 
     from benchmarks._common import BENCH_DIR
-    from tests.server.conftest import free_port
+    from tests.server.conftest import free_port, wait_healthy
 
     port = free_port()
     code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
             "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; runpy.run_module('mlx_lm.server', run_name='__main__')")
-    log = (BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log").open("w")
-    with subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port", str(port)],
-                          stdout=log, stderr=subprocess.STDOUT) as process:
+    log = BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log"
+    with log.open("w") as out, subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port",
+                                                 str(port)], stdout=out, stderr=subprocess.STDOUT) as process:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 900
-            while True:
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"mlx_lm.server did not start: see {log.name}")
-                time.sleep(0.2)
+            wait_healthy(url, process, 900, log)  # big models load for minutes
             yield url
         finally:
             process.terminate()

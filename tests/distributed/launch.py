@@ -6,14 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-import httpx
-
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, wait_healthy
 
 #: mlx's launcher, installed beside the interpreter.
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
@@ -33,15 +30,7 @@ def launched(model: Path, mode: str, log: Path, *extra: str) -> Iterator[tuple[s
                                                  start_new_session=True) as launcher:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.1)
+            wait_healthy(url, launcher, 120, log)
             yield url, launcher
         finally:
             # Whatever is left of the launcher's session (a test that failed midway, a rank that hung).

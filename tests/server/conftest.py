@@ -172,12 +172,26 @@ async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.Sock
     return stream
 
 
+def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: Path) -> None:
+    """Until *url*'s ``/health`` answers 200; an AssertionError with *log* if *process* exits or *timeout* passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
 @contextmanager
 def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120) -> Iterator[str]:
     """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
     import os
     import signal
-    import time
 
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
@@ -185,15 +199,7 @@ def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_
             stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + start_timeout
-            while True:
-                try:
-                    if httpx.get(f"{url}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-                time.sleep(0.05)
+            wait_healthy(url, process, start_timeout, log)
             yield url
         finally:
             process.send_signal(signal.SIGTERM)
