@@ -8,10 +8,15 @@ of it), so it cannot beat ``read bandwidth / bytes per token``. For each BLAS
 model, the rounds interleave: the machine's read bandwidth (numpy sum over 1 GiB,
 one thread, as a decode step's matmuls run on one BLAS thread), mlx-lm
 ``stream_generate``'s decode rate in this process, and two servers' as their
-streaming client sees it (first token to last): ``mlxcel serve`` and
+streaming client sees it (:func:`stream_rate`): ``mlxcel serve`` and
 ``mlx_lm.server``, the latter started with the same BLAS loaded first.
 Printed: the ceiling, each side as a fraction of it, mlxcel serve / mlx-lm
-``stream_generate`` and mlxcel serve / ``mlx_lm.server``.
+``stream_generate`` and mlxcel serve / ``mlx_lm.server``. And the *products*
+rate: the model's own linear layers run once each on one row, in one graph,
+through mlx (its BLAS, or its quantized kernel): what a step would cost if it
+were nothing but its weight products. ceiling / products is how well the
+kernel streams these shapes; products / mlxcel is everything else in a step
+(norms, RoPE, attention, dispatch), the most ``mx.compile`` could win back.
 The models are random-weight llamas (hidden 1024, the layer count chosen for
 the size; 4-bit by mlx-lm's own ``convert``), built once into ``.bench/``.
 """
@@ -54,6 +59,35 @@ def bytes_per_token(model: object) -> int:
     return total
 
 
+def products_rate(model: object) -> float:
+    """Steps/s of the model's weight products alone: each linear layer (the tied head too) on one row."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    layers = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]  # type: ignore[attr-defined]
+    heads = [] if any(name.endswith("lm_head") for name, _ in model.named_modules()) else [  # type: ignore[attr-defined]
+        m for name, m in model.named_modules() if isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))]  # type: ignore[attr-defined]
+
+    def width(layer: object) -> int:
+        weight = layer.weight  # type: ignore[attr-defined]
+        bits = getattr(layer, "bits", None)
+        return int(weight.shape[1] * 32 // bits) if bits else int(weight.shape[1])
+
+    inputs = [mx.random.normal((1, 1, width(layer))) for layer in layers + heads]
+    mx.eval(inputs)
+
+    def once() -> float:
+        start = time.perf_counter()
+        outputs = [layer(x) for layer, x in zip(layers, inputs, strict=False)]
+        outputs += [head.as_linear(x)  # type: ignore[attr-defined]
+                    for head, x in zip(heads, inputs[len(layers):], strict=True)]
+        mx.eval(outputs)
+        return time.perf_counter() - start
+
+    once()
+    return 1.0 / min(once() for _ in range(5))
+
+
 def models(sizes: list[float], bits: list[str]) -> list[Path]:
     from benchmarks._common import BENCH_DIR, bench_model
 
@@ -80,24 +114,27 @@ def mlx_lm_rate(loaded: tuple[object, object], max_tokens: int) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
-def stream_rate(client: object, url: str, tokens: int) -> float:
-    """Client-observed decode rate of one greedy streamed completion: (tokens - 1) / (first to last text)."""
-    times = []
+def _streamed(client: object, url: str, tokens: int) -> tuple[int, float]:
+    """(completion tokens, seconds from request to last chunk) of one greedy streamed completion."""
+    count, started = 0, time.perf_counter()
     with client.stream("POST", f"{url}/v1/completions", json={  # type: ignore[attr-defined]
             "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}) as response:
-        count = 0
         for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                times.append(time.perf_counter())
-            if chunk.get("usage"):
-                count = chunk["usage"]["completion_tokens"]
-    if count < 2 or len(times) < 2:
-        raise RuntimeError(f"{url}: the stream produced too few tokens to time")
-    return (count - 1) / (times[-1] - times[0])
+            if line.startswith("data: {") and (usage := json.loads(line[6:]).get("usage")):
+                count = usage["completion_tokens"]
+    return count, time.perf_counter() - started
+
+
+def stream_rate(client: object, url: str, tokens: int) -> float:
+    """Client-observed decode rate: the extra tokens of a *tokens*-long streamed completion over a
+    quarter-length one, per extra second. The difference cancels the prompt and the first token, and
+    counts tokens, not text chunks: a random model's byte tokens can hold its text back for a dozen
+    tokens, so timing from the first text chunk overstates the rate."""
+    short, full = _streamed(client, url, max(2, tokens // 4)), _streamed(client, url, tokens)
+    if full[0] - short[0] < 2:
+        raise RuntimeError(f"{url}: the streams stopped early ({short[0]} and {full[0]} tokens)")
+    return (full[0] - short[0]) / (full[1] - short[1])
 
 
 @contextmanager
@@ -135,14 +172,16 @@ def measure(paths: list[Path], tokens: int, rounds: int) -> list[dict[str, objec
     for path in paths:
         loaded = load(str(path))
         per_token = bytes_per_token(loaded[0])
-        rates: dict[str, list[float]] = {"bandwidth": [], "mlxcel": [], "mlx_lm": [], "mlx_lm_server": []}
+        rates: dict[str, list[float]] = {"bandwidth": [], "products": [], "mlxcel": [], "mlx_lm": [],
+                                         "mlx_lm_server": []}
         with server(path, "--parallel", "1") as ours, mlx_lm_server(path) as theirs, \
                 httpx.Client(timeout=900) as client:
-            stream_rate(client, ours, 16)  # warm up every side (a stream of 4 may hold back all its text)
+            stream_rate(client, ours, 16)  # warm up every side
             stream_rate(client, theirs, 16)
             mlx_lm_rate(loaded, 16)
             for _ in range(rounds):
                 rates["bandwidth"].append(read_bandwidth(buffer))
+                rates["products"].append(products_rate(loaded[0]))
                 rates["mlxcel"].append(stream_rate(client, ours, tokens))
                 rates["mlx_lm"].append(mlx_lm_rate(loaded, tokens))
                 rates["mlx_lm_server"].append(stream_rate(client, theirs, tokens))
@@ -172,8 +211,9 @@ def main() -> None:
         print(json.dumps(measure(paths, args.tokens, args.rounds)))
         return
     paths = models(args.sizes, args.bits)
-    print(f"{'BLAS':<9} {'model':<22} {'GB/token':>8} {'read GB/s':>9} {'ceiling':>8} {'mlxcel':>7} "
-          f"{'of ceil':>7} {'mlx-lm':>7} {'of ceil':>7} {'mlx-lm srv':>10} {'/mlx-lm':>7} {'/mlx-lm srv':>11}")
+    print(f"{'BLAS':<9} {'model':<22} {'GB/token':>8} {'read GB/s':>9} {'ceiling':>8} {'products':>8} "
+          f"{'of ceil':>7} {'mlxcel':>7} {'of ceil':>7} {'of prod':>7} {'mlx-lm':>7} {'of ceil':>7} "
+          f"{'mlx-lm srv':>10} {'/mlx-lm':>7} {'/mlx-lm srv':>11}")
     for blas in args.blas:
         name, _, threads = blas.partition(":")  # NAME[:THREADS], e.g. openblas:2
         blas_env = {**os.environ, "MLXCEL_BLAS": "auto" if name == "openblas" else name}
@@ -187,7 +227,9 @@ def main() -> None:
             continue
         for row in json.loads(child.stdout.strip().splitlines()[-1]):
             print(f"{blas:<9} {row['model']:<22} {row['gb']:>8.3f} {row['bandwidth']:>9.1f} "
-                  f"{row['ceiling']:>8.1f} {row['mlxcel']:>7.1f} {row['mlxcel'] / row['ceiling']:>7.0%} "
+                  f"{row['ceiling']:>8.1f} {row['products']:>8.1f} {row['products'] / row['ceiling']:>7.0%} "
+                  f"{row['mlxcel']:>7.1f} {row['mlxcel'] / row['ceiling']:>7.0%} "
+                  f"{row['mlxcel'] / row['products']:>7.0%} "
                   f"{row['mlx_lm']:>7.1f} {row['mlx_lm'] / row['ceiling']:>7.0%} {row['mlx_lm_server']:>10.1f} "
                   f"{row['mlxcel'] / row['mlx_lm']:>7.3f} {row['mlxcel'] / row['mlx_lm_server']:>11.3f}")
 

@@ -119,19 +119,20 @@ def _equal(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def _splits(model: Any, block_size: int) -> tuple[Split, ...]:
-    """The splits to try, cheapest first. ``rows`` only when some matmul shape of *model* multiplies
-    2..K rows inexactly here (else it is ``wide``), and before ``half`` when it is the cheaper one on a
-    bandwidth-bound machine: the split shapes' share of the weights read K times instead of once,
-    against every weight read twice. ``half`` only from K = 3 (at K = 2 it is the chain itself)."""
+    """The splits to try, cheapest first. ``rows`` (the products this BLAS multiplies 2..K rows
+    inexactly a row at a time, and the causal attention a query at a time)
+    comes before ``half`` when it is the cheaper one on a bandwidth-bound machine: the split shapes'
+    share of the weights read K times instead of once, against every weight read twice. ``half`` only
+    from K = 3 (at K = 2 it is the chain itself)."""
     from ..models.row_exact import measure
 
-    inexact, share = measure(model, block_size)
+    _, share = measure(model, block_size)
     order: list[Split] = ["wide"]
-    if inexact and share * (block_size - 1) < 1:
+    if share * (block_size - 1) < 1:
         order.append("rows")
     if block_size > 2:
         order.append("half")
-    if inexact and "rows" not in order:
+    if "rows" not in order:
         order.append("rows")
     assert set(order) <= set(SPLITS)
     return tuple(order)
@@ -143,8 +144,7 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
 
     *model* is the served mlx-lm model (``model(tokens, cache=...)`` is classic
     decode); *target* its speculative adapter. The splits are tried cheapest first (:func:`_splits`);
-    at K = 2 ``half`` is the chain itself, and ``rows`` is ``wide`` when no matmul shape of *model*
-    multiplies rows inexactly here, so either may be left out. *check* runs
+    at K = 2 ``half`` is the chain itself, so it is left out. *check* runs
     before each starting state is built and each split is tried, and may raise to abandon the probe.
     """
     check = check or (lambda: None)
@@ -169,6 +169,4 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
             return ProbeResult(split, None)
         failures.append(f"with {DESCRIBE[split]}, {found}")
     detail = "; ".join(failures)
-    if len(splits) == 1:
-        detail += f" (at K={block_size} there is no other split to try)"
     return ProbeResult(None, detail[0].upper() + detail[1:] + ".")

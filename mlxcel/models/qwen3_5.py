@@ -143,7 +143,7 @@ class Qwen35Target:
         inner = getattr(model, "language_model", model)
         self.body = inner.model
         self.embed = self.body.embed_tokens
-        self.lm_head = inner.lm_head if hasattr(inner, "lm_head") else self.embed.as_linear
+        self._head = inner.lm_head if hasattr(inner, "lm_head") else None
         self.mixers: list[tuple[int, _SnapshotMixer]] = []
         for index, layer in enumerate(self.body.layers):
             if getattr(layer, "is_linear", False):
@@ -154,7 +154,8 @@ class Qwen35Target:
     def forward(self, tokens: mx.array, cache: list[Any]) -> tuple[mx.array, mx.array]:
         """(logits, hidden) for ``tokens`` of shape (1, S), appended to *cache*."""
         hidden = self.body(tokens, cache)
-        return self.lm_head(hidden), hidden
+        # The tied head looked up per call, not bound once: a ``rows`` verify patches ``as_linear``.
+        return (self._head(hidden) if self._head is not None else self.embed.as_linear(hidden)), hidden
 
     def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Qwen35Verify:
         """The forward of a (1, K) block under *split*, keeping each mixer's state after every token."""

@@ -1,4 +1,4 @@
-"""A verify's matmuls a row at a time, only where this process's BLAS needs it for exactness.
+"""A verify's matmuls a row at a time, and its attention a query at a time, only where this BLAS needs it.
 
 A BLAS picks its kernel by the shape of a product: for some weight shapes the
 rows of a K-row ``x @ W.T`` are not bit for bit the 1-row products classic
@@ -11,9 +11,23 @@ weights are still read once (the half split reads all of them twice).
 
 Which shapes need it is measured once per process (:func:`measure`), with the
 model's own weights and random rows: a kernel's summation order does not depend
-on the values, so a product that differs once differs for almost any input. The exactness probe still
-judges the whole verify. Worker thread only (the patch is process-wide while a
-``rows`` verify builds its graph, and only the worker builds graphs).
+on the values, so a product that differs once differs for almost any input.
+
+The attention is the same story one level up, and worse: mlx's CPU attention
+is two batched matmuls, and in a causal block of K queries each query's sums
+run over all S cached positions (the later ones masked to zero), where the
+step that would have produced it sums over its own prefix. Whether the two
+group their sums alike depends on S itself (3 heads of 64 over one KV head:
+equal at some cache lengths, not at others, on OpenBLAS and MKL alike), so no
+measurement at boot can vouch for every length. A ``rows`` verify therefore
+runs attention one query at a time, as the step at that position would: under
+a causal block each query over its own prefix, under a mask array (a sliding
+window's ring) each over every slot with its own row of the mask. K reads of
+the cache instead of one, cheap next to the weights at short contexts.
+The exactness probe still judges the whole verify.
+
+Worker thread only (the patch is process-wide while a ``rows`` verify builds
+its graph, and only the worker builds graphs).
 """
 
 from __future__ import annotations
@@ -51,13 +65,35 @@ def measure(model: Any, max_rows: int) -> tuple[frozenset[tuple[int, int]], floa
     return _split, (sum(sizes[s] for s in inexact) / total if total else 0.0)
 
 
+def _one_query_at_a_time(attention: Any, q: Any, k: Any, v: Any, mask: Any = "causal", **kwargs: Any) -> Any:
+    """q's L queries attending one at a time: under a causal block (the last L of k's S positions), each
+    over its own prefix, unmasked; under a mask array (a sliding window's ring), each over every
+    position with its own row of the mask. Either way, what the step at that position computes."""
+    import mlx.core as mx
+
+    length, cached = q.shape[2], k.shape[2]
+    if isinstance(mask, str):
+        return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
+                                         v[:, :, :cached - length + i + 1], **kwargs, mask=None)
+                               for i in range(length)], axis=2)
+    return mx.concatenate([attention(q[:, :, i:i + 1], k, v, **kwargs, mask=mask[..., i:i + 1, :])
+                           for i in range(length)], axis=2)
+
+
 @contextmanager
 def rows_apart() -> Iterator[None]:
-    """While open, linear layers (and tied-embedding heads) of the measured shapes multiply one row at a time."""
+    """While open, linear layers (and tied-embedding heads) of the measured shapes multiply one row at a
+    time, and attention over a cache (causal, or under a mask array) attends one query at a time."""
     import mlx.core as mx
     import mlx.nn as nn
 
     linear, as_linear = nn.Linear.__call__, nn.Embedding.as_linear
+    attention = mx.fast.scaled_dot_product_attention
+
+    def by_queries(q: Any, k: Any, v: Any, *, mask: Any = None, **kwargs: Any) -> Any:
+        if q.shape[2] > 1 and (mask == "causal" if isinstance(mask, str) else mask is not None):
+            return _one_query_at_a_time(attention, q, k, v, mask, **kwargs)
+        return attention(q, k, v, mask=mask, **kwargs)
 
     def by_rows(original: Any) -> Any:
         def call(self: Any, x: Any) -> Any:
@@ -68,8 +104,10 @@ def rows_apart() -> Iterator[None]:
 
     nn.Linear.__call__ = by_rows(linear)  # type: ignore[method-assign]
     nn.Embedding.as_linear = by_rows(as_linear)  # type: ignore[method-assign]
+    mx.fast.scaled_dot_product_attention = by_queries
     try:
         yield
     finally:
         nn.Linear.__call__ = linear  # type: ignore[method-assign]
         nn.Embedding.as_linear = as_linear  # type: ignore[method-assign]
+        mx.fast.scaled_dot_product_attention = attention

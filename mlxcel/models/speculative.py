@@ -20,12 +20,13 @@ from typing import Any, Literal, Protocol
 
 Split = Literal["wide", "rows", "half"]
 """How a verify block is computed: one K-wide forward; the same with the matmuls this BLAS multiplies
-inexactly done a row at a time (:mod:`.row_exact`); or two forwards of at most ceil(K/2) tokens."""
+inexactly done a row at a time and the causal attention a query at a time (:mod:`.row_exact`); or two
+forwards of at most ceil(K/2) tokens."""
 SPLITS: tuple[Split, ...] = ("wide", "rows", "half")
 DESCRIBE: dict[Split, str] = {
     "wide": "one K-wide verify forward",
     "rows": "row-split verify (one K-wide forward, the matmuls whose multi-row products differ on this BLAS a row "
-            "at a time)",
+            "at a time, and the attention a query at a time)",
     "half": "half-width verify (the K-wide block in two forwards of at most ceil(K/2) tokens)",
 }
 

@@ -34,3 +34,28 @@ def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: 
     whole = layers[exact](x)
     with row_exact.rows_apart():  # a shape that multiplies exactly stays one product
         assert mx.array_equal(layers[exact](x), whole).item()
+
+
+@pytest.mark.requires_openblas  # the cache lengths where the sums group differently are this BLAS's
+def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
+    # 3 heads of 64 over one KV head (the bundled pairing's attention): a causal block of 2 queries over
+    # 12 cached positions sums query 0 over all 12 (the last masked), its step over its own 11.
+    attention = mx.fast.scaled_dot_product_attention
+    q = mx.random.normal((1, 3, 2, 64), key=mx.random.key(0))
+    k, v = (mx.random.normal((1, 1, 12, 64), key=mx.random.key(i)) for i in (1, 2))
+    steps = mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
+                            for i in range(2)], axis=2)
+    assert not mx.array_equal(attention(q, k, v, scale=0.125, mask="causal"), steps).item()
+    with row_exact.rows_apart():
+        assert mx.fast.scaled_dot_product_attention is not attention
+        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"),
+                              steps).item()
+        # Under a mask array (a sliding window's ring), each query keeps every position and its own row.
+        window = mx.arange(12)[None] <= mx.array([[10], [11]])
+        rows = mx.concatenate([attention(q[:, :, i:i + 1], k, v, scale=0.125, mask=window[i:i + 1])
+                               for i in range(2)], axis=2)
+        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=window),
+                              rows).item()
+        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.125),
+                              attention(q[:, :, :1], k, v, scale=0.125)).item()  # one query: untouched
+    assert mx.fast.scaled_dot_product_attention is attention  # the patch is gone again

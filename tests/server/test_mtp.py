@@ -225,45 +225,94 @@ async def test_sampled_requests_burst_and_logprob_requests_run_classic_decode(
         assert last["timings"]["draft_n"] >= last["timings"]["draft_n_accepted"]
 
 
-@pytest.mark.requires_mkl  # the inexact pairing needs it; CI installs it
+@pytest.mark.requires_mkl  # the kernels in question are MKL's; CI installs it
 @pytest.mark.slow
-def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], tmp_path: Path) -> None:
-    """A genuinely inexact pairing: under MKL a verify's attention over 2+ queries is not the one-query
-    attention of classic decode, so no split (wide, row-split products, halves) is byte-identical to the
-    single-token chain. A BLAS is chosen per process: the servers run in their own."""
+def test_under_mkl_the_row_split_verify_is_byte_identical(mtp_models: dict[str, Path], tmp_path: Path) -> None:
+    """MKL multiplies every shape of this pairing differently at 4 rows than at one, and its attention over
+    several queries differs from one query's: no wide or half verify is exact at K = 4. The row-split verify
+    (each such product a row at a time, the attention a query at a time) is. A BLAS is chosen per process:
+    the servers run in their own."""
     from tests.server.conftest import serve_subprocess
 
-    model = mtp_models["partial"]
     env = {"MLXCEL_BLAS": "mkl", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
 
-    def serve(log: Path, **extra: str) -> tuple[dict[str, object], dict[str, object], str]:
-        with serve_subprocess(["--model", str(model), "--mtp"], {**env, **extra}, log) as url:
-            policy = httpx.get(f"{url}/v1/internal/mtp-policy", timeout=10).json()
-            validate_wire(policy)
-            body = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 30,
-                                                             "temperature": 0}, timeout=120).json()
-        return policy, body["timings"], log.read_text()
+    def texts(pin: str) -> tuple[list[dict[str, object]], str]:
+        log = tmp_path / f"serve-{pin}.log"
+        with serve_subprocess(["--model", str(mtp_models["partial"]), "--mtp"], {**env, "MLXCEL_ENABLE_MTP_B1": pin},
+                              log) as url:
+            bodies = [httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 30,
+                                                                 "temperature": 0}, timeout=120).json()
+                      for prompt in PROMPTS]
+        return bodies, log.read_text()
 
-    policy, timings, log = serve(tmp_path / "declined.log")
+    (on, log), (off, _) = texts("1"), texts("0")
+    assert "at K=4 the burst is byte-identical to classic decode with row-split verify" in log
+    assert [b["choices"][0]["text"] for b in on] == [b["choices"][0]["text"] for b in off]  # type: ignore[index]
+    assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
+
+
+class _DriftingTarget:
+    """The real adapter, but every verify of 2+ tokens is off in the last bit of one logit, whatever the
+    split. This machine's kernels no longer give a genuinely inexact pairing (the row-split verify undoes
+    them); this is what one would look like."""
+
+    def __init__(self, model: object) -> None:
+        from mlxcel.models.qwen3_5 import Qwen35Target
+
+        self.inner = Qwen35Target(model)
+        self.forward = self.inner.forward
+        self.rollback = self.inner.rollback
+
+    def verify(self, tokens: object, cache: object, split: object) -> object:
+        import mlx.core as mx
+
+        verify = self.inner.verify(tokens, cache, split)  # type: ignore[arg-type]
+        if verify.width < 2:
+            return verify
+        bits = verify.logits.view(mx.int32) + (mx.arange(verify.logits.shape[-1]) == 0).astype(mx.int32)
+        return type(verify)(bits.view(verify.logits.dtype), verify.hidden, verify.width, verify.states)
+
+
+@pytest.mark.slow
+async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    from mlxcel.models import speculative
+
+    model = mtp_models["partial"]
+    monkeypatch.setitem(speculative.TARGETS, "qwen3_5", _DriftingTarget)
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "4")
+
+    async def serve(**extra: str) -> tuple[dict[str, object], dict[str, object], str]:
+        caplog.clear()
+        with monkeypatch.context() as patch, caplog.at_level(logging.INFO, logger="mlxcel"):
+            for name, value in extra.items():
+                patch.setenv(name, value)
+            async with running_server(["--model", str(model), "--mtp"]) as url, \
+                    httpx.AsyncClient(timeout=120) as client:
+                policy = await _policy(client, url)
+                validate_wire(policy)
+                body = await _complete(client, url, PROMPTS[0], 30)
+        return policy, body["timings"], "\n".join(r.getMessage() for r in caplog.records)  # type: ignore[return-value]
+
+    policy, timings, log = await serve()
     detail = policy["decline_detail"]
-    assert isinstance(detail, str) and detail.startswith("With one K-wide verify forward, a width-")
+    assert isinstance(detail, str) and detail.startswith("With one K-wide verify forward, a width-2 verify at ")
     assert "; with half-width verify (the K-wide block in two forwards" in detail
     assert "; with row-split verify (one K-wide forward, the matmuls" in detail
     assert policy == {**policy, "schema_version": 1, "state": "exactness_declined", "reason": None,
                       "verdict": None, "mtp_enabled": False, "target": model.name, "drafter": f"{model.name}#mtp",
                       "block_size": 4, "acceptance_rate": None, "samples": 0, "samples_required": 4,
                       "samples_remaining": None, "estimated_speedup": None, "gpu_vendor": "Unknown"}
-    assert str(policy["hardware"]).startswith("cpu-mkl-")
-    assert timings["draft_n"] == 0  # type: ignore[index]  # served by classic decode
+    assert timings["draft_n"] == 0  # served by classic decode
     assert f"MTP exactness probe declined the pairing: {detail}" in log
 
     # Pinned on, the policy does not decline, so the worker says itself that no burst will run.
-    pinned, timings, log = serve(tmp_path / "pinned.log", MLXCEL_ENABLE_MTP_B1="1")
-    assert (pinned["state"], pinned["mtp_enabled"], timings["draft_rounds"]) == ("forced", True, 0)  # type: ignore[index]
+    pinned, timings, log = await serve(MLXCEL_ENABLE_MTP_B1="1")
+    assert (pinned["state"], pinned["mtp_enabled"], timings["draft_rounds"]) == ("forced", True, 0)
     assert f"MTP exactness probe vetoed the burst (MTP is forced, so no burst will run): {detail}" in log
 
-    allowed, timings, log = serve(tmp_path / "allowed.log", MLXCEL_MTP_ALLOW_INEXACT="1")
-    assert allowed["state"] == "profiling" and timings["draft_rounds"] > 0  # type: ignore[index,operator]
+    allowed, timings, log = await serve(MLXCEL_MTP_ALLOW_INEXACT="1")
+    assert allowed["state"] == "profiling" and timings["draft_rounds"] > 0  # type: ignore[operator]
     assert "byte identity is forfeited" in log
 
 
