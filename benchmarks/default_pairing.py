@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 
 import httpx
 
@@ -57,7 +58,11 @@ def main() -> None:
                     httpx.Client(timeout=600) as client:
                 for prompt in prompts[:4]:
                     complete(client, url, prompt, args.tokens)
-                policy = client.get(f"{url}/v1/internal/mtp-policy").json()
+                for _ in range(50):  # the last sample reaches the policy just after its response
+                    policy = client.get(f"{url}/v1/internal/mtp-policy").json()
+                    if policy["state"] != "profiling":
+                        break
+                    time.sleep(0.1)
             verdict = f"{policy['verdict'] or policy['state']} ({policy['estimated_speedup'] or 0:.2f})"
             off_rate, on_rate = decode_rate(off_bodies), decode_rate(on_bodies)
             pairs = median(ratios) if ratios else float("nan")
