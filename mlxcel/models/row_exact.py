@@ -1,4 +1,4 @@
-"""A verify's matmuls a row at a time, and its attention a query at a time, only where this BLAS needs it.
+"""A verify's matmuls a row at a time where this BLAS needs it, and its attention a query at a time.
 
 A BLAS picks its kernel by the shape of a product: for some weight shapes the
 rows of a K-row ``x @ W.T`` are not bit for bit the 1-row products classic
