@@ -19,10 +19,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.server.conftest import free_port, mlxcel
+from tests.server.conftest import free_port, mlxcel, wait_healthy
 
 
 def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -114,16 +113,7 @@ def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofil
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
     ) as process:
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert process.poll() is None, log.read_text()
-                assert time.monotonic() < deadline, f"not ready in 30 s:\n{log.read_text()}"
-                time.sleep(0.05)
+            wait_healthy(f"http://127.0.0.1:{port}", process, 30, log)
             if while_ready is not None:
                 while_ready(port, process.pid)
         finally:
