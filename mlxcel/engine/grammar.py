@@ -50,7 +50,14 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_tokens: frozenset[int
 
 
 class GrammarError(RuntimeError):
-    """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar)."""
+    """The matcher cannot go on (a token it did not allow, or a resource limit of the grammar): the request's
+    fault, answered 400. Its message is one line: llguidance's error text goes on with the matcher's state and
+    the whole grammar (the request's schema, the text generated so far), which is request content and stays
+    out of answers and logs."""
+
+
+def _first_line(matcher: Any) -> str:
+    return (str(matcher.get_error()).strip().splitlines() or ["(no reason given)"])[0][:200]
 
 
 class GrammarProcessor:
@@ -109,7 +116,7 @@ class GrammarProcessor:
     def rollback(self, count: int) -> None:
         """Take back the last *count* tokens consumed (drafts the burst did not keep)."""
         if count and not self.matcher.rollback(count):
-            raise GrammarError(f"the matcher cannot roll back {count} tokens: {self.matcher.get_error()}")
+            raise GrammarError(f"the matcher cannot roll back {count} tokens: {_first_line(self.matcher)}")
         self.consumed -= count
 
     @staticmethod
@@ -119,12 +126,12 @@ class GrammarProcessor:
 
     def _consume(self, tokens: list[int]) -> None:
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise GrammarError(f"the output left its grammar: {self.matcher.get_error()}")
+            raise GrammarError(f"the output left its grammar: {_first_line(self.matcher)}")
         self.consumed += len(tokens)
 
     def _allowed(self, width: int) -> np.ndarray:
         """The tokens the grammar allows next, as a bool vector of the logits' *width*."""
         words = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         if self.matcher.is_error():
-            raise GrammarError(f"the grammar cannot go on: {self.matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot go on: {_first_line(self.matcher)}")
         return np.unpackbits(words, bitorder="little")[:width].astype(np.bool_)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .requests import BurstStats, Finish, FinishReason, GenerationRequest, TextDelta, Timings
+from .requests import BurstStats, ErrorType, Finish, FinishReason, GenerationRequest, TextDelta, Timings
 from .text import StopStringFilter
 
 
@@ -88,7 +88,7 @@ class SequenceOutput:
         return delta
 
     def finish(self, reason: FinishReason, admitted: float, cached: int, burst: BurstStats | None,
-               error: str | None = None) -> Finish:
+               error: str | None = None, error_type: ErrorType = "server_error") -> Finish:
         """The request's last event: why it ended, its usage, and its timings in llama.cpp's names."""
         now = time.perf_counter()
         first = self.first_token_at or now
@@ -100,4 +100,4 @@ class SequenceOutput:
                 predicted_ms=(now - first) * 1000, cached_n=cached,
                 draft_n=burst.proposed if burst else 0, draft_n_accepted=burst.accepted if burst else 0,
                 draft_rounds=burst.rounds if burst else 0),
-            error=error)
+            error=error, error_type=error_type)

@@ -157,12 +157,18 @@ class Worker(Admission):
 
     def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
         """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
+        from .grammar import GrammarError  # here: grammar.py imports mlx, which a router never loads
+
         events: list[tuple[str, Event]] = []
+        grammar = isinstance(exc, GrammarError)  # the request's own grammar: a 400, not the server's fault
         for sequence in sequences:
             logger.error("request %s failed: %s: %s", sequence.request.id, type(exc).__name__, exc)
             self._forget(sequence)
-            events.append((sequence.request.id,
-                           self._finish(sequence, "error", f"generation failed: {type(exc).__name__}: {exc}")))
+            message = f"the response's grammar cannot be followed: {exc}" if grammar \
+                else f"generation failed: {type(exc).__name__}: {exc}"
+            events.append((sequence.request.id, sequence.output.finish(
+                "error", sequence.admitted, sequence.cached, sequence.burst, message,
+                "invalid_request_error" if grammar else "server_error")))
         self._publish_load()
         self._deliver(events)
 

@@ -10,13 +10,17 @@ however the client's request ends (finished, disconnected before or during the
 stream, even before Quart starts the body) the backend request is closed, and
 the serving node cancels its generation.
 
-A node that fails on the transport before its first body byte reached the
-router (refused, reset, killed mid-generation of a non-streamed answer) is
-marked unhealthy and the request is tried on another node; so is a node that
-answers 503 (loading, at capacity, shutting down), without being marked. Once
-the first byte is passed on, the answer is committed to that node: a failure
-after it ends the client's stream (with an error event on an SSE stream, and no
-``[DONE]``, as a serving node that goes away mid-stream does).
+A node whose connection cannot be made (refused, timed out) is marked
+unhealthy and the request is tried on another node; so is a node that answers
+503 (loading, at capacity, shutting down), without being marked, and one that
+refuses the router's own key. Once the request was sent, it is never sent
+again: a node that fails with it in flight (reset, killed, silent past the
+read timeout) may have failed *because* of it, so the client gets a 502
+(``backend_failed``) and the node is marked unhealthy and counted in ``lost``.
+A non-streamed answer is read whole before any of it is passed on, so one cut
+short is that 502, not a truncated 200. A stream is committed at its first
+byte: a failure after it ends the client's stream with an error event and no
+``[DONE]``, as a serving node that goes away mid-stream does.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ logger = logging.getLogger(__name__)
 #: Request headers passed on to a node. The client's own credentials are never passed on.
 FORWARDED_REQUEST_HEADERS = ("content-type", "accept")
 #: Response headers passed back to the client (hop-by-hop and framing headers are the router's own).
-FORWARDED_RESPONSE_HEADERS = ("content-type", "cache-control")
+FORWARDED_RESPONSE_HEADERS = ("content-type", "cache-control", "location", "retry-after")
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +60,20 @@ class MidStreamFailure:
 
 
 MID_STREAM_FAILURE = MidStreamFailure()
+
+
+class Answered:
+    """The client has its answer from this try, or its error: nothing is tried again."""
+
+
+ANSWERED = Answered()
+
+
+class NotDelivered:
+    """The connection to the node was never made: the request may go to another node."""
+
+
+NOT_DELIVERED = NotDelivered()
 
 
 class Forwarder:
@@ -94,13 +112,13 @@ class Forwarder:
     async def _forward(self, send: trio.MemorySendChannel[object], path: str, body: bytes,
                        headers: dict[str, str]) -> None:
         tried: set[int] = set()
-        busy: ApiError | None = None
+        refused: ApiError | None = None
         while True:
             choice = self.placement.choose(self.nodes, frozenset(tried))
             if choice is None:
                 self.rejected += 1
-                await send.send(busy or unavailable("no serving node can take this request now; retry later",
-                                                    "no_backend"))
+                await send.send(refused or unavailable("no serving node can take this request now; retry later",
+                                                       "no_backend"))
                 return
             index, reason = choice
             if tried:
@@ -113,46 +131,87 @@ class Forwarder:
                 outcome = await self._attempt(send, node, path, body, headers)
             finally:
                 node.in_flight -= 1
-            if isinstance(outcome, ApiError):
-                busy = outcome
-                continue
-            if outcome:
+            if outcome is ANSWERED:
                 return
+            if isinstance(outcome, ApiError):
+                refused = outcome
 
     async def _attempt(self, send: trio.MemorySendChannel[object], node: Node, path: str, body: bytes,
-                       headers: dict[str, str]) -> bool | ApiError:
-        """One try on *node*: True once answered, False to try another node, or the 503 it gave."""
+                       headers: dict[str, str]) -> Answered | NotDelivered | ApiError:
+        """One try on *node*: ANSWERED once the client has its answer (or its error), NOT_DELIVERED when the
+        connection was never made, or the node's refusal (its 503, a 401 to the router's key) to answer with
+        if no other node takes the request."""
         request = self.client.build_request("POST", f"{node.url}{path}", content=body, headers=headers)
         try:
             response = await self.client.send(request, stream=True)
-        except httpx.TransportError as exc:
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             node.mark_failed(_describe(exc))
-            return False
+            return NOT_DELIVERED
+        except httpx.TransportError as exc:
+            await self._lost(send, node, exc)
+            return ANSWERED
         try:
             if response.status_code == 503:
                 return await _busy_error(response)
+            if response.status_code in (401, 403):
+                logger.warning("%s refused the router's key (%d): check --backend-api-key", node.id,
+                               response.status_code)
+                return ApiError(502, "the serving node refused the router's own credentials; the router is "
+                                     "misconfigured (its --backend-api-key)", type="server_error",
+                                code="backend_auth")
+            passed = {k: v for k, v in response.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS}
+            head = Head(response.status_code, passed, node.id)
+            if not response.headers.get("content-type", "").startswith("text/event-stream"):
+                return await self._whole(send, node, response, head)
             chunks = response.aiter_raw()
             try:
                 first = await anext(chunks, b"")
             except httpx.TransportError as exc:
-                node.mark_failed(_describe(exc))
-                return False
-            passed = {k: v for k, v in response.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS}
-            await send.send(Head(response.status_code, passed, node.id))
+                await self._lost(send, node, exc)
+                return ANSWERED
+            await send.send(head)
             try:
                 if first:
                     await send.send(first)
                 async for chunk in chunks:
                     await send.send(chunk)
             except httpx.TransportError as exc:
-                node.mark_failed(f"mid-answer: {_describe(exc)}")
+                node.mark_failed(f"mid-stream: {_describe(exc)}")
+                node.lost += 1
                 await send.send(MID_STREAM_FAILURE)
-                return True
+                return ANSWERED
             node.served += 1
-            return True
+            return ANSWERED
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2):
                 await response.aclose()
+
+    async def _whole(self, send: trio.MemorySendChannel[object], node: Node, response: httpx.Response,
+                     head: Head) -> Answered:
+        """A non-streamed answer, read whole before any of it is passed on: one cut short is an error, never
+        a 200 with truncated JSON."""
+        try:
+            body = await response.aread()
+        except httpx.TransportError as exc:
+            await self._lost(send, node, exc)
+            return ANSWERED
+        await send.send(head)
+        await send.send(body)
+        node.served += 1
+        return ANSWERED
+
+    async def _lost(self, send: trio.MemorySendChannel[object], node: Node, exc: httpx.TransportError) -> None:
+        """*node* failed with the request in flight: a 502, never a replay on another node.
+
+        The request may be what took the node down (a crash any client could send would then take
+        every node in turn), and it may have run there in part; the router cannot tell, so, as a
+        proxy does with a request that is not idempotent, it does not send it again.
+        """
+        node.mark_failed(f"with a request in flight: {_describe(exc)}")
+        node.lost += 1
+        await send.send(ApiError(502, "the serving node failed while handling this request; it was not retried "
+                                      "on another node, since the request itself may have caused the failure",
+                                 type="server_error", code="backend_failed"))
 
 
 async def _busy_error(response: httpx.Response) -> ApiError:

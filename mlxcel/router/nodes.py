@@ -38,6 +38,8 @@ class Node:
     """Requests this router has open on the node."""
     served: int = 0
     failed: int = 0
+    lost: int = 0
+    """Requests in flight when the node failed: answered 502, never replayed on another node."""
     policy: PolicyView = UNREADABLE
     reported_busy: int | None = None
     """Running + waiting requests the node itself reported at the last probe (None: it reports none)."""
@@ -172,7 +174,7 @@ def stats_body(nodes: list[Node], decisions: dict[str, int], *, rerouted: int, r
     for node in nodes:
         row: dict[str, Any] = {
             "id": node.id, "healthy": node.healthy, "in_flight": node.in_flight, "served": node.served,
-            "failed": node.failed, "load": node.load, "reported_busy": node.reported_busy,
+            "failed": node.failed, "lost": node.lost, "load": node.load, "reported_busy": node.reported_busy,
             "policy_state": node.policy.label(), "verdict": node.policy.verdict,
             "runs_burst": node.policy.runs_burst,
         }

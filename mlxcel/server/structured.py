@@ -22,6 +22,7 @@ import trio
 from .context import ServerContext
 from .errors import bad_request
 from .matchers import GrammarProblem, compile_matchers
+from .schema_bounds import DATA_KEYWORDS, check_schema
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .tools import ToolProblem, ToolSetup, tool_setup
 
@@ -30,13 +31,19 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 
 
 def from_schema(schema: dict[str, Any]) -> str:
-    """The llguidance grammar for JSON that matches *schema*; raises :class:`GrammarProblem`."""
+    """The llguidance grammar for JSON that matches *schema*; raises :class:`GrammarProblem`.
+
+    The schema is bounded first (:mod:`~mlxcel.server.schema_bounds`): one too deep for llguidance's
+    recursion would overflow this thread's stack and take the process down.
+    """
     from llguidance import LLMatcher
 
+    text = json.dumps(schema)
     try:
-        grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=JSON_OPTIONS)  # type: ignore[arg-type]
-    except ValueError as exc:
-        raise GrammarProblem(str(exc)) from exc
+        check_schema(schema, text)
+        grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    except ValueError as exc:  # SchemaTooLarge is one
+        raise GrammarProblem((str(exc).splitlines() or ["llguidance refused the schema"])[0]) from exc
     problem = LLMatcher.validate_grammar(grammar)
     if problem:
         raise GrammarProblem(problem.splitlines()[0])
@@ -57,12 +64,33 @@ def required_calls_schema(functions: list[tuple[str, dict[str, Any] | None]], si
     (*single*: exactly one, for ``parallel_tool_calls: false``).
 
     The same shape vLLM forces for ``required``; the output is read as JSON, not in the family's own format.
+    Each function's arguments schema moves to ``$defs`` of the whole, its own references with it
+    (:func:`relocated`), so that a ``$ref`` in it still finds its target; its root ``$id`` is dropped (it is
+    no longer a root).
     """
-    calls = [{"type": "object", "properties": {"name": {"const": name},
-                                               "arguments": tool_arguments_schema(parameters)},
+    defs = {f"tool{i}": relocated({k: v for k, v in tool_arguments_schema(parameters).items() if k != "$id"},
+                                  f"#/$defs/tool{i}")
+            for i, (_, parameters) in enumerate(functions)}
+    calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": f"#/$defs/tool{i}"}},
               "required": ["name", "arguments"], "additionalProperties": False}
-             for name, parameters in functions]
-    return {"type": "array", "minItems": 1, **({"maxItems": 1} if single else {}), "items": {"anyOf": calls}}
+             for i, (name, _) in enumerate(functions)]
+    return {"$defs": defs, "type": "array", "minItems": 1, **({"maxItems": 1} if single else {}),
+            "items": {"anyOf": calls}}
+
+
+def relocated(schema: Any, base: str) -> Any:
+    """*schema* to be placed at the JSON pointer *base* of another: its local references (``#``, ``#/...``) are
+    rewritten to point under *base*. Values (``const``, ``enum``, ``default``, ``examples``) are data and stay
+    as they are."""
+    if isinstance(schema, list):
+        return [relocated(item, base) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    moved = {key: value if key in DATA_KEYWORDS else relocated(value, base) for key, value in schema.items()}
+    reference = schema.get("$ref")
+    if isinstance(reference, str) and (reference == "#" or reference.startswith("#/")):
+        moved["$ref"] = base + reference[1:]
+    return moved
 
 
 async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: ServerContext,

@@ -27,6 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .errors import bad_request
+from .schemas import json_problem
+
 ToolMode = Literal["auto", "named", "required"]
 
 
@@ -69,10 +72,22 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 
 def _arguments_object(arguments: str) -> Any:
+    """A call's ``arguments`` as the object chat templates expect, or the string when it is not one.
+
+    Nested past what a body may be (``MAX_JSON_DEPTH``), it is a 400: the template would recurse into it.
+    """
     try:
         value = json.loads(arguments)
+    except RecursionError:
+        value = None
+        problem: str | None = "nests arrays and objects too deeply"
     except ValueError:
         return arguments
+    else:
+        problem = json_problem(value)
+    if problem is not None:
+        raise bad_request(f"a tool call's function.arguments: {problem.removeprefix('the request body ')}",
+                          param="messages")
     return value if isinstance(value, dict) else arguments
 
 

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import trio
 from quart import request
 
-from .errors import bad_request
+from .errors import ApiError, bad_request
 from .schemas import json_problem
 
 T = TypeVar("T")
@@ -25,11 +25,31 @@ def _no_constants(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _is_json(content_type: str | None) -> bool:
+    """No ``Content-Type`` (taken as JSON, as FastAPI does), ``application/json`` or a ``+json`` type."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def json_body() -> dict[str, Any]:
-    """The request's body: a JSON object mlxcel can serve, or a 400 ``invalid_json`` saying why not."""
+    """The request's body: a JSON object mlxcel can serve, or a 400 ``invalid_json`` saying why not.
+
+    The body is read first, so its size limit (413) comes before its type: a body declared as something other
+    than JSON (a form, plain text) is a 415, as OpenAI and vLLM answer. JSON is UTF-8 (RFC 8259): a body in
+    UTF-16 or UTF-32, which Python's parser would otherwise detect and accept, is a 400.
+    """
     raw = await request.get_data(as_text=False)
+    assert isinstance(raw, bytes)
+    if not _is_json(request.headers.get("Content-Type")):
+        raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not "
+                            f"{request.headers.get('Content-Type', '')[:100]!r}", code="unsupported_media_type")
     try:
-        body = json.loads(raw, parse_constant=_no_constants)
+        body = json.loads(raw.decode("utf-8").removeprefix("\ufeff"), parse_constant=_no_constants)
+    except UnicodeDecodeError as exc:
+        raise bad_request(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start})",
+                          code="invalid_json") from exc
     except RecursionError as exc:  # the C parser's own depth guard, at about 1,000 levels
         raise bad_request("the request body nests arrays and objects too deeply", code="invalid_json") from exc
     except ValueError as exc:  # not JSON, not UTF-8, NaN/Infinity, an integer of over 4,300 digits

@@ -1,4 +1,5 @@
-"""Nodes killed under a router: what had not started answering moves, nothing hangs, none left is a 503."""
+"""Nodes killed under a router: what a node died with is a 502, never replayed; what never reached a node
+moves; nothing hangs; none left is a 503."""
 
 from __future__ import annotations
 
@@ -67,10 +68,16 @@ async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
                 while not ("events" in long_stream and len(answers) == _asked(nursery, answers)):
                     await trio.sleep(0.05)
 
-        # The requests that had no byte yet moved to the survivor and were answered in full.
-        assert all(a.status_code == 200 for a in answers)
-        assert all(a.json()["choices"][0]["text"] == expected for a in answers)
-        assert all(a.headers["x-mlxcel-node"] == f"node-{survivor}" for a in answers)
+        # The requests the victim died with are answered 502 and were not replayed on the survivor: the router
+        # cannot know the request was innocent (it may be what killed the node).
+        # (Those placed on the survivor were answered there.)
+        lost = [a for a in answers if a.status_code != 200]
+        assert len(lost) >= 1 and all(a.status_code == 502 for a in lost), [a.status_code for a in answers]
+        assert all(a.json()["error"]["code"] == "backend_failed" for a in lost)
+        assert "not retried" in lost[0].json()["error"]["message"]
+        served = [a for a in answers if a.status_code == 200]
+        assert all(a.headers["x-mlxcel-node"] == f"node-{survivor}" for a in served)
+        assert all(a.json()["choices"][0]["text"] == expected for a in served)
         # The stream that was under way ends with an error event, without [DONE].
         events = long_stream["events"]
         assert isinstance(events, list) and events[-1] != "[DONE]"
@@ -78,10 +85,12 @@ async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
         body = stats(router)
         dead = body["nodes"][victim]
         assert (dead["healthy"], dead["in_flight"]) == (False, 0) and dead["failed"] >= 2
-        assert body["rerouted"] >= 1
+        assert dead["lost"] == len(lost) + 1  # the waiting requests and the stream
+        assert body["rerouted"] == 0 and body["nodes"][survivor]["lost"] == 0
         # From now on the survivor takes everything.
         again = httpx.post(f"{router.url}/v1/completions", json=QUICK, timeout=60)
         assert again.status_code == 200 and again.headers["x-mlxcel-node"] == f"node-{survivor}"
+        assert again.json()["choices"][0]["text"] == expected
 
         nodes[survivor].process.kill()
         nodes[survivor].process.wait()
@@ -90,6 +99,25 @@ async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
         assert none_left.json()["error"]["code"] == "no_backend"
         assert httpx.get(f"{router.url}/health", timeout=10).status_code == 503
         assert stats(router)["rejected"] == 1
+
+
+async def test_a_request_that_never_reached_a_dead_node_moves_to_another(tmp_path: Path) -> None:
+    model = str(build_checkpoint(tmp_path / "llama", "llama", scale=2.0))
+    with processes([(["--model", model, "--slots"], None)] * 2, tmp_path / "logs") as nodes, \
+            processes([(router_args(nodes, "--health-interval", "60", "--placement", "round-robin"), None)],
+                      tmp_path / "logs") as (router,):
+        with trio.fail_after(30):
+            while not all(n["healthy"] for n in stats(router)["nodes"]):
+                await trio.sleep(0.05)
+        nodes[0].process.kill()  # idle: the router still believes it healthy (no probe for 60 s)
+        nodes[0].process.wait()
+        answers = [httpx.post(f"{router.url}/v1/completions", json=QUICK, timeout=60) for _ in range(2)]
+        # Round robin sends one of the two to node-0, whose connection is refused: never delivered, so it moves.
+        assert [a.status_code for a in answers] == [200, 200]
+        assert {a.headers["x-mlxcel-node"] for a in answers} == {"node-1"}
+        body = stats(router)
+        assert body["rerouted"] == 1 and body["nodes"][0]["healthy"] is False
+        assert (body["nodes"][0]["failed"], body["nodes"][0]["lost"]) == (1, 0)
 
 
 def _asked(nursery: trio.Nursery, answers: list[httpx.Response]) -> int:

@@ -7,12 +7,14 @@ own key that presents the nodes' key.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -206,4 +208,91 @@ async def test_addresses_are_shown_only_when_asked(cluster: tuple[Process, list[
         body = (await client.get(f"{url}/router/stats")).json()
         assert body["addresses_redacted"] is False
         assert [n["address"] for n in body["nodes"]] == [nodes[0].url, nodes[1].url]
+        nursery.cancel_scope.cancel()
+
+
+def test_a_schema_that_used_to_kill_a_node_is_a_400_through_the_router_and_no_node_dies(
+        cluster: tuple[Process, list[Process]]) -> None:
+    router, nodes = cluster
+    defs: dict[str, Any] = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"}}}
+                            for i in range(1000)}
+    defs["d1000"] = {"type": "string"}
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"$defs": defs, "$ref": "#/$defs/d0"}}}}
+    answer = httpx.post(f"{router.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert answer.status_code == 400 and "deeper than 128 levels" in answer.json()["error"]["message"]
+    assert all(node.process.poll() is None for node in nodes)
+    rows = [node_stats(router, f"node-{i}", ROUTER_KEY) for i in range(2)]
+    assert all(row["healthy"] and row["lost"] == 0 for row in rows)
+
+
+async def _in_process_router(nursery: trio.Nursery, *argv: str) -> str:
+    from mlxcel.cli import build_parser
+    from mlxcel.router.options import build_router_config
+    from mlxcel.router.serve import run_router
+
+    config = build_router_config(build_parser().parse_args(["serve", "--port", "0", "--node-role", "router",
+                                                            "--health-interval", "0.2", *argv]), env={})
+    (url,) = await nursery.start(run_router, config)
+    async with httpx.AsyncClient(timeout=30) as client:
+        with trio.fail_after(30):
+            while (await client.get(f"{url}/health")).status_code != 200:
+                await trio.sleep(0.02)
+    return str(url)
+
+
+async def test_a_node_that_refuses_the_routers_own_key_is_a_502_for_a_client_whose_key_was_right(
+        cluster: tuple[Process, list[Process]]) -> None:
+    _, nodes = cluster
+    async with trio.open_nursery() as nursery:
+        # /health is public on the nodes, so they look healthy; every generation request is refused.
+        url = await _in_process_router(nursery, "--backend", nodes[0].url, "--backend-api-key", "wrong")
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.post(f"{url}/v1/completions", json=GREEDY)
+        assert answer.status_code == 502 and answer.json()["error"]["code"] == "backend_auth"
+        assert "router" in answer.json()["error"]["message"]
+        nursery.cancel_scope.cancel()
+
+
+async def _scripted_node(nursery: trio.Nursery, answers: dict[bytes, bytes]) -> str:
+    """A socket that speaks just enough HTTP to be a node: /health is 200, each POST path gets its scripted
+    raw bytes and then the connection closes (a node dying mid-answer, which a real one does too rarely
+    to be timed). Everything else is 404."""
+    async def serve(stream: trio.SocketStream) -> None:
+        async with stream:
+            received = b""
+            while b"\r\n\r\n" not in received:
+                chunk = await stream.receive_some()
+                if not chunk:
+                    return
+                received += chunk
+            target = received.split(b" ", 2)[1]
+            if target == b"/health":
+                await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15"
+                                      b"\r\nConnection: close\r\n\r\n{\"status\":\"ok\"}")
+            else:
+                await stream.send_all(answers.get(target, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                                                          b"Connection: close\r\n\r\n"))
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+async def test_a_non_streamed_answer_cut_mid_body_is_a_502_and_a_redirect_keeps_its_location() -> None:
+    cut = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+           b'{"id": "cmpl-1", "choices": [{"text": "trunc')
+    moved = b"HTTP/1.1 307 Temporary Redirect\r\nLocation: /v1/elsewhere\r\nContent-Length: 0\r\n\r\n"
+    async with trio.open_nursery() as nursery:
+        node = await _scripted_node(nursery, {b"/v1/completions": cut, b"/v1/chat/completions": moved})
+        url = await _in_process_router(nursery, "--backend", node)
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = await client.post(f"{url}/v1/completions", json=GREEDY)
+            assert answer.status_code == 502 and answer.json()["error"]["code"] == "backend_failed"
+            stats_body = (await client.get(f"{url}/router/stats")).json()
+            assert stats_body["nodes"][0]["lost"] == 1 and stats_body["rerouted"] == 0
+            with trio.fail_after(10):  # the probe finds the scripted node healthy again
+                while not (await client.get(f"{url}/router/stats")).json()["nodes"][0]["healthy"]:
+                    await trio.sleep(0.05)
+            redirect = await client.post(f"{url}/v1/chat/completions", json={"messages": []})
+            assert redirect.status_code == 307 and redirect.headers["location"] == "/v1/elsewhere"
         nursery.cancel_scope.cancel()

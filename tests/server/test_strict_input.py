@@ -68,6 +68,39 @@ async def test_out_of_range_and_malformed_input_is_a_clean_400(llama: Path) -> N
         assert (await client.get(f"{url}/health")).status_code == 200
 
 
+async def test_a_body_that_is_not_utf8_json_is_refused_and_its_size_limit_comes_first(llama: Path) -> None:
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2})
+    async with running_server(["--model", str(llama), "--max-body-bytes", "100000"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        for content_type in ("application/x-www-form-urlencoded", "text/plain", "multipart/form-data; boundary=x"):
+            response = await client.post(f"{url}/v1/completions", content=body, headers={"Content-Type": content_type})
+            assert response.status_code == 415, (content_type, response.text)
+            assert response.json()["error"]["code"] == "unsupported_media_type"
+            huge = await client.post(f"{url}/v1/completions", content=b"x" * 200_000,
+                                     headers={"Content-Type": content_type})
+            assert huge.status_code == 413  # the size limit first, whatever the type
+        for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            served = await client.post(f"{url}/v1/completions", content=body, headers={"Content-Type": content_type})
+            assert served.status_code == 200, (content_type, served.text)
+        served = await client.post(f"{url}/v1/completions", content=body)  # no Content-Type: taken as JSON
+        assert served.status_code == 200
+        for encoding in ("utf-16", "utf-16-le", "utf-32"):
+            response = await client.post(f"{url}/v1/completions", content=body.encode(encoding),
+                                         headers={"Content-Type": "application/json"})
+            assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json", encoding
+            # With a byte-order mark (what Python's parser detects) it says why; without one, NULs are not JSON.
+            assert "not UTF-8" in response.json()["error"]["message"] or encoding == "utf-16-le"
+        deep = "[" * 1000 + "]" * 1000
+        for arguments in (deep, '{"a": ' + "[" * 70 + "]" * 70 + "}"):
+            chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"}], "max_tokens": 2}
+            response = await client.post(f"{url}/v1/chat/completions", json=chat)
+            assert response.status_code == 400, response.text[:300]
+            assert "function.arguments" in response.json()["error"]["message"]
+        assert (await client.get(f"{url}/health")).status_code == 200
+
+
 async def test_values_the_engine_cannot_take_are_brought_into_range(llama: Path) -> None:
     """top_k beyond the vocabulary, negative seeds, tiny temperatures: served, with the documented meaning."""
     async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:

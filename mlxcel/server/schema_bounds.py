@@ -1,0 +1,127 @@
+"""Bounds on a JSON schema before llguidance sees it: its size, and its depth with every ``$ref`` followed.
+
+llguidance compiles a schema by recursion on the calling thread's native
+stack, following each ``$ref`` into its target as it goes. Its JSON parser
+refuses text nested deeper than 128 levels, but a chain of references is
+flat text: ``{"$defs": {"d0": {... {"$ref": "#/$defs/d1"}}, "d1": ...}}``
+nests two or three levels per link on the page and one more link of native
+recursion per reference. About 925 such links overflow an 8 MiB thread stack
+and the process dies with SIGSEGV: no exception, no log line, every stream cut.
+Measured on llguidance 1.9 (``docs/http-api.md``): 2.5-3.4 KiB of stack per
+level, whatever the keyword (``properties``, ``items``, ``anyOf``, ``allOf``,
+bare aliases).
+
+So a schema is measured here first, as the compiler would walk it: a
+reference counts as its target written in its place, and a reference back to
+a target already being expanded is recursion (the compiler makes it a rule
+that refers to itself, with no deeper stack), so it adds nothing. The depth
+may not exceed :data:`MAX_SCHEMA_DEPTH`, about 430 KiB of stack at the worst
+measured cost: 5% of a default 8 MiB thread stack, under half of 1 MiB.
+
+Only local references (``#`` and ``#/json/pointer``) are followed, and only
+the root may carry an ``$id``; anything else (a remote reference, an anchor,
+a nested ``$id``, which moves the base that ``#/...`` resolves against) is
+refused: a reference this walk cannot resolve as llguidance would is one
+whose depth it cannot bound. Values (``const``, ``enum``, ``default``,
+``examples``) count for their nesting but are data, not schemas: nothing in
+them is followed. Pure Python; no I/O, no llguidance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote
+
+MAX_SCHEMA_DEPTH = 128
+"""Levels of arrays and objects, every ``$ref`` followed. A schema written out has at most 64 (the body's own
+bound); 128 leaves room for about 25 levels of nested models referenced through ``$defs``."""
+MAX_SCHEMA_BYTES = 256 * 1024
+"""The schema's JSON text. OpenAI's own limits (5,000 properties, 120,000 characters of names and values) fit."""
+
+
+class SchemaTooLarge(ValueError):
+    """A schema outside the bounds; the message says which and by how much (one line)."""
+
+
+def check_schema(schema: Any, text: str) -> None:
+    """Raise :class:`SchemaTooLarge` if *schema* (whose JSON is *text*) is too large or too deep to compile safely."""
+    if len(text) > MAX_SCHEMA_BYTES:
+        raise SchemaTooLarge(f"the schema is {len(text)} bytes of JSON, more than {MAX_SCHEMA_BYTES}")
+    _Walk(schema).height(schema, MAX_SCHEMA_DEPTH)
+
+
+class _TooDeep(Exception):
+    pass
+
+
+DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+"""Keywords whose values are JSON data, never read as schemas."""
+
+
+class _Walk:
+    """The height of a schema with its references followed, stopping as soon as it passes the bound.
+
+    The recursion here is Python's, at most :data:`MAX_SCHEMA_DEPTH` frames deep (the walk gives up there).
+    """
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.expanding: set[str] = set()
+        self.heights: dict[str, int] = {}
+        """Each reference target's height, once known: a target is measured once, however often it is used."""
+
+    def height(self, node: Any, budget: int) -> int:
+        try:
+            return self._height(node, budget)
+        except _TooDeep:
+            raise SchemaTooLarge(f"the schema nests deeper than {MAX_SCHEMA_DEPTH} levels of arrays and objects, "
+                                 "counting each $ref as its target written in its place") from None
+
+    def _height(self, node: Any, budget: int, data: bool = False) -> int:
+        if not isinstance(node, dict | list):
+            return 0
+        if budget <= 0:
+            raise _TooDeep
+        if isinstance(node, list):
+            return 1 + max((self._height(item, budget - 1, data) for item in node), default=0)
+        below = max((self._height(value, budget - 1, data or key in DATA_KEYWORDS) for key, value in node.items()),
+                    default=0)
+        if data:
+            return 1 + below
+        if isinstance(node.get("$id"), str) and node is not self.root:
+            raise SchemaTooLarge("$id is supported only at the schema's root (a nested $id moves the base "
+                                 "its references resolve against)")
+        reference = node.get("$ref")
+        if isinstance(reference, str):
+            below = max(below, self._target_height(reference, budget - 1))
+        return 1 + below
+
+    def _target_height(self, reference: str, budget: int) -> int:
+        if reference in self.expanding:
+            return 0  # recursion: the compiler refers back to the rule it is building
+        if reference not in self.heights:
+            target = self._resolve(reference)
+            self.expanding.add(reference)
+            try:
+                self.heights[reference] = self._height(target, budget)
+            finally:
+                self.expanding.discard(reference)
+        if self.heights[reference] > budget:
+            raise _TooDeep
+        return self.heights[reference]
+
+    def _resolve(self, reference: str) -> Any:
+        """The target of a local reference: ``#`` (the root) or ``#/a/b`` (a JSON pointer in a URI fragment)."""
+        if reference != "#" and not reference.startswith("#/"):
+            raise SchemaTooLarge(f"$ref {reference[:80]!r} is not supported: only local references "
+                                 "('#' or '#/$defs/name') are")
+        node = self.root
+        for raw in reference[2:].split("/") if reference != "#" else ():
+            part = unquote(raw).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise SchemaTooLarge(f"$ref {reference[:80]!r} does not resolve within the schema")
+        return node

@@ -1,0 +1,263 @@
+"""A JSON schema can no longer take the server down: it is bounded before llguidance sees it.
+
+llguidance 1.9 compiles a schema by native recursion, following each ``$ref``;
+a chain of about 925 references overflowed its thread's stack and the process
+died with SIGSEGV (every stream cut, nothing in the log). The server now
+measures the schema first (``mlxcel/server/schema_bounds.py``). The servers
+here are subprocesses, so that a crash is a failed test, not a dead test run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mlxcel.server.schema_bounds import MAX_SCHEMA_BYTES, SchemaTooLarge, check_schema
+from tests.checkpoints import TOOLS_CHATML, build_checkpoint
+from tests.server.conftest import serve_subprocess
+
+Link = Callable[[str], dict[str, Any]]
+#: One link of a reference chain per keyword that can hold a subschema: each wraps a ``$ref`` to the next link.
+LINKS: dict[str, Link] = {
+    "properties": lambda ref: {"type": "object", "properties": {"a": {"$ref": ref}}},
+    "alias": lambda ref: {"$ref": ref},
+    "allOf": lambda ref: {"allOf": [{"$ref": ref}]},
+    "anyOf": lambda ref: {"anyOf": [{"$ref": ref}, {"type": "integer"}]},
+    "items": lambda ref: {"type": "array", "items": {"$ref": ref}},
+    "prefixItems": lambda ref: {"type": "array", "prefixItems": [{"$ref": ref}]},
+    "additionalProperties": lambda ref: {"type": "object", "additionalProperties": {"$ref": ref}},
+    "nested": lambda ref: {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "array", "items": {"anyOf": [{"$ref": ref}]}}}}}},
+}
+
+
+def chain(links: int, link: Link = LINKS["properties"]) -> dict[str, Any]:
+    """``$defs`` d0 -> d1 -> ... -> a string, and the root a reference to d0: the schema that crashed the server."""
+    defs = {f"d{i}": link(f"#/$defs/d{i + 1}") for i in range(links)}
+    defs[f"d{links}"] = {"type": "string"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def accepted(schema: Any) -> bool:
+    try:
+        check_schema(schema, json.dumps(schema))
+    except SchemaTooLarge:
+        return False
+    return True
+
+
+def longest_accepted(link: Link) -> int:
+    links = 0
+    while accepted(chain(links + 1, link)):
+        links += 1
+    return links
+
+
+def test_the_reported_chain_and_anything_deeper_than_the_bound_are_refused() -> None:
+    assert not accepted(chain(1000))
+    assert accepted(chain(10))
+    for name, link in LINKS.items():
+        assert 10 <= longest_accepted(link) < 130, name  # real chains fit; nothing near the crash (925+) does
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}}, "$ref": "#/$defs/node"}
+    assert accepted(tree)  # recursion is a rule referring to itself, not depth
+    assert accepted({"type": "object", "properties": {"next": {"$ref": "#"}}})
+    doubling = {f"d{i}": {"type": "object", "properties": {"a": {"$ref": f"#/$defs/d{i + 1}"},
+                                                           "b": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(40)}
+    doubling["d40"] = {"type": "string"}
+    assert accepted({"$defs": doubling, "$ref": "#/$defs/d0"})  # 2**40 paths, each target measured once
+
+
+@pytest.mark.parametrize(("schema", "says"), [
+    ({"properties": {"a": {"$ref": "#foo"}}}, "only local references"),
+    ({"properties": {"a": {"$ref": "https://example.com/s.json"}}}, "only local references"),
+    ({"properties": {"a": {"$ref": "#/$defs/missing"}}}, "does not resolve"),
+    ({"$id": "root", "properties": {"a": {"$id": "sub", "type": "string"}}}, "only at the schema's root"),
+    ({"enum": ["x" * MAX_SCHEMA_BYTES]}, "bytes of JSON"),
+])
+def test_what_the_walk_cannot_bound_is_refused_with_its_reason(schema: dict[str, Any], says: str) -> None:
+    with pytest.raises(SchemaTooLarge, match=says):
+        check_schema(schema, json.dumps(schema))
+
+
+def test_values_are_data_not_schemas() -> None:
+    schema = {"$id": "root", "properties": {"a": {"const": {"$id": "x", "$ref": "#nowhere"}},
+                                            "b": {"enum": [{"$ref": "https://example.com"}], "default": {"$id": 1}}}}
+    assert accepted(schema)
+
+
+def test_every_chain_at_the_bound_compiles_in_llguidance_on_a_1_mib_stack() -> None:
+    """The library itself, at the longest chain of each kind the bound lets through, on an eighth of the
+    default thread stack: a subprocess, so that an overflow fails this test instead of killing the run."""
+    schemas = {name: json.dumps(chain(longest_accepted(link), link)) for name, link in LINKS.items()}
+    script = textwrap.dedent("""
+        import json, sys, threading
+        from llguidance import LLMatcher
+        schemas = json.loads(sys.stdin.read())
+        threading.stack_size(1024 * 1024)
+        results = {}
+        def compile_all():
+            for name, text in schemas.items():
+                grammar = LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_flexible": False})
+                results[name] = LLMatcher.validate_grammar(grammar)
+        thread = threading.Thread(target=compile_all)
+        thread.start()
+        thread.join()
+        print(json.dumps(results))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], input=json.dumps(schemas), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == dict.fromkeys(LINKS, "")  # compiled, and valid
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    root = tmp_path_factory.mktemp("schema-bounds")
+    model = build_checkpoint(root / "llama", "llama", scale=2.0, chat_template=TOOLS_CHATML)
+    with serve_subprocess(["--model", str(model)], {}, root / "server.log") as url:
+        yield url, root / "server.log"
+
+
+@pytest.fixture
+def server(served: tuple[str, Path]) -> str:
+    return served[0]
+
+
+def as_format(schema: Any) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+
+
+def as_tool(schema: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": "f", "parameters": schema}}
+
+
+@pytest.mark.slow
+def test_the_crashing_schema_is_a_400_on_every_route_and_a_stream_in_flight_finishes(server: str) -> None:
+    schema = chain(1000)  # the report's: 1,000 links (it crashed from about 925)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    bodies = [
+        ("/v1/chat/completions", {**chat, "response_format": as_format(schema)}, "response_format"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": as_format(schema)},
+         "response_format"),
+        ("/v1/chat/completions", {**chat, "tools": [as_tool(schema)],
+                                  "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tools"),
+        ("/v1/chat/completions", {**chat, "tools": [as_tool(schema)], "tool_choice": "required"}, "tools"),
+    ]
+    with httpx.Client(base_url=server, timeout=120) as client, client.stream(
+            "POST", "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 200, "stream": True}) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        for path, body, param in bodies:
+            response = client.post(path, json=body)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param and "deeper than 128 levels" in error["message"], error
+            assert "\n" not in error["message"]
+        assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
+        assert client.get("/health").status_code == 200
+
+
+@pytest.mark.slow
+def test_a_grammar_that_fails_while_decoding_is_one_line_400_and_one_log_line_without_content(
+        served: tuple[str, Path]) -> None:
+    url, log = served
+    wide = {"type": "object", "properties": {f"secret{i}": {"type": "integer"} for i in range(499)}}
+    before = log.read_text()
+    for stream in (False, True):
+        body = {"messages": [{"role": "user", "content": "private words"}], "max_tokens": 3, "stream": stream,
+                "response_format": as_format(wide)}
+        response = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+        if stream:  # the error arrives as an event, then [DONE]
+            events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+            assert events[-1] == "[DONE]"
+            error = json.loads(events[-2])["error"]
+        else:
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and "grammar" in error["message"]
+        assert "\n" not in error["message"] and "secret" not in error["message"], error
+    added = log.read_text()[len(before):]
+    failures = [line for line in added.splitlines() if "failed" in line]
+    assert len(failures) == 2 and "secret" not in added and "private" not in added, added
+
+
+LEAF = st.one_of(
+    st.sampled_from([{"type": t} for t in ("string", "integer", "number", "boolean", "null", "object", "array")]),
+    st.builds(lambda values: {"enum": values},
+              st.lists(st.text(max_size=8) | st.integers() | st.none(), min_size=1, max_size=6)),
+    st.builds(lambda value: {"const": value}, st.text(max_size=8) | st.integers()),
+    st.builds(lambda pattern: {"type": "string", "pattern": pattern}, st.sampled_from(
+        ["^[a-z]+$", r"^\d{3}-\d{4}$", "(", "[a-", "^a{65535}$", r"\p{L}+", "^(a|b)*c$", "^é+ü?$", "😀{2,3}",
+         "^(?=a)b$", r"(\w+)\1"])),
+    st.builds(lambda fmt: {"type": "string", "format": fmt},
+              st.sampled_from(["date-time", "email", "uuid", "ipv4", "no-such-format"])),
+    st.builds(lambda lo, hi: {"type": "integer", "minimum": lo, "maximum": hi},
+              st.integers(-10**6, 10**6), st.integers(-10**6, 10**6)),
+    st.builds(lambda n: {"type": "string", "minLength": n, "maxLength": n + 3}, st.integers(0, 40)),
+)
+NAME = st.text(min_size=1, max_size=6)
+
+
+def _extend(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.builds(lambda props, required, extra: {"type": "object", "properties": props,
+                                                  "required": required, "additionalProperties": extra},
+                  st.dictionaries(NAME, inner, max_size=4), st.lists(NAME, max_size=2), st.booleans() | inner),
+        st.builds(lambda items, low: {"type": "array", "items": items, "minItems": low, "maxItems": low + 2},
+                  inner, st.integers(0, 3)),
+        st.builds(lambda key, options: {key: options}, st.sampled_from(["anyOf", "allOf", "oneOf"]),
+                  st.lists(inner, min_size=1, max_size=3)),
+        st.builds(lambda body: {"$defs": {"x": body}, "$ref": "#/$defs/x"}, inner),
+        st.builds(lambda body: {"type": "object", "properties": {"self": {"$ref": "#"}, "v": body}}, inner),
+    )
+
+
+SCHEMA = st.one_of(
+    st.recursive(LEAF, _extend, max_leaves=10),
+    st.builds(chain, st.integers(0, 1200), st.sampled_from(list(LINKS.values()))),
+    st.builds(lambda depth: {"$defs": {f"d{i}": {"anyOf": [{"$ref": f"#/$defs/d{(i + 1) % depth}"},
+                                                           {"type": "null"}]} for i in range(depth)},
+                             "$ref": "#/$defs/d0"}, st.integers(1, 300)),  # one cycle through every def
+    st.builds(lambda n: {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}},
+              st.integers(0, 6000)),
+)
+
+
+@pytest.mark.slow
+def test_fuzzed_schemas_are_served_or_refused_and_the_server_stays_up(server: str) -> None:
+    statuses: list[int] = []
+    with httpx.Client(base_url=server, timeout=120) as client:
+
+        @settings(max_examples=150, deadline=None, database=None,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+        @given(schema=SCHEMA, route=st.sampled_from(["chat", "completions", "tool"]))
+        def one(schema: Any, route: str) -> None:
+            if route == "tool":
+                path, body = "/v1/chat/completions", {
+                    "messages": [{"role": "user", "content": "x"}], "tools": [as_tool(schema)],
+                    "tool_choice": {"type": "function", "function": {"name": "f"}}}
+            elif route == "chat":
+                path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                      "response_format": as_format(schema)}
+            else:
+                path, body = "/v1/completions", {"prompt": "x", "response_format": as_format(schema)}
+            response = client.post(path, json={**body, "max_tokens": 3, "temperature": 0})
+            assert response.status_code in (200, 400), response.text
+            if response.status_code == 400:
+                assert "\n" not in response.json()["error"]["message"]
+            statuses.append(response.status_code)
+
+        one()
+        assert client.get("/health").status_code == 200
+    assert {200, 400} <= set(statuses)  # both outcomes were exercised
