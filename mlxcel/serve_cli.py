@@ -94,6 +94,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-alive-timeout", type=_seconds("--keep-alive-timeout"), default=5.0,
                         metavar="SECONDS", help="an idle keep-alive connection is closed after this long "
                                                 "(default: %(default)s)")
+    parser.add_argument("--send-timeout", type=_seconds("--send-timeout"), default=30.0, metavar="SECONDS",
+                        help="a client that reads nothing of its answer for this long is disconnected and its "
+                             "generation cancelled (default: %(default)s)")
     parser.add_argument("--access-log", action="store_true", help="log every request (hypercorn's access log)")
     parser.add_argument("--api-key", action="append", default=[], metavar="KEYS",
                         help="accepted API key(s), comma-separated; may repeat")
@@ -185,7 +188,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
     connections = ConnectionLimits(max_connections=args.max_connections,
-                                   keep_alive_timeout=args.keep_alive_timeout)
+                                   keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout)
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
                        max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
                        access_log=args.access_log)

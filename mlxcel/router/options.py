@@ -37,6 +37,7 @@ class RouterConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_connections: int = 1024
     keep_alive_timeout: float = 5.0
+    send_timeout: float = 30.0
     access_log: bool = False
 
 
@@ -119,6 +120,6 @@ def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None 
         probe_timeout=2.0,  # not shorter with the interval: a loaded node answers slowly, and is not down
         show_addresses=args.router_stats_verbose or _switch(env, "MLXCEL_ROUTER_STATS_VERBOSE"),
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
-        keep_alive_timeout=args.keep_alive_timeout, access_log=args.access_log)
+        keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout, access_log=args.access_log)
 
 

@@ -66,7 +66,8 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
     hypercorn.graceful_timeout = 5.0
-    limits = ConnectionLimits(max_connections=config.max_connections, keep_alive_timeout=config.keep_alive_timeout)
+    limits = ConnectionLimits(max_connections=config.max_connections, keep_alive_timeout=config.keep_alive_timeout,
+                              send_timeout=config.send_timeout)
     async with backend_client() as client, trio.open_nursery() as nursery:
         probed = trio.Event()
         forwarder = Forwarder(nodes, Placement(config.placement), client, backend_headers)

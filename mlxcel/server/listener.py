@@ -16,7 +16,11 @@ lifespan and graceful shutdown), with its own accept loop:
   hypercorn's empty one;
 - hypercorn never closes the socket under an answer still being written, and
   a connection closing on a body it will not read drains it first (a
-  "lingering close"), so the client sees the answer rather than a reset.
+  "lingering close"), so the client sees the answer rather than a reset;
+- a write that waits longer than ``send_timeout`` for the client to read
+  (hypercorn's waits for ever) closes the connection: the app sees a
+  disconnect, so a stalled reader's generation is cancelled and its places
+  freed, as for a client that went away.
 
 It relies on hypercorn 0.18's worker internals: ``TCPServer`` (its
 ``protocol``/``stream``/``send_lock`` attributes and the ``_read_data`` and
@@ -65,6 +69,10 @@ class ConnectionLimits:
     max_connections: int = 1024
     keep_alive_timeout: float = 5.0
     """Seconds an idle keep-alive connection (or one that has sent no request yet) stays open."""
+    send_timeout: float = 30.0
+    """Seconds one write to a client may wait for it to read (its socket buffers full) before the connection
+    is closed, and its request cancelled as for a disconnect: a client that never reads would otherwise hold
+    its places in the engine for as long as it stays connected."""
 
 
 class _Connections:
@@ -114,9 +122,10 @@ class _Connections:
 class _Connection(TCPServer):
     """Hypercorn's per-connection server, reporting idleness to the table and shaping h11's errors."""
 
-    def __init__(self, connections: _Connections, *args: Any) -> None:
+    def __init__(self, connections: _Connections, send_timeout: float, *args: Any) -> None:
         super().__init__(*args)
         self._connections = connections
+        self._send_timeout = send_timeout
         self._reading = trio.CancelScope()
         self._read_loop_running = False
         self._lingering = False
@@ -129,6 +138,9 @@ class _Connection(TCPServer):
             self._connections.remove(self)
 
     async def protocol_send(self, event: Event) -> None:
+        if isinstance(event, RawData):
+            await self._send(event.data)
+            return
         if isinstance(event, Updated):
             self._connections.mark(self, idle=event.idle)
         elif (isinstance(event, Closed) and self._h11_state("our_state") is h11.SEND_BODY
@@ -141,6 +153,23 @@ class _Connection(TCPServer):
             # first, and that close goes through.)
             return
         await super().protocol_send(event)
+
+    async def _send(self, data: bytes) -> None:
+        """Hypercorn's write (shielded: a write cut short would corrupt the stream), within the send timeout."""
+        async with self.send_lock:
+            try:
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + self._send_timeout
+                    await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+                return
+        if scope.cancelled_caught:
+            logger.warning("a client read nothing for %g s (--send-timeout): closing its connection",
+                           self._send_timeout)
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+            await self.protocol.handle(Closed())
 
     async def _read_data(self) -> None:
         """Hypercorn's read loop, dropping what arrives once it can no longer be a request.
@@ -276,8 +305,8 @@ async def serve(app: Any, config: Config, limits: ConnectionLimits, *,
             async def start(stream: trio.SocketStream) -> None:
                 # No checkpoint from here to the connection's add(): it moves from starting to open at once.
                 connections.starting -= 1
-                await _Connection(connections, asgi, config, context, ConnectionState(lifespan_state.copy()),
-                                  stream)
+                await _Connection(connections, limits.send_timeout, asgi, config, context,
+                                  ConnectionState(lifespan_state.copy()), stream)
 
             task_status.started([f"http://{repr_socket_addr(s.family, s.getsockname())}" for s in sockets])
             try:

@@ -297,3 +297,37 @@ async def test_malformed_http_gets_an_openai_shaped_error(llama: Path, request_b
             assert answer[1]["content-type"] == "application/json"
             assert openai_error(answer[2])["type"] == "invalid_request_error"
             assert await connection.closes()
+
+
+async def test_clients_that_never_read_lose_their_places_after_the_send_timeout(
+        llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The report's two streams (n=16 and n=4) that never read: once their socket buffers fill, every other
+    request was a 503 queue_full for as long as they stayed open. With --send-timeout their connections are
+    closed, their generations cancelled, and the server serves again."""
+    import httpx
+
+    async with running_server(["--model", str(llama), "--send-timeout", "1"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
+        parts = urlsplit(url)
+        stalled = []
+        for n in (16, 4):
+            sock = trio.socket.socket()
+            sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)  # a small window fills fast
+            await sock.connect((parts.hostname, parts.port))
+            stream = trio.SocketStream(sock)
+            body = json.dumps({"prompt": "def f(x):", "max_tokens": 1900, "n": n, "stream": True,
+                               "logprobs": 5}).encode()
+            await stream.send_all(post("/v1/completions", body, key=""))  # never read from here on
+            stalled.append(stream)
+        quick = {"prompt": "x", "max_tokens": 2}
+        with trio.fail_after(30):  # the stalled requests hold every place
+            while (await client.post(f"{url}/v1/completions", json=quick)).status_code != 503:
+                await trio.sleep(0.1)
+        with trio.fail_after(60):  # and lose them once a write has waited a second for its reader
+            while (answer := await client.post(f"{url}/v1/completions", json=quick)).status_code == 503:
+                assert answer.json()["error"]["code"] == "queue_full"
+                await trio.sleep(0.2)
+        assert answer.status_code == 200
+        assert any("read nothing for 1 s (--send-timeout)" in r.getMessage() for r in caplog.records)
+        for stream in stalled:
+            await stream.aclose()
