@@ -120,7 +120,7 @@ class Admission:
                 if self.settings.fault_hook is not None:
                     sampler = sampler_with_hook(chain, lambda r=request: self._fault("sampler", r))
                 cache, rest = self.prefix.fetch(tokens)
-                processors = make_processors(request.sampling)
+                processors = make_processors(request.sampling, len(tokens))
                 if request.sampling.grammar is not None:  # last: it masks what the others computed
                     processors.append(GrammarProcessor(request.sampling.grammar, len(tokens)))
                 sequence = Sequence(request=request, chain=chain, sampler=sampler, processors=processors,

@@ -30,9 +30,12 @@ class SamplingParams:
     """1 is off; otherwise mlx-lm's sign-aware multiplicative penalty over the last tokens."""
     repetition_context_size: int = 20
     presence_penalty: float = 0.0
-    presence_context_size: int = 20
+    presence_context_size: int | None = None
+    """None: OpenAI's meaning, every token generated so far (not the prompt); a number: mlx-lm's window of the
+    last tokens, prompt included."""
     frequency_penalty: float = 0.0
-    frequency_context_size: int = 20
+    frequency_context_size: int | None = None
+    """As *presence_context_size*."""
     grammar: Any = None
     """Constrained decoding: an llguidance ``LLMatcher`` at the start of its grammar, this sequence's own.
     Compiled by the HTTP layer (mlxcel.server.matchers), so the worker never compiles."""

@@ -114,23 +114,54 @@ def make_sampler(params: SamplingParams) -> SamplingChain | None:
     return None if is_greedy(params) else SamplingChain(params)
 
 
-def make_processors(params: SamplingParams) -> list[Any]:
-    """mlx-lm's logits processors for the bias and penalties of *params* (empty when it has none).
+def make_processors(params: SamplingParams, prompt_length: int) -> list[Any]:
+    """The logits processors for the bias and penalties of *params* (empty when it has none).
 
     Each is ``processor(tokens, logits) -> logits``, *tokens* being every token
-    of the sequence so far (prompt included), as mlx-lm's ``BatchGenerator``
-    and ``generate_step`` call them.
+    of the sequence so far (prompt included, the generated tokens from
+    *prompt_length* on), as mlx-lm's ``BatchGenerator`` and ``generate_step``
+    call them. mlx-lm's own, except a presence or frequency penalty without a
+    context size: OpenAI's, over the whole generated text (:class:`GeneratedTextPenalty`).
     """
     from mlx_lm.sample_utils import make_logits_processors
 
     if not params.has_processors:
         return []
-    return make_logits_processors(
+    windowed = {"presence_penalty": params.presence_context_size is not None,
+                "frequency_penalty": params.frequency_context_size is not None}
+    processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
         repetition_context_size=params.repetition_context_size,
-        presence_penalty=params.presence_penalty or None, presence_context_size=params.presence_context_size,
-        frequency_penalty=params.frequency_penalty or None, frequency_context_size=params.frequency_context_size)
+        presence_penalty=(params.presence_penalty or None) if windowed["presence_penalty"] else None,
+        presence_context_size=params.presence_context_size,
+        frequency_penalty=(params.frequency_penalty or None) if windowed["frequency_penalty"] else None,
+        frequency_context_size=params.frequency_context_size)
+    presence = 0.0 if windowed["presence_penalty"] else params.presence_penalty
+    frequency = 0.0 if windowed["frequency_penalty"] else params.frequency_penalty
+    if presence or frequency:
+        processors.append(GeneratedTextPenalty(presence, frequency, prompt_length))
+    return processors
+
+
+class GeneratedTextPenalty:
+    """OpenAI's presence and frequency penalties: ``logit[j] -= c[j] * frequency + (c[j] > 0) * presence``, where
+    ``c[j]`` counts token j in everything generated so far (the prompt does not count).
+
+    mlx-lm's processors look at a window of the last tokens, prompt included
+    (20 by default): a different meaning, kept for requests that name a context size.
+    """
+
+    def __init__(self, presence: float, frequency: float, prompt_length: int) -> None:
+        self.presence, self.frequency, self.prompt_length = presence, frequency, prompt_length
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        generated = tokens[self.prompt_length:]
+        if generated.shape[0] == 0:
+            return logits
+        counts = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[generated].add(1.0)
+        penalty = counts * self.frequency + (counts > 0).astype(mx.float32) * self.presence
+        return logits - penalty.astype(logits.dtype)
 
 
 def sampler_with_hook(sampler: Any, hook: Any) -> Any:

@@ -79,9 +79,10 @@ class _Request(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     repetition_penalty: float = Field(default=1.0, gt=0, le=10)
-    # mlx-lm's server's names: the penalties look at this many of the last tokens (prompt included).
-    presence_context_size: int = Field(default=20, ge=1, le=2**20)
-    frequency_context_size: int = Field(default=20, ge=1, le=2**20)
+    # mlx-lm's server's names: the penalties look at this many of the last tokens (prompt included). Unset,
+    # presence and frequency count every generated token, as OpenAI's do.
+    presence_context_size: int | None = Field(default=None, ge=1, le=2**20)
+    frequency_context_size: int | None = Field(default=None, ge=1, le=2**20)
     repetition_context_size: int = Field(default=20, ge=1, le=2**20)
     response_format: ResponseFormat | None = None
 

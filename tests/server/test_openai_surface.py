@@ -197,7 +197,7 @@ PROCESSED = [
     # (request parameters, mlx-lm's make_logits_processors keywords)
     ({"presence_penalty": 2.0, "presence_context_size": 64},
      {"presence_penalty": 2.0, "presence_context_size": 64}),
-    ({"frequency_penalty": 1.5}, {"frequency_penalty": 1.5}),
+    ({"frequency_penalty": 1.5, "frequency_context_size": 20}, {"frequency_penalty": 1.5}),
     ({"repetition_penalty": 3.0, "repetition_context_size": 30},
      {"repetition_penalty": 3.0, "repetition_context_size": 30}),
 ]
@@ -235,13 +235,55 @@ async def test_bias_and_penalties_decode_as_mlx_lm_with_its_processors(llama: Pa
                            "plain": tokenizer.decode(plain)}
 
 
+def _openai_penalised(checkpoint: Path, prompt: list[int], max_tokens: int, presence: float,
+                      frequency: float) -> list[int]:
+    """Greedy decoding with OpenAI's formula written out here, in numpy over Python counts (not mlxcel's code):
+    ``logit[j] -= c[j] * frequency + (c[j] > 0) * presence``, c counting the tokens generated so far."""
+    from collections import Counter
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm import load
+
+    model, tokenizer = load(str(checkpoint))
+    out: list[int] = []
+    for _ in range(max_tokens):
+        logits = np.array(model(mx.array([prompt + out]))[0, -1].astype(mx.float32))
+        for token, count in Counter(out).items():
+            logits[token] -= count * frequency + presence
+        token = int(np.argmax(logits))
+        if token in tokenizer.eos_token_ids:
+            break
+        out.append(token)
+    return out
+
+
+async def test_presence_and_frequency_penalties_count_the_whole_completion_as_openai(llama: Path) -> None:
+    """Unset context sizes mean OpenAI's penalties: every generated token counts, however far back, and the
+    prompt does not; mlx-lm's 20-token window (prompt included) is what naming a context size asks for."""
+    tokenizer = _tokenizer(llama)
+    prompt = tokenizer.encode(PROMPT)
+    expected = _openai_penalised(llama, prompt, 48, presence=0.4, frequency=0.3)
+    windowed = _reference(llama, prompt, 48, presence_penalty=0.4, frequency_penalty=0.3)
+    assert expected != windowed  # the two meanings part on this model
+    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
+        for stream_choices in (1, 2):  # alone, and batched beside another choice
+            body = await _post(client, url, "/v1/completions", prompt=prompt, max_tokens=48, temperature=0,
+                               presence_penalty=0.4, frequency_penalty=0.3, n=stream_choices)
+            assert body["choices"][0]["text"] == tokenizer.decode(expected)
+        body = await _post(client, url, "/v1/completions", prompt=prompt, max_tokens=48, temperature=0,
+                           presence_penalty=0.4, frequency_penalty=0.3, presence_context_size=20,
+                           frequency_context_size=20)
+        assert body["choices"][0]["text"] == tokenizer.decode(windowed)
+
+
 MTP_PROCESSED = [
     # (request parameters, mlx-lm's keywords): each changes the MTP target's 48 tokens (a presence or a
     # frequency penalty alone does not; the repetition penalty, alone or chained with all the others, does).
     ({"logit_bias": {"7": 5}}, {"logit_bias": {7: 5}}),
     PROCESSED[2],
     ({"repetition_penalty": 3.0, "repetition_context_size": 30, "presence_penalty": 2.0, "frequency_penalty": 2.0,
-      "logit_bias": {"9": -3}},
+      "presence_context_size": 20, "frequency_context_size": 20, "logit_bias": {"9": -3}},
      {"repetition_penalty": 3.0, "repetition_context_size": 30, "presence_penalty": 2.0, "frequency_penalty": 2.0,
       "logit_bias": {9: -3}}),
 ]
