@@ -85,19 +85,21 @@ class LogprobShaper:
         if not self.alternatives:
             tops = [() for _ in ids]
         pieces = await self.tokens.pieces(self.tokenizer, ids)
-        alternatives = await self.tokens.pieces(self.tokenizer, [t for top in tops for t, _ in top])
-        named = iter(alternatives)
-        top_named = [[(next(named), v) for _, v in top] for top in tops]
+        alternative_ids = [t for top in tops for t, _ in top]
+        alternatives = await self.tokens.pieces(self.tokenizer, alternative_ids)
         if self.chat:
-            own = self.token_bytes(ids + [t for top in tops for t, _ in top])
+            own = self.token_bytes(ids + alternative_ids)
             if own is None:
                 own = [p.encode() for p in pieces] + [a.encode() for a in alternatives]
-            chosen, others = iter(own[:len(ids)]), iter(own[len(ids):])
+            chosen, others, named = iter(own[:len(ids)]), iter(own[len(ids):]), iter(alternatives)
             return {"content": [
                 {"token": p, "logprob": v, "bytes": list(next(chosen)),
-                 "top_logprobs": [{"token": a, "logprob": w, "bytes": list(next(others))} for a, w in top]}
-                for p, v, top in zip(pieces, values, top_named, strict=True)], "refusal": None}
-        return self._arrays(pieces, values, top_named, log)
+                 "top_logprobs": [{"token": next(named), "logprob": w, "bytes": list(next(others))}
+                                  for _, w in top]}
+                for p, v, top in zip(pieces, values, tops, strict=True)], "refusal": None}
+        keys = iter(self._keys(alternative_ids, alternatives))
+        return self._arrays(pieces, self._keys(ids, pieces), values, [[(next(keys), v) for _, v in top]
+                                                                     for top in tops], log)
 
     async def shape_prompt(self, ids: Sequence[int], scores: PromptLogprobs, log: ChoiceLog) -> dict[str, Any]:
         """Completions logprobs of the echoed prompt *ids*, advancing *log*'s offset: the first token has
@@ -106,24 +108,45 @@ class LogprobShaper:
         tops = [tuple((t, max(v, UNLIKELY)) for t, v in top) for top in scores.top_logprobs or ()] \
             if self.alternatives else [() for _ in values]
         pieces = await self.tokens.pieces(self.tokenizer, ids)
-        named = iter(await self.tokens.pieces(self.tokenizer, [t for top in tops for t, _ in top]))
-        first = self._arrays(pieces[:1], [0.0], [[]], log)
-        rest = self._arrays(pieces[1:], values, [[(next(named), v) for _, v in top] for top in tops], log)
+        alternative_ids = [t for top in tops for t, _ in top]
+        named = iter(self._keys(alternative_ids, await self.tokens.pieces(self.tokenizer, alternative_ids)))
+        keys = self._keys(ids, pieces)
+        first = self._arrays(pieces[:1], keys[:1], [0.0], [[]], log)
+        rest = self._arrays(pieces[1:], keys[1:], values, [[(next(named), v) for _, v in top] for top in tops], log)
         return {"tokens": pieces, "token_logprobs": [None, *rest["token_logprobs"]],
                 "top_logprobs": [None, *rest["top_logprobs"]],
                 "text_offset": first["text_offset"] + rest["text_offset"]}
 
+    def _keys(self, ids: Sequence[int], pieces: list[str]) -> list[str]:
+        """Completions' ``top_logprobs`` keys: each token's text, or, for a token whose bytes are not whole
+        UTF-8 (a piece of a character: its text is only U+FFFD), ``bytes:`` and its bytes escaped, as OpenAI
+        writes them (``bytes:\\xe6\\x97``), so that N alternatives are N keys. Without a byte table, the texts."""
+        own = self.token_bytes(ids) if ids else []
+        if own is None:
+            return pieces
+        return [piece if _whole_utf8(raw) else "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+                for piece, raw in zip(pieces, own, strict=True)]
+
     @staticmethod
-    def _arrays(pieces: list[str], values: list[float], top_named: list[list[tuple[str, float]]],
+    def _arrays(pieces: list[str], keys: list[str], values: list[float], top_named: list[list[tuple[str, float]]],
                 log: ChoiceLog) -> dict[str, Any]:
-        """Completions' four parallel arrays, advancing *log*'s offset past *pieces*."""
+        """Completions' four parallel arrays, advancing *log*'s offset past *pieces* (*keys*: the chosen
+        tokens' ``top_logprobs`` keys)."""
         offsets = []
         for piece in pieces:
             offsets.append(log.offset)
             log.offset += len(piece)
         # The chosen token is always listed (OpenAI's rule), after the alternatives if it is not one.
-        top_maps = [{**dict(top), p: v} for p, v, top in zip(pieces, values, top_named, strict=True)]
+        top_maps = [{**dict(top), key: v} for key, v, top in zip(keys, values, top_named, strict=True)]
         return {"tokens": pieces, "token_logprobs": values, "top_logprobs": top_maps, "text_offset": offsets}
+
+
+def _whole_utf8(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -101,7 +101,22 @@ def _prompt_reference(checkpoint: Path, text: str, top: int) -> tuple[list[int],
     rows = (logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
     likely = [sorted(range(len(row)), key=lambda t, row=row: -row[t])[:top] for row in rows[:-1]]
     return (ids, [rows[i][t] for i, t in enumerate(ids[1:])],
-            [{tokenizer.decode([t]) for t in best} for best in likely])
+            [{openai_key(checkpoint, t, tokenizer.decode([t])) for t in best} for best in likely])
+
+
+def openai_key(checkpoint: Path, token: int, text: str) -> str:
+    """A completions ``top_logprobs`` key as OpenAI writes it: the text, or ``bytes:\\x..`` for a token whose
+    bytes (from the vocabulary's byte table) are not whole UTF-8."""
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    raw = bytes(byte_of[c] for c in AutoTokenizer.from_pretrained(checkpoint).convert_ids_to_tokens(token))
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
 
 
 async def test_echo_with_logprobs_scores_the_prompt(llama: Path) -> None:
@@ -120,7 +135,7 @@ async def test_echo_with_logprobs_scores_the_prompt(llama: Path) -> None:
         # Each position lists the model's two most likely tokens, and the prompt's own (OpenAI's rule).
         for tops, likely, chosen in zip(logprobs["top_logprobs"][1:prompt], most_likely,
                                         logprobs["tokens"][1:prompt], strict=True):
-            assert set(tops) == likely | {chosen}
+            assert set(tops) == likely | {chosen}  # the prompt is ASCII: its own tokens are text
         # The completion's part is the completion's own, its offsets after the prompt's token texts.
         assert logprobs["tokens"][prompt:] == plain["logprobs"]["tokens"]
         assert logprobs["token_logprobs"][prompt:] == plain["logprobs"]["token_logprobs"]
@@ -136,3 +151,22 @@ async def test_echo_with_logprobs_scores_the_prompt(llama: Path) -> None:
             mine = [c["logprobs"] for c in chunks if c["index"] == index and c["logprobs"]]
             assert [t for lp in mine for t in lp["tokens"]] == logprobs["tokens"]
             assert [v for lp in mine for v in lp["token_logprobs"]] == logprobs["token_logprobs"]
+
+
+async def test_completion_alternatives_that_are_pieces_of_a_character_keep_a_key_each(llama: Path) -> None:
+    """Three one-byte tokens, each a piece of a UTF-8 character (their text alone is U+FFFD), pushed to the top
+    by a bias: ``logprobs: 3`` gives three keys, each the token's bytes written as OpenAI writes them."""
+    from transformers import AutoTokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    spelled = bytes_to_unicode()
+    pieces = [0xC3, 0xA9, 0xE6]
+    ids = [tokenizer.convert_tokens_to_ids(spelled[b]) for b in pieces]
+    assert len(set(ids)) == 3 and tokenizer.unk_token_id not in ids
+    bias = {str(t): 40 + i for i, t in enumerate(ids)}  # distinct, so the order is known
+    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
+        body = await _complete(client, url, max_tokens=3, temperature=0, logprobs=3, logit_bias=bias)
+    expected = {f"bytes:\\x{b:02x}" for b in pieces}
+    for top in body["choices"][0]["logprobs"]["top_logprobs"]:
+        assert set(top) == expected, top
