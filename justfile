@@ -1,14 +1,18 @@
-# mlxcel developer tasks. `just --list` shows them; CI and the README need no `just`.
+# mlxcel developer tasks. `just --list` shows them; CI and the README need no `just`
+# (.ci/run runs the same commands as `check`, in the same order).
 
 venv := ".venv/bin/"
+
+# Lint, type-check and run the fast tests: the loop while you work
+default: lint test-fast
 
 # Install mlxcel and its development tools into .venv
 install:
     python3 -m venv .venv
-    {{venv}}pip install -e '.[dev]'
+    {{venv}}pip install --quiet -e '.[dev]'
 
 # Run the whole test suite (slow tests included, as in CI)
-test *args:
+test *args: install
     {{venv}}pytest {{args}}
 
 # Run only the fast tests
@@ -19,6 +23,9 @@ test-fast *args:
 lint:
     {{venv}}ruff check mlxcel tests benchmarks
     {{venv}}mypy
+
+# What CI runs: the README's test command, then lint, type-check and the statechart check
+check: test lint docs
 
 # Regenerate the statechart diagram and its docs block from the DSL
 statechart:

@@ -178,9 +178,11 @@ class Forwarder:
             except httpx.TransportError as exc:
                 node.mark_failed(f"mid-stream: {_describe(exc)}")
                 node.lost += 1
+                if isinstance(exc, httpx.ReadTimeout):
+                    node.mark_hung()
                 await send.send(MID_STREAM_FAILURE)
                 return ANSWERED
-            node.served += 1
+            node.mark_served()
             return ANSWERED
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(2):
@@ -197,7 +199,7 @@ class Forwarder:
             return ANSWERED
         await send.send(head)
         await send.send(body)
-        node.served += 1
+        node.mark_served()
         return ANSWERED
 
     async def _lost(self, send: trio.MemorySendChannel[object], node: Node, exc: httpx.TransportError) -> None:
@@ -209,6 +211,8 @@ class Forwarder:
         """
         node.mark_failed(f"with a request in flight: {_describe(exc)}")
         node.lost += 1
+        if isinstance(exc, httpx.ReadTimeout):
+            node.mark_hung()
         await send.send(ApiError(502, "the serving node failed while handling this request; it was not retried "
                                       "on another node, since the request itself may have caused the failure",
                                  type="server_error", code="backend_failed"))

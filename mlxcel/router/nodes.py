@@ -10,6 +10,7 @@ it sent itself).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,8 @@ from .policy_view import UNREADABLE, PolicyView, read_policy
 
 logger = logging.getLogger(__name__)
 
+HUNG_FIRST_SECONDS = 60.0
+HUNG_MAX_SECONDS = 3600.0
 #: Gauges a node's /metrics may carry, busy = running + waiting: the gateway names first, then mlxcel's own.
 LOAD_GAUGES = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
                ("mlxcel_batch_size", "mlxcel_queue_depth"))
@@ -48,13 +51,21 @@ class Node:
     external: int = 0
     """What the node reported beyond this router's own requests at that moment: other clients' traffic."""
     last_error: str | None = None
+    hung_until: float = -math.inf
+    """trio time until which the node is out of rotation, a request on it having timed out (see mark_hung)."""
+    hangs: int = 0
+    """Timeouts in a row, none served since: each doubles the time out of rotation."""
     _load_source: str | None = field(default="/metrics", repr=False)
     """The load endpoint to try next; None once neither is mounted."""
 
     # The placement Candidate protocol.
     @property
     def available(self) -> bool:
-        return self.healthy
+        return self.healthy and not self.hung
+
+    @property
+    def hung(self) -> bool:
+        return trio.current_time() < self.hung_until
 
     @property
     def load(self) -> int:
@@ -72,6 +83,19 @@ class Node:
     @property
     def runs_burst(self) -> bool:
         return self.policy.runs_burst
+
+    def mark_hung(self) -> None:
+        """A request on the node sent nothing for the read timeout: the node may answer ``/health`` and still
+        never generate (its engine stuck), so probes cannot bring it back. Out of rotation for a minute, then
+        two, four, ... (at most an hour) while it keeps timing out; an answered request resets that."""
+        self.hangs += 1
+        seconds = min(HUNG_MAX_SECONDS, HUNG_FIRST_SECONDS * 2 ** (self.hangs - 1))
+        self.hung_until = trio.current_time() + seconds
+        logger.warning("%s sent nothing for the read timeout: out of rotation for %g s", self.id, seconds)
+
+    def mark_served(self) -> None:
+        self.served += 1
+        self.hangs = 0
 
     def mark_failed(self, error: str) -> None:
         """A request to the node failed on the transport: not tried again until a probe finds it healthy."""
@@ -176,7 +200,7 @@ def stats_body(nodes: list[Node], decisions: dict[str, int], *, rerouted: int, r
             "id": node.id, "healthy": node.healthy, "in_flight": node.in_flight, "served": node.served,
             "failed": node.failed, "lost": node.lost, "load": node.load, "reported_busy": node.reported_busy,
             "policy_state": node.policy.label(), "verdict": node.policy.verdict,
-            "runs_burst": node.policy.runs_burst,
+            "runs_burst": node.policy.runs_burst, "hung": node.hung,
         }
         if show_addresses:
             row["address"] = node.url

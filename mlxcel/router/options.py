@@ -38,6 +38,8 @@ class RouterConfig:
     max_connections: int = 1024
     keep_alive_timeout: float = 5.0
     send_timeout: float = 30.0
+    backend_timeout: float = 600.0
+    """Seconds a node may send nothing before its request fails (a hung node, not a slow generation)."""
     access_log: bool = False
 
 
@@ -54,8 +56,17 @@ def add_router_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how a node is chosen (default: %(default)s)")
     group.add_argument("--health-interval", type=float, default=2.0, metavar="SECONDS",
                        help="seconds between probes of every backend (default: %(default)s)")
+    group.add_argument("--backend-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="a request whose node sends nothing for this long fails (502) and the node leaves "
+                            "rotation for a while (default: %(default)s)")
     group.add_argument("--router-stats-verbose", action="store_true",
                        help="/router/stats shows node addresses (env MLXCEL_ROUTER_STATS_VERBOSE)")
+
+
+def _backend_timeout(seconds: float) -> float:
+    if not 0 < seconds <= 24 * 3600:
+        raise UsageError(f"--backend-timeout must be a number of seconds above 0 (at most a day), not {seconds:g}")
+    return seconds
 
 
 def _switch(env: Mapping[str, str], name: str) -> bool:
@@ -120,6 +131,7 @@ def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None 
         probe_timeout=2.0,  # not shorter with the interval: a loaded node answers slowly, and is not down
         show_addresses=args.router_stats_verbose or _switch(env, "MLXCEL_ROUTER_STATS_VERBOSE"),
         max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
-        keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout, access_log=args.access_log)
+        keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout, access_log=args.access_log,
+        backend_timeout=_backend_timeout(args.backend_timeout))
 
 

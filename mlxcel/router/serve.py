@@ -34,21 +34,20 @@ from .placement import Placement
 logger = logging.getLogger(__name__)
 
 
-#: Seconds a node may send nothing before its request fails (a hung node, not a slow generation).
-READ_TIMEOUT = 600.0
-
-
-def backend_client() -> httpx.AsyncClient:
+def backend_client(read_timeout: float) -> httpx.AsyncClient:
     """The client the router speaks to its nodes with.
 
-    A read timeout of READ_TIMEOUT between bytes: a generation takes as long as it
-    takes (a non-streamed one sends nothing until it ends), and a node that dies
-    resets the connection, but one that hangs (stopped, partitioned) must not hold
-    its requests forever; the probes, which time out sooner, stop new requests
-    going there meanwhile. Idle connections are dropped after 2 s, before a node's own
-    keep-alive timeout (5 s by default) closes them under a request.
+    A read timeout of *read_timeout* (``--backend-timeout``, 600 s by default)
+    between bytes: a generation takes as long as it takes (a non-streamed one
+    sends nothing until it ends), and a node that dies resets the connection,
+    but one that hangs (stopped, partitioned, its engine stuck) must not hold
+    its requests forever: it then leaves rotation (``Node.mark_hung``), since
+    its ``/health`` may still answer; a node whose ``/health`` stops answering
+    is out sooner, by the probes. Idle connections are dropped after 2 s,
+    before a node's own keep-alive timeout (5 s by default) closes them under
+    a request.
     """
-    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, read=READ_TIMEOUT, write=30.0, pool=30.0),
+    return httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0, read=read_timeout, write=30.0, pool=30.0),
                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                  keepalive_expiry=2.0),
                              headers={"Accept-Encoding": "identity"})
@@ -68,7 +67,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
     hypercorn.graceful_timeout = 5.0
     limits = ConnectionLimits(max_connections=config.max_connections, keep_alive_timeout=config.keep_alive_timeout,
                               send_timeout=config.send_timeout)
-    async with backend_client() as client, trio.open_nursery() as nursery:
+    async with backend_client(config.backend_timeout) as client, trio.open_nursery() as nursery:
         probed = trio.Event()
         forwarder = Forwarder(nodes, Placement(config.placement), client, backend_headers)
         state = RouterState(nodes=nodes, forwarder=forwarder, nursery=nursery, probed=probed)

@@ -24,7 +24,7 @@ from .prompts import prompt_tokens, too_long
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolCallReader, ToolSetup
-from .wire import json_body, replayed, sse
+from .wire import json_body, off_the_loop_if_large, replayed, sse
 
 
 class _Generation:
@@ -50,9 +50,10 @@ class _Generation:
 
     async def respond(self) -> Response | dict[str, Any]:
         body = await json_body()
-        schema = ChatCompletionRequest if self.chat else CompletionRequest
+        schema: type[ChatCompletionRequest | CompletionRequest] = \
+            ChatCompletionRequest if self.chat else CompletionRequest
         try:
-            params = schema.model_validate(body)
+            params: ChatCompletionRequest | CompletionRequest = await off_the_loop_if_large(schema.model_validate, body)
         except ValidationError as exc:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc

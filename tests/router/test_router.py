@@ -254,10 +254,10 @@ async def test_a_node_that_refuses_the_routers_own_key_is_a_502_for_a_client_who
         nursery.cancel_scope.cancel()
 
 
-async def _scripted_node(nursery: trio.Nursery, answers: dict[bytes, bytes]) -> str:
+async def _scripted_node(nursery: trio.Nursery, answers: dict[bytes, bytes | None]) -> str:
     """A socket that speaks just enough HTTP to be a node: /health is 200, each POST path gets its scripted
     raw bytes and then the connection closes (a node dying mid-answer, which a real one does too rarely
-    to be timed). Everything else is 404."""
+    to be timed), or, scripted None, nothing ever (an engine stuck). Everything else is 404."""
     async def serve(stream: trio.SocketStream) -> None:
         async with stream:
             received = b""
@@ -270,9 +270,11 @@ async def _scripted_node(nursery: trio.Nursery, answers: dict[bytes, bytes]) -> 
             if target == b"/health":
                 await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15"
                                       b"\r\nConnection: close\r\n\r\n{\"status\":\"ok\"}")
+            elif target in answers and answers[target] is None:
+                await trio.sleep_forever()
             else:
-                await stream.send_all(answers.get(target, b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
-                                                          b"Connection: close\r\n\r\n"))
+                await stream.send_all(answers.get(target) or b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n"
+                                                            b"Connection: close\r\n\r\n")
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
     return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
@@ -295,4 +297,26 @@ async def test_a_non_streamed_answer_cut_mid_body_is_a_502_and_a_redirect_keeps_
                     await trio.sleep(0.05)
             redirect = await client.post(f"{url}/v1/chat/completions", json={"messages": []})
             assert redirect.status_code == 307 and redirect.headers["location"] == "/v1/elsewhere"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_answers_health_but_never_generates_leaves_rotation_after_a_timeout() -> None:
+    served = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\nConnection: close"
+              b"\r\n\r\n{}")
+    async with trio.open_nursery() as nursery:
+        hung = await _scripted_node(nursery, {b"/v1/completions": None})
+        good = await _scripted_node(nursery, {b"/v1/completions": served})
+        url = await _in_process_router(nursery, "--backend", hung, "--backend", good, "--placement", "round-robin",
+                                       "--backend-timeout", "1")
+        async with httpx.AsyncClient(timeout=30) as client:
+            first = await client.post(f"{url}/v1/completions", json=GREEDY)  # round robin: the hung node
+            assert first.status_code == 502 and first.json()["error"]["code"] == "backend_failed"
+            with trio.fail_after(10):  # its /health answers 200 to the next probe...
+                while not (await client.get(f"{url}/router/stats")).json()["nodes"][0]["healthy"]:
+                    await trio.sleep(0.05)
+            # ...and still only the other node serves.
+            answers = [await client.post(f"{url}/v1/completions", json=GREEDY) for _ in range(3)]
+            assert [(a.status_code, a.headers["x-mlxcel-node"]) for a in answers] == [(200, "node-1")] * 3
+            row = (await client.get(f"{url}/router/stats")).json()["nodes"][0]
+            assert (row["healthy"], row["hung"], row["lost"]) == (True, True, 1)
         nursery.cancel_scope.cancel()

@@ -101,6 +101,19 @@ async def test_a_body_that_is_not_utf8_json_is_refused_and_its_size_limit_comes_
         assert (await client.get(f"{url}/health")).status_code == 200
 
 
+async def test_a_large_body_is_parsed_and_validated_off_the_event_loop_with_the_same_answers(llama: Path) -> None:
+    """Above 256 KiB the parse and the validation run in a worker thread: the answers are the small bodies'."""
+    extra = [[i, str(i)] for i in range(40_000)]  # ~500 KB
+    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
+        served = await client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "extra": extra})
+        assert served.status_code == 200
+        wrong = await client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "n": "2", "extra": extra})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "n"
+        broken = await client.post(f"{url}/v1/completions", content=json.dumps({"extra": extra})[:-1],
+                                   headers={"Content-Type": "application/json"})
+        assert broken.status_code == 400 and broken.json()["error"]["code"] == "invalid_json"
+
+
 async def test_values_the_engine_cannot_take_are_brought_into_range(llama: Path) -> None:
     """top_k beyond the vocabulary, negative seeds, tiny temperatures: served, with the documented meaning."""
     async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
