@@ -9,13 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-EXIT_USAGE = 2
+from .usage import EXIT_USAGE, UsageError
+
 #: The model could not be loaded after the port was bound: the same status as a bad setting.
 EXIT_LOAD_FAILED = 2
-
-
-class UsageError(ValueError):
-    """A setting stops startup; ``str()`` is the one line printed before exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -3,7 +3,7 @@
     trio.run(main)
     └── nursery
         ├── engine.run()  ── trio.to_thread.run_sync(worker.run): every MLX call, one OS thread
-        └── server.listener.serve(app)  ── hypercorn's worker, connections bounded; routes read
+        └── http.listener.serve(app)    ── hypercorn's worker, connections bounded; routes read
                                            Observability, submit to the engine
 
 The port is bound before the model loads, so ``/health`` (503) and the policy
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import resource
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,13 +23,14 @@ import trio
 from hypercorn.config import Config as HypercornConfig
 
 from .engine import Engine, WorkerSettings
+from .http.listener import ConnectionLimits
+from .http.listener import serve as serve_http
+from .http.signals import until_signalled
+from .http.transport import guard_transport
 from .models.loader import CheckpointInfo
 from .observability import Observability
 from .policy import MtpPolicy
 from .server import ServerOptions, create_app
-from .server.listener import ConnectionLimits
-from .server.listener import serve as serve_http
-from .server.transport import guard_transport
 
 logger = logging.getLogger(__name__)
 
@@ -108,15 +108,4 @@ def raise_open_file_limit() -> int:
 async def main(config: ServeConfig) -> None:
     """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
     logger.info("open-file limit: %d", raise_open_file_limit())
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        async def on_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    logger.info("received %s: shutting down", signal.Signals(signum).name)
-                    shutdown.set()
-                    return
-
-        nursery.start_soon(on_signals)
-        await run_server(config, shutdown=shutdown)
-        nursery.cancel_scope.cancel()
+    await until_signalled(lambda shutdown: run_server(config, shutdown=shutdown))

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli import UsageError
 from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, load_env, parse_draft_block_size
+from .usage import UsageError
 
 if TYPE_CHECKING:
     from .distributed import World
@@ -128,11 +128,11 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     logger.info("BLAS: %s", blas)
 
     from .engine import WorkerSettings
+    from .http.auth import KeyFileError, read_keys
+    from .http.listener import ConnectionLimits
     from .models.loader import CheckpointError, inspect_checkpoint
     from .serve import ServeConfig
     from .server import ServerOptions
-    from .server.auth import KeyFileError, read_keys
-    from .server.listener import ConnectionLimits
 
     model = args.model
     if model is None:

@@ -2,7 +2,7 @@
 
 Every other path is 404 with an OpenAI-shaped body (``/v1/models``, ``/metrics``
 and the policy endpoint included: the contract's router exception). The API-key
-gate is the serving node's (``server/auth.py``), with the router's own keys.
+gate and the error handlers are the serving node's (``mlxcel/http/app.py``), with the router's own keys.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from typing import Any
 import trio
 from quart import Response, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
 
-from ..server.auth import PUBLIC_PATHS, credential, key_matches
-from ..server.context import RequestScope, at_request_end
-from ..server.errors import HTTP_ERROR_TYPES, ApiError, error_response
+from ..http.app import create_app
+from ..http.errors import ApiError
+from ..http.scope import at_request_end
 from .forward import Forwarder, Head, relay
 from .nodes import Node, stats_body
 
@@ -48,43 +47,9 @@ class RouterState:
 
 
 def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
-    app = QuartTrio("mlxcel-router")
-    app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.config["MAX_CONTENT_LENGTH"] = options.max_body_bytes
-    app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 60
-    app.asgi_app = RequestScope(app.asgi_app)  # type: ignore[method-assign]
-
-    @app.before_request
-    async def require_key() -> Response | None:
-        if not options.api_keys or request.path in PUBLIC_PATHS:
-            return None
-        presented = credential(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
-        if key_matches(presented, options.api_keys):
-            return None
-        return error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY "
-                                            "or X-Api-Key: KEY)", type="authentication_error",
-                                       code="invalid_api_key"))
-
-    @app.errorhandler(ApiError)
-    async def api_error(error: ApiError) -> Response:
-        return error_response(error)
-
-    @app.errorhandler(HTTPException)
-    async def http_error(error: HTTPException) -> Response:
-        status = error.code or 500
-        kind, code = HTTP_ERROR_TYPES.get(status, ("invalid_request_error", None))
-        message = error.description or error.name
-        if status == 413:
-            message = f"the request body is larger than {options.max_body_bytes} bytes"
-        elif status == 404:
-            message = f"no route {request.method} {request.path} on a router (it serves {', '.join(ROUTER_PATHS)})"
-        return error_response(ApiError(status, message, type=kind, code=code))
-
-    @app.errorhandler(Exception)
-    async def internal_error(error: Exception) -> Response:
-        logger.exception("unhandled error in %s %s", request.method, request.path)
-        return error_response(ApiError(500, "internal server error", type="server_error", code="internal"))
+    app = create_app("mlxcel-router", api_keys=options.api_keys, max_body_bytes=options.max_body_bytes,
+                     no_route=lambda method, path: f"no route {method} {path} on a router (it serves "
+                                                   f"{', '.join(ROUTER_PATHS)})")
 
     @app.get("/health")
     async def health() -> Any:

@@ -2,10 +2,10 @@
 
 Each request's backend side runs as one task in the router's nursery, under its
 own cancel scope, and talks to the route handler over an unbuffered memory
-channel: first a :class:`Head` (or the :class:`~mlxcel.server.errors.ApiError`
+channel: first a :class:`Head` (or the :class:`~mlxcel.http.errors.ApiError`
 to answer with), then the body's chunks as the node sends them, so a stream
 passes through chunk by chunk and nothing is buffered. The handler registers
-the scope's ``cancel`` with :func:`~mlxcel.server.context.at_request_end`:
+the scope's ``cancel`` with :func:`~mlxcel.http.scope.at_request_end`:
 however the client's request ends (finished, disconnected before or during the
 stream, even before Quart starts the body) the backend request is closed, and
 the serving node cancels its generation.
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import httpx
 import trio
 
-from ..server.errors import ApiError, unavailable
+from ..http.errors import ApiError, unavailable
 from .nodes import Node, _describe
 from .placement import Placement
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..cli import UsageError
 from ..config import OFF_VALUES, ON_VALUES
+from ..usage import UsageError
 from .placement import PLACEMENT_MODES, PlacementMode
 
 ROLES = ("serving", "router")
@@ -104,7 +104,7 @@ def parse_backend(url: str) -> str:
 
 def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> RouterConfig:
     """Check the options for a router and build its config; :class:`UsageError` for the first problem."""
-    from ..server.auth import KeyFileError, read_keys
+    from ..http.auth import KeyFileError, read_keys
 
     env = os.environ if env is None else env
     for attribute, flag in SERVING_ONLY.items():

@@ -6,7 +6,7 @@
         └── run_router: nursery
             ├── nodes.watch: every backend's /health, policy and load, every --health-interval
             ├── one task per forwarded request (forward.py), cancelled with its client request
-            └── server/listener.serve(router app)   the serving node's listener, connections bounded
+            └── http/listener.serve(router app)     the shared listener, connections bounded
 
 No model, no mlx: a test checks that the process never imports it.
 """
@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 
 import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ..cli import UsageError
-from ..server.listener import ConnectionLimits
-from ..server.listener import serve as serve_http
-from ..server.transport import guard_transport
+from ..http.listener import ConnectionLimits
+from ..http.listener import serve as serve_http
+from ..http.signals import until_signalled
+from ..http.transport import guard_transport
+from ..usage import UsageError
 from .app import RouterOptions, RouterState, create_router_app
 from .forward import Forwarder
 from .nodes import Node, watch
@@ -92,18 +92,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
 
 
 async def main(config: RouterConfig) -> None:
-    shutdown = trio.Event()
-    async with trio.open_nursery() as nursery:
-        async def on_signals() -> None:
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for signum in signals:
-                    logger.info("received %s: shutting down", signal.Signals(signum).name)
-                    shutdown.set()
-                    return
-
-        nursery.start_soon(on_signals)
-        await run_router(config, shutdown=shutdown)
-        nursery.cancel_scope.cancel()
+    await until_signalled(lambda shutdown: run_router(config, shutdown=shutdown))
 
 
 def serve_router(args: argparse.Namespace) -> int:

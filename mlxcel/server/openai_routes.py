@@ -14,17 +14,18 @@ from pydantic import ValidationError
 from quart import Quart, Response
 
 from ..engine import EngineUnavailable, Event, Finish, GenerationRequest, PromptLogprobs, QueueFull, TextDelta
+from ..http.errors import ApiError, bad_request, unavailable
+from ..http.scope import at_request_end
 from ..observability import ModelLimits
 from . import shapes, structured
-from .context import ServerContext, at_request_end
-from .errors import ApiError, bad_request, finish_error, unavailable
+from .context import ServerContext
 from .fanin import fan_in
 from .matchers import token_bytes
 from .prompts import prompt_tokens, too_long
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolCallReader, ToolSetup
-from .wire import json_body, off_the_loop_if_large, replayed, sse
+from .wire import finish_error, json_body, off_the_loop_if_large, replayed, sse
 
 
 class _Generation:

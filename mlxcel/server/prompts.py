@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..http.errors import ApiError, bad_request
 from ..observability import ModelLimits
 from .context import ServerContext
-from .errors import ApiError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import ToolSetup, template_messages
 

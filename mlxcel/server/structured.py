@@ -19,8 +19,8 @@ from typing import Any
 
 import trio
 
+from ..http.errors import bad_request
 from .context import ServerContext
-from .errors import bad_request
 from .matchers import GrammarProblem, compile_matchers
 from .schema_bounds import DATA_KEYWORDS, check_schema
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice

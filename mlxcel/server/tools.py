@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .errors import bad_request
+from ..http.errors import bad_request
 from .schemas import json_problem
 
 ToolMode = Literal["auto", "named", "required"]

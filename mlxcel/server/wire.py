@@ -1,16 +1,19 @@
-"""The generation routes' wire: JSON request bodies in, server-sent events out."""
+"""The generation routes' wire: JSON request bodies in, server-sent events out, and a failed generation's error."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 from quart import request
 
-from .errors import ApiError, bad_request
+from ..http.errors import ApiError, bad_request, unavailable
 from .schemas import json_problem
+
+if TYPE_CHECKING:
+    from ..engine import Finish
 
 T = TypeVar("T")
 
@@ -89,3 +92,22 @@ async def replayed(held: list[T], events: trio.MemoryReceiveChannel[T]) -> Async
         yield item
     async for item in events:
         yield item
+
+
+def finish_error(finish: Finish | None, *, stopping: bool) -> tuple[ApiError, bool]:
+    """The error for a request that did not finish normally, and whether its stream still ends with [DONE].
+
+    The request's own fault (``error_type == "invalid_request_error"``) is a
+    400 and the server's a 500; a stream then gets the error event and
+    ``[DONE]``. A request ended by shutdown (*stopping*) is a 503 and its stream
+    is cut without ``[DONE]``, the server is going away; so is a cancelled one
+    (nobody is reading it) and one whose events stopped without a finish.
+    """
+    if finish is None:
+        return unavailable("generation ended early", "generation_failed"), False
+    if finish.reason == "cancelled" or stopping:
+        return unavailable(finish.error or "generation ended early", "generation_failed"), False
+    message = finish.error or "generation failed"
+    if finish.error_type == "invalid_request_error":
+        return bad_request(message, code="invalid_request"), True
+    return ApiError(500, message, type="server_error", code="generation_failed"), True

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.cli import UsageError, build_parser
+from mlxcel.cli import build_parser
 from mlxcel.serve_cli import build_serve_config
+from mlxcel.usage import UsageError
 from tests.checkpoints import build_checkpoint, build_mtp_checkpoint
 
 

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from mlxcel.engine import Finish
-from mlxcel.server.errors import finish_error
+from mlxcel.server.wire import finish_error
 from tests.checkpoints import VOCAB_SIZE
 from tests.server.conftest import open_stream, running_server
 

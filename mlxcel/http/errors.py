@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from quart import Response, jsonify
-
-if TYPE_CHECKING:
-    from ..engine import Finish
 
 
 class ApiError(Exception):
@@ -40,25 +37,6 @@ def bad_request(message: str, *, param: str | None = None, code: str = "invalid_
 def unavailable(message: str, code: str) -> ApiError:
     """503: the server cannot take this now (loading, at capacity, shutting down); a retry may work."""
     return ApiError(503, message, type="server_error", code=code)
-
-
-def finish_error(finish: Finish | None, *, stopping: bool) -> tuple[ApiError, bool]:
-    """The error for a request that did not finish normally, and whether its stream still ends with [DONE].
-
-    The request's own fault (``error_type == "invalid_request_error"``) is a
-    400 and the server's a 500; a stream then gets the error event and
-    ``[DONE]``. A request ended by shutdown (*stopping*) is a 503 and its stream
-    is cut without ``[DONE]``, the server is going away; so is a cancelled one
-    (nobody is reading it) and one whose events stopped without a finish.
-    """
-    if finish is None:
-        return unavailable("generation ended early", "generation_failed"), False
-    if finish.reason == "cancelled" or stopping:
-        return unavailable(finish.error or "generation ended early", "generation_failed"), False
-    message = finish.error or "generation failed"
-    if finish.error_type == "invalid_request_error":
-        return bad_request(message, code="invalid_request"), True
-    return ApiError(500, message, type="server_error", code="generation_failed"), True
 
 
 HTTP_ERROR_TYPES = {
