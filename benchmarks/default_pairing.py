@@ -20,7 +20,7 @@ import time
 import httpx
 
 from benchmarks._common import complete, decode_rate, median, server
-from mlxcel.models.train_default import held_out_prompts
+from mlxcel.families.qwen3_5.train_default import held_out_prompts
 from mlxcel.serve_cli import BUNDLED_MODEL
 
 

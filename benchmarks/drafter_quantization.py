@@ -41,7 +41,7 @@ def main() -> None:
     path = mtp_model("aligned", args.context)
     model, tokenizer = load(str(path))
     target = speculative_target("qwen3_5", model)
-    spec = DrafterSpec(path=path, name=f"{path.name}#mtp", in_checkpoint=True)
+    spec = DrafterSpec(path=path, name=f"{path.name}#mtp", in_checkpoint=True, model_type="qwen3_5")
     drafters = {label: load_drafter(spec, path, model, quantize=bits) for label, bits in
                 (("as stored (fp32)", None), ("8-bit", 8), ("4-bit", 4))}
     stream = mx.default_stream(mx.default_device())

@@ -147,7 +147,7 @@ for f in sys.argv[2:]:
     w.update({k: v for k, v in mx.load(f).items() if k.startswith("model.layers.1.")})
 mx.eval(w); mx.save_safetensors(sys.argv[1], w)
 """
-BARE = "import mlxcel.models.drafters.split, mlxcel.models.drafters.glm4_moe_lite_split"  # what split-mtp imports
+BARE = "import mlxcel.models.drafters.split, mlxcel.families.glm4_moe_lite.split"  # what split-mtp imports
 
 
 def split(experts: int, vocab: int) -> None:

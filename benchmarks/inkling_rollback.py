@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
-    from mlxcel.models.inkling_target import InklingTarget
+    from mlxcel.families.inkling.target import InklingTarget
     from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
     directory = inkling_model(args.hidden, args.layers)

@@ -26,7 +26,7 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from benchmarks._common import median, mtp_model  # noqa: E402
-from mlxcel.models.qwen3_5 import Qwen35Target  # noqa: E402
+from mlxcel.families.qwen3_5.target import Qwen35Target  # noqa: E402
 
 
 def main() -> None:

@@ -187,7 +187,7 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
-    from mlxcel.models.drafters.qwen3_5_mtp import Qwen35MTP, text_args
+    from mlxcel.families.qwen3_5.mtp import Qwen35MTP, text_args
 
     directory.mkdir(parents=True, exist_ok=True)
     config = json.loads(json.dumps(CONFIGS["qwen3_5"]))

@@ -96,7 +96,7 @@ def test_the_training_script_is_deterministic_given_its_seed(tmp_path: Path) -> 
     digests = []
     for run in ("a", "b"):
         out = tmp_path / run
-        subprocess.run([sys.executable, "-m", "mlxcel.models.train_default", "--steps", "2", "--batch", "2",
+        subprocess.run([sys.executable, "-m", "mlxcel.families.qwen3_5.train_default", "--steps", "2", "--batch", "2",
                         "--length", "64", "--seed", "3", "--out", str(out)],
                        check=True, capture_output=True, timeout=600)
         digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())})

@@ -308,7 +308,7 @@ def test_the_samplers_mlxcel_builds() -> None:
 
 def test_the_mtp_head_builds_from_mlx_lm_parts() -> None:
     """models/drafters/qwen3_5_mtp.py: a full-attention DecoderLayer, create_attention_mask, KVCache."""
-    from mlxcel.models.drafters.qwen3_5_mtp import Qwen35MTP, text_args
+    from mlxcel.families.qwen3_5.mtp import Qwen35MTP, text_args
 
     args = text_args(CONFIGS["qwen3_5"])
     head = Qwen35MTP(args, num_layers=1)

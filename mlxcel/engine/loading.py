@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..families import BATCH_BROKEN
 from ..hardware import HostInfo, detect_host
-from ..models.families import BATCH_BROKEN
 from ..models.loader import CheckpointInfo, load_checkpoint
 from ..policy import PairingKey
 from .batch import batchable

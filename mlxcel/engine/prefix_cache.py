@@ -23,12 +23,12 @@ class PrefixCache:
         """A cache covering a prefix of *tokens*, and the tokens still to prefill (never empty)."""
         from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-        from ..models.families import adopt_cache
+        from ..families import family
 
         cache, rest = self._lru.fetch_nearest_cache(self._key, tokens)
         if cache is not None:
             # A batch hands back mlx-lm's own cache classes; the family's are what its sequences run on.
-            cache = adopt_cache(self._model_type, cache)
+            cache = family(self._model_type).adopt_cache(cache)
         if cache is not None and not rest:
             # An exact hit still needs the last token's logits: step back one.
             if can_trim_prompt_cache(cache):

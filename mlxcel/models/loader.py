@@ -76,9 +76,9 @@ def mlx_lm_module(model_type: str) -> Any:
 
 
 def _supported(model_type: str) -> bool:
-    from .families import OWN_MODELS
+    from ..families import family
 
-    if model_type in OWN_MODELS:
+    if family(model_type).own_model:
         return True
     module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
@@ -207,20 +207,21 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
 
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
-    from .families import OWN_MODELS, config_overrides, own_classes, prepare
+    from ..families import family
 
+    served = family(info.model_type)
     try:
         config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
-        if info.model_type in OWN_MODELS:  # mlxcel's own model file, through mlx-lm's loader
+        if served.own_model:  # mlxcel's own model file, through mlx-lm's loader
             from mlx_lm.utils import load_model, load_tokenizer
 
-            model, _ = load_model(info.path, lazy=True, get_model_classes=own_classes)
+            model, _ = load_model(info.path, lazy=True, get_model_classes=served.model_classes)
             text = config.get("text_config") or {}
             tokenizer = load_tokenizer(info.path, eos_token_ids=config.get("eos_token_id", text.get("eos_token_id")))
         else:
-            loaded: Any = load(str(info.path), lazy=True, model_config=config_overrides(info.model_type, config))
+            loaded: Any = load(str(info.path), lazy=True, model_config=served.config_overrides(config))
             model, tokenizer = loaded
-        prepare(info.model_type, model)
+        served.prepare(model)
     except Exception as exc:  # mlx-lm raises ValueError, KeyError, ... for broken checkpoints
         raise CheckpointError(f"cannot load {info.path}: {exc}") from exc
     tokenizer = declared_tokenizer(info.path, tokenizer)

@@ -4,8 +4,8 @@ The engine knows these protocols and nothing of any family. A family adds a
 *target adapter* (the model's exact logits with the hidden states its drafter
 reads; a K-wide verify that keeps what a rollback needs; a rollback to any
 accepted prefix) and/or a *drafter* (catch up on target hidden states, draft
-K-1 tokens on device, accept what the target kept), each in one file under
-``mlxcel/models/``, and registers the adapter in :data:`TARGETS`.
+K-1 tokens on device, accept what the target kept), in its own folder of
+:mod:`mlxcel.families`.
 
 Shapes: token blocks are ``(1, S)``; logits ``(1, S, V)``; hidden ``(1, S, H)``.
 Everything here runs on the engine's worker thread, lazily: nothing is read
@@ -120,47 +120,8 @@ class DraftHead(Protocol):
         ...
 
 
-def _qwen3_5(model: Any) -> SpeculativeTarget:
-    from .qwen3_5 import Qwen35Target
-
-    return Qwen35Target(model)
-
-
-def _gemma4(model: Any) -> SpeculativeTarget:
-    from .gemma4 import Gemma4Target
-
-    return Gemma4Target(model)
-
-
-def _glm4_moe_lite(model: Any) -> SpeculativeTarget:
-    from .glm4_moe_lite import Glm4MoeLiteTarget
-
-    return Glm4MoeLiteTarget(model)
-
-
-def _inkling(model: Any) -> SpeculativeTarget:
-    from .inkling_target import InklingTarget
-
-    return InklingTarget(model)
-
-
-#: Target adapters by the target checkpoint's ``model_type``.
-TARGETS: dict[str, Callable[[Any], SpeculativeTarget]] = {
-    "qwen3_5": _qwen3_5,
-    "qwen3_5_text": _qwen3_5,
-    "qwen3_5_moe": _qwen3_5,  # Qwen 3.6: the same hybrid layers, MoE MLPs (nothing there to roll back)
-    "gemma4": _gemma4,
-    "gemma4_text": _gemma4,
-    "glm4_moe_lite": _glm4_moe_lite,  # GLM-4.7-Flash: MLA + MoE, plain KV caches
-    "inkling_mm_model": _inkling,  # mlxcel's own model file (models/inkling.py)
-    "inkling_text": _inkling,
-}
-
-
 def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
-    """The family's target adapter around the loaded mlx-lm *model*."""
-    try:
-        factory = TARGETS[model_type]
-    except KeyError:
-        raise ValueError(f"model_type {model_type!r} has no speculative target adapter") from None
-    return factory(model)
+    """The family's target adapter around the loaded mlx-lm *model* (:mod:`mlxcel.families`)."""
+    from ..families import family
+
+    return family(model_type).target(model)

@@ -138,7 +138,7 @@ def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the
 
     from mlxcel.blas import blas_kind
     from mlxcel.engine import exactness
-    from mlxcel.models.gemma4 import SLACK
+    from mlxcel.families.gemma4.target import SLACK
 
     if blas_kind() != "reference":
         test = f"{__file__}::test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the_ring"

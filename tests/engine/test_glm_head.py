@@ -159,7 +159,7 @@ def test_the_probe_vetoes_mlx_lms_own_wide_forward_as_a_verify(glm: tuple[Path, 
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.engine.exactness import probe_exactness
-    from mlxcel.models.glm4_moe_lite import Glm4MoeLiteTarget, Glm4MoeLiteVerify
+    from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget, Glm4MoeLiteVerify
 
     class WideForward(Glm4MoeLiteTarget):
         def verify(self, tokens: mx.array, cache: list[object], split: object) -> Glm4MoeLiteVerify:

@@ -80,7 +80,8 @@ def test_the_moe_heads_drafts_equal_the_reference(tmp_path: Path) -> None:
     assert "mtp.layers.0.mlp.experts.gate_up_proj" in raw  # fused, as Hugging Face stores them
     text = json.loads((path / "config.json").read_text())["text_config"]
     model, _ = load(str(path))
-    head = load_drafter(DrafterSpec(path=path, name="qwen36-moe#mtp", in_checkpoint=True), path, model)
+    spec = DrafterSpec(path=path, name="qwen36-moe#mtp", in_checkpoint=True, model_type="qwen3_5_moe")
+    head = load_drafter(spec, path, model)
     rng = np.random.default_rng(0)
     drafts, expected = [], []
     for _ in range(12):

@@ -12,7 +12,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.engine.exactness import probe_exactness
-from mlxcel.models.qwen3_5 import Qwen35Target, _gated_delta_block
+from mlxcel.families.qwen3_5.target import Qwen35Target, _gated_delta_block
 from tests.checkpoints import build_mtp_checkpoint
 
 BLOCK = [5, 17, 99]

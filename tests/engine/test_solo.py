@@ -21,7 +21,8 @@ from tests.checkpoints import build_mtp_checkpoint
 def pairing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, DraftHead]:
     path = build_mtp_checkpoint(tmp_path_factory.mktemp("solo") / "qwen35", drafter="aligned", context_scale=0.0)
     model, _ = load(str(path))
-    return model, load_drafter(DrafterSpec(path=path, name="qwen35#mtp", in_checkpoint=True), path, model)
+    spec = DrafterSpec(path=path, name="qwen35#mtp", in_checkpoint=True, model_type="qwen3_5")
+    return model, load_drafter(spec, path, model)
 
 
 def _greedy(model: Any, prompt: list[int], count: int) -> list[int]:

@@ -10,7 +10,7 @@ wrong; families whose body is not ``model.model`` fail at startup there.
 
 :data:`FAMILIES` is the one list of families known to be served: the README
 names these. Every family of mlx-lm's is in it, in
-:data:`mlxcel.models.families.BATCH_BROKEN` (served one sequence at a time,
+:data:`mlxcel.families.BATCH_BROKEN` (served one sequence at a time,
 since mlx-lm's batch is wrong for it) or in ``tests.families.SKIPPED``, each
 with a reason.
 """
@@ -25,7 +25,7 @@ import httpx
 import pytest
 import trio
 
-from mlxcel.models.families import BATCH_BROKEN
+from mlxcel.families import BATCH_BROKEN
 from tests.families import SKIPPED, all_families, build_family_checkpoint
 from tests.server.conftest import open_stream, running_server
 

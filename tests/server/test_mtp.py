@@ -257,7 +257,7 @@ class _DriftingTarget:
     them); this is what one would look like."""
 
     def __init__(self, model: object) -> None:
-        from mlxcel.models.qwen3_5 import Qwen35Target
+        from mlxcel.families.qwen3_5.target import Qwen35Target
 
         self.inner = Qwen35Target(model)
         self.forward = self.inner.forward
@@ -276,10 +276,10 @@ class _DriftingTarget:
 @pytest.mark.slow
 async def test_exactness_declined_end_to_end(mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    from mlxcel.models import speculative
+    from mlxcel.families.qwen3_5 import Qwen35
 
     model = mtp_models["partial"]
-    monkeypatch.setitem(speculative.TARGETS, "qwen3_5", _DriftingTarget)
+    monkeypatch.setattr(Qwen35, "target", lambda self, model: _DriftingTarget(model))
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "4")
 
     async def serve(**extra: str) -> tuple[dict[str, object], dict[str, object], str]:
@@ -423,9 +423,9 @@ def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp
 
 async def test_a_probe_that_cannot_run_vetoes_instead_of_ending_the_server(
         mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxcel.models import speculative
+    from mlxcel.families.qwen3_5 import Qwen35
 
-    real = speculative.TARGETS["qwen3_5"]
+    real = Qwen35().target
 
     class Broken:
         """A target adapter whose verify fails (as one whose cache kept no per-token states would)."""
@@ -438,7 +438,7 @@ async def test_a_probe_that_cannot_run_vetoes_instead_of_ending_the_server(
         def verify(self, *args: object) -> object:
             raise RuntimeError("this verify cannot run here")
 
-    monkeypatch.setitem(speculative.TARGETS, "qwen3_5", Broken)
+    monkeypatch.setattr(Qwen35, "target", lambda self, model: Broken(model))
     async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
             httpx.AsyncClient(timeout=60) as client:
         policy = await _policy(client, url)

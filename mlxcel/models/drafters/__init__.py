@@ -1,4 +1,7 @@
-"""MTP drafters: one file per head, loaded beside (or from inside) the target checkpoint."""
+"""What every family's drafter shares: the spec, the header and inventory checks, loading and quantization.
+
+The heads themselves live with their families (:mod:`mlxcel.families`).
+"""
 
 from .loader import DrafterError, DrafterSpec, load_drafter
 

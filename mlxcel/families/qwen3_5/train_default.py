@@ -1,6 +1,6 @@
 """Train the bundled default pairing: a small Qwen 3.5-layout model with an in-checkpoint MTP head.
 
-    python -m mlxcel.models.train_default [--steps 800] [--seed 0] [--out DIR]
+    python -m mlxcel.families.qwen3_5.train_default [--steps 800] [--seed 0] [--out DIR]
 
 Corpus: the Python standard library's own ``.py`` sources, from the interpreter
 running this script (Python Software Foundation License; nothing is
@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 NAME = "qwen35-stdlib-4m"
-DEFAULT_OUT = Path(__file__).parent / "bundled" / NAME
+DEFAULT_OUT = Path(__file__).parents[2] / "models" / "bundled" / NAME
 VOCAB = 1024
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -130,7 +130,7 @@ class Pairing(nn.Module):
         super().__init__()
         from mlx_lm.utils import _get_classes
 
-        from mlxcel.models.drafters.qwen3_5_mtp import Qwen35MTP, text_args
+        from mlxcel.families.qwen3_5.mtp import Qwen35MTP, text_args
 
         model_class, args_class = _get_classes(CONFIG)
         self.model = model_class(args_class.from_dict(CONFIG))

@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .speculative import Split, split_forward
+from ...models.speculative import Split, split_forward
 
 
 def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:

@@ -2,7 +2,7 @@
 
 Block i holds ``embed_norm``, ``hidden_norm``, ``input_proj`` (2H -> H) and a ``transformer_block``: an
 Inkling decoder layer with a dense MLP, in the raw names (remapped as the target's are,
-:func:`mlxcel.models.inkling.remap_layer_weights`). One step, hidden state first in the concat::
+:func:`mlxcel.families.inkling.model.remap_layer_weights`). One step, hidden state first in the concat::
 
     x = block(input_proj([hidden_norm(h) ; embed_norm(embed(token))]))
     logits = target.logits(x)      # the target's final norm, mu-P divide, head, vocabulary slice
@@ -10,7 +10,7 @@ Inkling decoder layer with a dense MLP, in the raw names (remapped as the target
 where ``h`` is the target's PRE-final-norm hidden state at the position before ``token`` and ``embed``
 the target's raw table (without its ``embed_norm``); chained drafts feed ``x`` back as the next ``h``,
 through block ``min(step, n - 1)``. Catching up on the target's hidden states always runs block 0.
-Each block keeps an :class:`~mlxcel.models.inkling.InklingCache`; the chained steps of a round are
+Each block keeps an :class:`~mlxcel.families.inkling.model.InklingCache`; the chained steps of a round are
 undone by restoring the caches as they were before them (keys/values trimmed, convolution states
 put back), which single steps then extend with what the target kept.
 """
@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..inkling import DecoderLayer, InklingCache, ModelArgs, remap_layer_weights
+from .model import DecoderLayer, InklingCache, ModelArgs, remap_layer_weights
 
 FILE = "mtp.safetensors"
 PREFIX = "model.mtp.layers."

@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
-from ..gemma4 import SlidingWindowCache, config_overrides, text_model
+from .target import SlidingWindowCache, config_overrides, text_model
 
 TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 #: Cached positions a sliding layer of the assistant sees: transformers' bidirectional sliding mask

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .speculative import Split, split_forward
+from ...models.speculative import Split, split_forward
 
 
 @dataclass(frozen=True, slots=True)

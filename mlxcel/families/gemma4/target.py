@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from .speculative import Split, split_forward
+from ...models.speculative import Split, split_forward
 
 #: Ring slots beyond the sliding window. A verify block of up to SLACK tokens writes in place and
 #: rolls back; larger blocks (prompt chunks) take mlx-lm's concatenating path.

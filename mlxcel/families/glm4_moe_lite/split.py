@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import glm4_moe_lite_mtp as glm
-from .loader import DrafterError
+from ...models.drafters.loader import DrafterError
+from . import mtp as glm
 
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2, "U32": 4}  # bytes per element
 _EXPERT = "mlp.experts."
@@ -191,7 +191,7 @@ def _write(path: Path, outputs: list[_Output], text: dict[str, Any], report: Cal
 
 def _layer_files(source: Path, prefix: str) -> dict[Path, dict[str, Any]]:
     """The headers of the shards that hold *prefix* tensors (through the index; the others stay closed)."""
-    from .loader import _headers
+    from ...models.drafters.loader import headers as _headers
 
     index = source / "model.safetensors.index.json"
     if index.is_file():

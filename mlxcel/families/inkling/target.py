@@ -1,6 +1,6 @@
-"""Inkling as a speculative target: the model of :mod:`mlxcel.models.inkling`, verified and rolled back.
+"""Inkling as a speculative target: the model of :mod:`mlxcel.families.inkling.model`, verified and rolled back.
 
-A verify asks each layer's :class:`~mlxcel.models.inkling.InklingCache` to keep its convolutions'
+A verify asks each layer's :class:`~mlxcel.families.inkling.model.InklingCache` to keep its convolutions'
 inputs over the block (``windows``); a rollback trims the keys and values and takes each
 convolution's state as the slice of those inputs that ends at the last kept token.
 """
@@ -12,8 +12,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from .inkling import Model
-from .speculative import split_forward
+from ...models.speculative import split_forward
+from .model import Model
 
 
 @dataclass(frozen=True, slots=True)

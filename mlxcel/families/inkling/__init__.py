@@ -1,0 +1,77 @@
+"""Inkling: mlxcel's own model file (mlx-lm has none), its speculative target and its ``mtp.safetensors`` head.
+
+``model.py`` (ModelArgs, sanitize of the raw names, its caches), ``target.py``
+(verify and rollback across the convolution states), ``mtp.py`` (the head).
+Served one sequence at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import Family
+
+
+class Inkling(Family):
+    model_types = ("inkling_mm_model", "inkling_text")
+    own_model = True
+    mtp = True
+    head_type = "inkling_mtp"
+
+    def model_classes(self, config: dict[str, Any]) -> tuple[Any, Any]:
+        from .model import Model, ModelArgs
+
+        return Model, ModelArgs
+
+    def target(self, model: Any) -> Any:
+        from .target import InklingTarget
+
+        return InklingTarget(model)
+
+    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+        """The unindexed ``mtp.safetensors`` of the target (``--mtp``) or of the ``--draft-model``
+        directory (a full checkpoint: only that file is read)."""
+        import json
+        import struct
+
+        from ...models.drafters.loader import DrafterError, DrafterSpec, block_size_of, read_config
+        from .mtp import FILE, PREFIX
+
+        directory = (draft_model or target).expanduser()
+        if not directory.is_dir():
+            raise DrafterError(f"draft model directory {directory} does not exist")
+        file = directory / FILE
+        if not file.is_file():
+            raise DrafterError(f"{directory} has no {FILE} (Inkling's MTP head)")
+        try:
+            with file.open("rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                names = set(json.loads(f.read(length))) - {"__metadata__"}
+        except (OSError, ValueError, struct.error) as exc:
+            raise DrafterError(f"cannot read {file}: {exc}") from exc
+        if not any(n.startswith(PREFIX) for n in names):
+            raise DrafterError(f"{file} holds no {PREFIX}* tensors")
+        config = read_config(target / "config.json")
+        blocks = len({n[len(PREFIX):].split(".")[0] for n in names if n.startswith(PREFIX)})
+        block_size = config.get("block_size") or (config.get("mtp_config") or {}).get("block_size") or blocks + 2
+        name = f"{target.resolve().name}#mtp" if draft_model is None else directory.resolve().name
+        return DrafterSpec(path=file, name=name, in_checkpoint=draft_model is None, model_type=model_type,
+                           block_size=block_size_of(block_size))
+
+    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        import mlx.core as mx
+
+        from ...models.drafters.loader import DrafterError, read_config
+        from .mtp import InklingDrafter, build
+
+        config = read_config(target / "config.json")
+        try:
+            head = build(config, mx.load(str(spec.path)))  # type: ignore[arg-type]
+        except (ValueError, KeyError) as exc:
+            raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
+        return head, lambda built: InklingDrafter(built, model)
+
+
+FAMILY = Inkling()

@@ -1,0 +1,67 @@
+"""Qwen 3.5 / 3.6 / 3.8: the gated-delta hybrid, its speculative target and its ``qwen3_5_mtp`` head.
+
+``target.py`` (verify and rollback of the hybrid's recurrent state), ``mtp.py``
+(the head, in the checkpoint as ``mtp.*`` tensors or standalone), ``split.py``
+(``mlxcel split-mtp``), ``train_default.py`` (the script that trained the
+bundled default pairing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .. import Family
+
+
+class Qwen35(Family):
+    # qwen3_5_moe is Qwen 3.6: the same hybrid layers, MoE MLPs (nothing there to roll back).
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe")
+    mtp = True
+    head_type = "qwen3_5_mtp"
+
+    def target(self, model: Any) -> Any:
+        from .target import Qwen35Target
+
+        return Qwen35Target(model)
+
+    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+        from ...models.drafters.loader import inspect_mtp_head
+        from . import mtp as head
+
+        return inspect_mtp_head(target, model_type, head, mtp=mtp, draft_model=draft_model)
+
+    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        import mlx.core as mx
+
+        from ...models.drafters.loader import PREFIX as MTP_PREFIX
+        from ...models.drafters.loader import DrafterError, mtp_files, raw_layout, read_config
+        from .mtp import Qwen35Drafter, build
+
+        weights: dict[str, Any] = {}
+        if spec.standalone:  # the head's own tensors, norms already shifted, under its own config
+            config = read_config(spec.path / "config.json")
+            for file in sorted(spec.path.glob("*.safetensors")):
+                weights.update(mx.load(str(file)))  # type: ignore[arg-type]
+            raw = False
+        else:
+            config = read_config(target / "config.json")
+            for file in mtp_files(spec.path):
+                tensors: dict[str, Any] = mx.load(str(file))  # type: ignore[assignment]
+                weights.update({k[len(MTP_PREFIX):]: v for k, v in tensors.items() if k.startswith(MTP_PREFIX)})
+            raw = raw_layout(target)
+        try:
+            head = build(config, weights, raw_layout=raw)
+        except (ValueError, KeyError) as exc:
+            raise DrafterError(f"the MTP weights in {spec.path} do not fit {target.name}: {exc}") from exc
+        return head, lambda built: Qwen35Drafter(built, model)
+
+    def split_head(self, source: Path, out: Path, config: dict[str, Any], *, block_size: int | None,
+                   quantize: tuple[int, int] | None, report: Callable[[str], None]) -> Path:
+        from .split import split_qwen
+
+        return split_qwen(source, out, config, block_size=block_size, quantize=quantize, report=report)
+
+
+FAMILY = Qwen35()
