@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, load_env, parse_draft_block_size
+from .families.qwen3_5 import BUNDLED_MODEL
 from .usage import UsageError
 
 if TYPE_CHECKING:
@@ -25,13 +26,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: The pairing ``mlxcel serve`` serves when no ``--model`` is given (see docs/default-model.md),
-#: with its in-checkpoint MTP head.
-BUNDLED_MODEL = Path(__file__).parent / "models" / "bundled" / "qwen35-stdlib-4m"
-#: Its block size when neither ``--draft-block-size`` nor the environment names one. On CPU
-#: with OpenBLAS a verify of K >= 4 is not byte-exact in one forward and runs in two; K = 2
-#: and 3 measured the same speedup there, and K = 2's estimate sits further from the
-#: policy's enable line (docs/default-model.md has the measurements).
+#: The bundled pairing's block size (``BUNDLED_MODEL``, served when no ``--model`` is given) when
+#: neither ``--draft-block-size`` nor the environment names one. On CPU with OpenBLAS a verify of
+#: K >= 4 is not byte-exact in one forward and runs in two; K = 2 and 3 measured the same speedup
+#: there, and K = 2's estimate sits further from the policy's enable line (docs/default-model.md
+#: has the measurements).
 BUNDLED_BLOCK_SIZE = 2
 
 

@@ -2,8 +2,8 @@
 
 ``target.py`` (verify and rollback of the hybrid's recurrent state), ``mtp.py``
 (the head, in the checkpoint as ``mtp.*`` tensors or standalone), ``split.py``
-(``mlxcel split-mtp``), ``train_default.py`` (the script that trained the
-bundled default pairing).
+(``mlxcel split-mtp``), ``bundled/`` (the default pairing ``mlxcel serve``
+serves with no ``--model``) and ``train_default.py`` (the script that trained it).
 """
 
 from __future__ import annotations
@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from .. import Family
+
+BUNDLED_MODEL = Path(__file__).parent / "bundled" / "qwen35-stdlib-4m"
+"""The default pairing (docs/default-model.md): trained here, served when ``mlxcel serve`` names no model."""
 
 
 class Qwen35(Family):

@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 NAME = "qwen35-stdlib-4m"
-DEFAULT_OUT = Path(__file__).parents[2] / "models" / "bundled" / NAME
+DEFAULT_OUT = Path(__file__).parent / "bundled" / NAME  # BUNDLED_MODEL
 VOCAB = 1024
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
