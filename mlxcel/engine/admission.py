@@ -143,7 +143,12 @@ class Admission:
         self.observability.cache = self.prefix.stats()
 
     def _insert(self, sequence: Sequence, tokens: list[int], cache: Any, cached: list[int], max_tokens: int) -> None:
+        from .grammar import GrammarProcessor
+
         assert self.batch is not None
+        for processor in sequence.processors:
+            if isinstance(processor, GrammarProcessor):
+                processor.deferring = True  # a grammar failing in the batch ends its own sequence only
         self.batch.insert(sequence, tokens, cache, cached, max_tokens, sequence.sampler, sequence.processors)
         sequence.ever_batched = True
 

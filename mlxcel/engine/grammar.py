@@ -74,8 +74,23 @@ class GrammarProcessor:
         self.prompt_length = prompt_length
         self.consumed = 0
         """Generated tokens the matcher has consumed."""
+        self.deferring = False
+        """In the batch: a failure is kept in :attr:`failure` instead of raised, since a raise there would end
+        the whole batch step, every other sequence's too. The worker ends this one after the step."""
+        self.failure: GrammarError | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        if self.failure is not None:
+            return logits  # this sequence ends after the step; its token is never used
+        if not self.deferring:
+            return self._masked(tokens, logits)
+        try:
+            return self._masked(tokens, logits)
+        except GrammarError as exc:
+            self.failure = exc
+            return logits
+
+    def _masked(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if self.matcher.is_stopped():
             # The grammar is complete and its end-of-sequence token sampled: the sequence is over, and
             # this is the step a pipelined decode path queues behind it, whose token is never used.

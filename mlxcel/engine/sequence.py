@@ -38,3 +38,8 @@ class Sequence:
     """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""
     burst: BurstStats | None = None
     """Its MTP burst's statistics, if it ran one."""
+
+    def grammar_failure(self) -> Exception | None:
+        """Why its grammar could not go on in the last batch step, if it could not (see GrammarProcessor.deferring)."""
+        failures = (getattr(p, "failure", None) for p in self.processors)
+        return next((failure for failure in failures if failure is not None), None)

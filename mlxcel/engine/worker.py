@@ -286,6 +286,9 @@ class Worker(Admission):
         finished: list[tuple[Sequence, Any]] = []
         failed: list[tuple[Sequence, Exception]] = []
         for sequence, response in responses:
+            if (grammar := sequence.grammar_failure()) is not None:
+                failed.append((sequence, grammar))  # its token came from unmasked logits: never delivered
+                continue
             try:
                 delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
             except Exception as exc:

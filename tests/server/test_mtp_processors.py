@@ -112,7 +112,7 @@ async def test_a_draft_the_grammar_forbids_is_never_emitted(target: Path, monkey
     rejected, and the text is classic decode's valid JSON."""
     import mlx.core as mx
 
-    from mlxcel.families.qwen3_5.mtp import OwnCacheSequence
+    from mlxcel.models.drafters.own_cache import OwnCacheSequence
 
     forbidden = Tokenizer.from_file(str(target / "tokenizer.json")).encode("\x01").ids
     assert len(forbidden) == 1

@@ -261,3 +261,20 @@ def test_fuzzed_schemas_are_served_or_refused_and_the_server_stays_up(server: st
         one()
         assert client.get("/health").status_code == 200
     assert {200, 400} <= set(statuses)  # both outcomes were exercised
+
+
+@pytest.mark.slow
+def test_a_grammar_failing_in_the_batch_ends_its_own_request_only(server: str) -> None:
+    """The failing grammar joins a batch beside a long stream: it gets its 400, the stream goes on whole."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(499)}}
+    with httpx.Client(base_url=server, timeout=120) as client, client.stream(
+            "POST", "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 300, "stream": True,
+                                             "temperature": 0}) as stream:
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        failing = client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "response_format": as_format(wide)})
+        assert failing.status_code == 400 and "grammar" in failing.json()["error"]["message"]
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"

@@ -32,7 +32,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer, ModelArgs
 
-from ..qwen3_5.mtp import OwnCacheSequence
+from ...models.drafters.own_cache import OwnCacheSequence
 
 STANDALONE_TYPE = "glm4_moe_lite_mtp"
 SOURCE_TYPE = "glm4_moe_lite"
