@@ -30,6 +30,7 @@ class CacheStats:
     entries: int = 0
     bytes: int = 0
     max_entries: int = 0
+    max_bytes: int = 0
     lookups: int = 0
     hits: int = 0
     prompt_tokens: int = 0
@@ -40,6 +41,7 @@ class CacheStats:
             "entries": self.entries,
             "bytes": self.bytes,
             "max_entries": self.max_entries,
+            "max_bytes": self.max_bytes,
             "lookups": self.lookups,
             "hits": self.hits,
             "misses": self.lookups - self.hits,

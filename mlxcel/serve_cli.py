@@ -47,6 +47,30 @@ def _positive(name: str, low: int = 1, high: int | None = None) -> Callable[[str
     return parse
 
 
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def _byte_size(value: str) -> int:
+    """``--prompt-cache-bytes``: a number of bytes, or of KiB, MiB, GiB, TiB with K, M, G, T (B optional)."""
+    text = value.strip().lower().removesuffix("ib").removesuffix("b")
+    unit = text[-1] if text and text[-1] in "kmgt" else ""
+    try:
+        number = float(text[:-1] if unit else text)
+    except ValueError:
+        number = math.nan
+    if not (0 <= number < 1 << 50):
+        raise argparse.ArgumentTypeError(f"--prompt-cache-bytes must be a size such as 512M or 8G, not {value!r}")
+    return int(number * _UNITS[unit])
+
+
+def default_prompt_cache_bytes() -> int:
+    """An eighth of physical memory (1 GiB where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
+
+
 def _seconds(name: str) -> Callable[[str], float]:
     def parse(value: str) -> float:
         try:
@@ -85,6 +109,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="completion length when a request names none (default: %(default)s)")
     parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=8,
                         help="prompt prefix caches kept (default: %(default)s)")
+    parser.add_argument("--prompt-cache-bytes", type=_byte_size, default=None, metavar="SIZE",
+                        help="bytes of KV caches the prefix cache may hold, e.g. 512M or 8G (default: an eighth "
+                             "of physical memory)")
     parser.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=4 * 1024 * 1024,
                         help="largest request body accepted (default: %(default)s)")
     parser.add_argument("--max-connections", type=_positive("--max-connections"), default=1024,
@@ -178,7 +205,9 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
     parallel = 1 if args.no_batch or sharding else args.parallel
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
-                            prefix_cache_entries=0 if sharding else args.prompt_cache_size, policy=env.policy,
+                            prefix_cache_entries=0 if sharding else args.prompt_cache_size,
+                            prefix_cache_bytes=default_prompt_cache_bytes() if args.prompt_cache_bytes is None
+                            else args.prompt_cache_bytes, policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding)
     options = ServerOptions(

@@ -27,6 +27,8 @@ class WorkerSettings:
     batch: bool = True
     """False: the legacy single-sequence worker, which has no MTP path."""
     prefix_cache_entries: int = 8
+    prefix_cache_bytes: int = 1 << 30
+    """The prefix cache's bound in bytes of KV caches (``--prompt-cache-bytes``), as well as in entries."""
     prefill_step_size: int = 512
     policy: PolicySettings = field(default_factory=PolicySettings)
     cache_root: Path | None = None

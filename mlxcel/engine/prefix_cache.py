@@ -10,13 +10,13 @@ from ..observability import CacheStats
 class PrefixCache:
     """mlx-lm's LRU prompt cache, with the statistics ``/v1/cache/stats`` shows."""
 
-    def __init__(self, key: str, entries: int, model_type: str = "") -> None:
+    def __init__(self, key: str, entries: int, model_type: str = "", max_bytes: int = 1 << 30) -> None:
         from mlx_lm.models.cache import LRUPromptCache
 
         self._key = key
         self._model_type = model_type
-        self._lru = LRUPromptCache(max_size=entries)
-        self._entries = entries
+        self._lru = LRUPromptCache(max_size=entries, max_bytes=max_bytes)
+        self._entries, self._max_bytes = entries, max_bytes
         self._lookups = self._hits = self._prompt_tokens = self._reused = 0
 
     def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
@@ -48,5 +48,6 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         return CacheStats(entries=len(self._lru), bytes=self._lru.nbytes, max_entries=self._entries,
+                          max_bytes=self._max_bytes,
                           lookups=self._lookups, hits=self._hits, prompt_tokens=self._prompt_tokens,
                           reused_tokens=self._reused)

@@ -104,7 +104,7 @@ class Worker(Admission):
             self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
                                          self.settings.prefill_step_size, self.stream)
         self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries,
-                                  self.checkpoint.model_type)
+                                  self.checkpoint.model_type, max_bytes=self.settings.prefix_cache_bytes)
         self._publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,

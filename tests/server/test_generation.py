@@ -157,6 +157,29 @@ async def test_stop_strings_seed_and_prefix_cache(llama: Path) -> None:
         assert stats["lookups"] == 4 and stats["hits"] >= 3 and stats["reused_tokens"] > 0
 
 
+async def test_the_prefix_cache_is_bounded_in_bytes(llama: Path) -> None:
+    """Each finished sequence's cache is kept until the entries' bytes pass --prompt-cache-bytes: with a bound
+    of about two entries, six distinct prompts leave two, however many entries would be allowed."""
+    prompts = [f"def function_{i}(x):" + " y = x" * 40 for i in range(6)]
+
+    async def fill(argv: list[str]) -> dict[str, int]:
+        async with running_server(["--model", str(llama), "--prompt-cache-size", "100", *argv]) as url, \
+                httpx.AsyncClient(timeout=60) as client:
+            for prompt in prompts:
+                answer = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4,
+                                                                          "temperature": 0})
+                assert answer.status_code == 200
+            stats: dict[str, int] = (await client.get(f"{url}/v1/cache/stats")).json()
+            return stats
+
+    unbounded = await fill([])
+    assert unbounded["entries"] == 6
+    per_entry = unbounded["bytes"] // 6
+    bounded = await fill(["--prompt-cache-bytes", str(per_entry * 5 // 2)])
+    assert bounded["max_bytes"] == per_entry * 5 // 2
+    assert bounded["entries"] == 2 and 0 < bounded["bytes"] <= bounded["max_bytes"], bounded
+
+
 async def test_disconnect_frees_the_slot(llama: Path) -> None:
     async with running_server(["--model", str(llama), "--parallel", "1", "--slots"]) as url, \
             httpx.AsyncClient(timeout=60) as client:
