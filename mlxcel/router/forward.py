@@ -176,10 +176,7 @@ class Forwarder:
                 async for chunk in chunks:
                     await send.send(chunk)
             except httpx.TransportError as exc:
-                node.mark_failed(f"mid-stream: {_describe(exc)}")
-                node.lost += 1
-                if isinstance(exc, httpx.ReadTimeout):
-                    node.mark_hung()
+                node.lose_request(f"mid-stream: {_describe(exc)}", timed_out=isinstance(exc, httpx.ReadTimeout))
                 await send.send(MID_STREAM_FAILURE)
                 return ANSWERED
             node.mark_served()
@@ -209,10 +206,7 @@ class Forwarder:
         every node in turn), and it may have run there in part; the router cannot tell, so, as a
         proxy does with a request that is not idempotent, it does not send it again.
         """
-        node.mark_failed(f"with a request in flight: {_describe(exc)}")
-        node.lost += 1
-        if isinstance(exc, httpx.ReadTimeout):
-            node.mark_hung()
+        node.lose_request(f"with a request in flight: {_describe(exc)}", timed_out=isinstance(exc, httpx.ReadTimeout))
         await send.send(ApiError(502, "the serving node failed while handling this request; it was not retried "
                                       "on another node, since the request itself may have caused the failure",
                                  type="server_error", code="backend_failed"))

@@ -84,6 +84,14 @@ class Node:
     def runs_burst(self) -> bool:
         return self.policy.runs_burst
 
+    def lose_request(self, error: str, *, timed_out: bool) -> None:
+        """The node failed with one of this router's requests in flight (which is answered 502, never
+        replayed); *timed_out*: it sent nothing for the read timeout (:meth:`mark_hung`)."""
+        self.mark_failed(error)
+        self.lost += 1
+        if timed_out:
+            self.mark_hung()
+
     def mark_hung(self) -> None:
         """A request on the node sent nothing for the read timeout: the node may answer ``/health`` and still
         never generate (its engine stuck), so probes cannot bring it back. Out of rotation for a minute, then
