@@ -101,7 +101,7 @@ def _broken_checkpoints(llama: Path, root: Path) -> dict[str, tuple[Path, str]]:
         "no config": (no_config, "has no config.json"),
         "unsupported": (unsupported, "model_type 'abacus9000'"),
         "truncated": (truncated, "is truncated or corrupt"),
-        "garbage": (garbage, "corrupt safetensors header"),
+        "garbage": (garbage, "is truncated or corrupt"),
     }
 
 

@@ -42,8 +42,6 @@ class Gemma4(Family):
 
     def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
         """An assistant checkpoint directory, never the target itself."""
-        import struct
-
         from ...models.drafters.loader import (
             DrafterError,
             DrafterSpec,
@@ -79,7 +77,7 @@ class Gemma4(Family):
         try:
             if not any(headers(directory).values()):
                 raise DrafterError(f"{directory} holds no safetensors weights")
-        except (OSError, ValueError, struct.error) as exc:
+        except (OSError, ValueError) as exc:
             raise DrafterError(f"cannot read the safetensors in {directory}: {exc}") from exc
         return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False,
                            model_type=model_type, block_size=block_size_of(config.get("block_size", 4)))

@@ -191,17 +191,18 @@ def _write(path: Path, outputs: list[_Output], text: dict[str, Any], report: Cal
 
 def _layer_files(source: Path, prefix: str) -> dict[Path, dict[str, Any]]:
     """The headers of the shards that hold *prefix* tensors (through the index; the others stay closed)."""
-    from ...models.drafters.loader import headers as _headers
-
     index = source / "model.safetensors.index.json"
     if index.is_file():
         weight_map: dict[str, str] = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
         names = sorted({file for name, file in weight_map.items() if name.startswith(prefix)})
         return {source / name: _header(source / name) for name in names}
-    return {file: header for file, header in _headers(source).items() if any(k.startswith(prefix) for k in header)}
+    headers = {file: _header(file) for file in sorted(source.glob("*.safetensors"))}
+    return {file: header for file, header in headers.items() if any(k.startswith(prefix) for k in header)}
 
 
 def _header(file: Path) -> dict[str, Any]:
+    """The raw header: each tensor's dtype, shape and byte offsets, which the streaming transform reads
+    directly (``safetensors.safe_open`` gives no offsets)."""
     with file.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         header: dict[str, Any] = json.loads(f.read(length))

@@ -33,8 +33,7 @@ class Inkling(Family):
     def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
         """The unindexed ``mtp.safetensors`` of the target (``--mtp``) or of the ``--draft-model``
         directory (a full checkpoint: only that file is read)."""
-        import json
-        import struct
+        from safetensors import SafetensorError, safe_open
 
         from ...models.drafters.loader import DrafterError, DrafterSpec, block_size_of, read_config
         from .mtp import FILE, PREFIX
@@ -46,10 +45,9 @@ class Inkling(Family):
         if not file.is_file():
             raise DrafterError(f"{directory} has no {FILE} (Inkling's MTP head)")
         try:
-            with file.open("rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-                names = set(json.loads(f.read(length))) - {"__metadata__"}
-        except (OSError, ValueError, struct.error) as exc:
+            with safe_open(str(file), framework="numpy") as tensors:
+                names = set(tensors.keys())
+        except (OSError, SafetensorError) as exc:
             raise DrafterError(f"cannot read {file}: {exc}") from exc
         if not any(n.startswith(PREFIX) for n in names):
             raise DrafterError(f"{file} holds no {PREFIX}* tensors")

@@ -10,7 +10,6 @@ safetensors headers; :func:`load_drafter` runs on the worker thread.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,15 +59,18 @@ def read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def headers(directory: Path) -> dict[Path, dict[str, Any]]:
-    """Each safetensors file of *directory*, with its header (tensor name -> dtype, shape, offsets)."""
+def headers(directory: Path) -> dict[Path, dict[str, tuple[int, ...]]]:
+    """Each safetensors file of *directory*, with its tensors' shapes by name, read from the headers
+    (``safetensors.safe_open``; no tensor is read). A file that is not safetensors raises ``ValueError``."""
+    from safetensors import SafetensorError, safe_open
+
     found = {}
     for file in sorted(directory.glob("*.safetensors")):
-        with file.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(length))
-        header.pop("__metadata__", None)
-        found[file] = header
+        try:
+            with safe_open(str(file), framework="numpy") as tensors:
+                found[file] = {name: tuple(tensors.get_slice(name).get_shape()) for name in tensors.keys()}  # noqa: SIM118
+        except SafetensorError as exc:
+            raise ValueError(f"{file.name}: {exc}") from exc
     return found
 
 
@@ -82,9 +84,9 @@ def raw_layout(target: Path) -> bool:
     a gated-delta ``conv1d`` weight stored as (channels, 1, kernel) rather than (channels, kernel, 1).
     A target without gated-delta layers gets no shift from mlx-lm, so its head gets none either."""
     for header in headers(target).values():
-        for name, tensor in header.items():
+        for name, shape in header.items():
             if "conv1d.weight" in name:
-                return bool(tensor["shape"][-1] != 1)
+                return bool(shape[-1] != 1)
     return False  # no gated-delta layers: mlx-lm applies no norm shift, and neither do we
 
 
@@ -123,7 +125,7 @@ def inspect_mtp_head(target: Path, model_type: str, head: Any, *, mtp: bool, dra
                            model_type=model_type)
     try:
         files = mtp_files(spec.path)
-    except (OSError, ValueError, struct.error) as exc:
+    except (OSError, ValueError) as exc:
         raise DrafterError(f"cannot read the safetensors in {spec.path}: {exc}") from exc
     if not files:
         raise DrafterError(f"{spec.path} has no MTP weights (no {PREFIX}* tensors)")
@@ -158,8 +160,8 @@ def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path, h
     """Strict inventory: exactly the tensors (names and shapes) a head of this config holds."""
     STANDALONE_TYPE, inventory, text_config = head.STANDALONE_TYPE, head.inventory, head.text_config
     try:
-        found = {name: tuple(t["shape"]) for header in headers(directory).values() for name, t in header.items()}
-    except (OSError, ValueError, struct.error) as exc:
+        found = {name: shape for header in headers(directory).values() for name, shape in header.items()}
+    except (OSError, ValueError) as exc:
         raise DrafterError(f"cannot read the safetensors in {directory}: {exc}") from exc
     try:
         expected = inventory(config)
