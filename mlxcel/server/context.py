@@ -50,7 +50,7 @@ class Admission:
     """Generation requests the HTTP layer holds: tokenizing, or in the engine.
 
     Counted so that a request beyond the engine's capacity is refused before
-    its prompt is tokenized (review D18). Every engine request comes from a
+    its prompt is tokenized. Every engine request comes from a
     held place, so this count is never below the engine's own.
     """
 

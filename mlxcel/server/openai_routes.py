@@ -136,7 +136,7 @@ class _Generation:
         engine = self.ctx.engine
         channels: list[trio.MemoryReceiveChannel[Event]] = []
         # However the request ends, the engine lets every choice go: even if Quart never starts a
-        # stream's body (review D15). No checkpoint from here to the registration.
+        # stream's body. No checkpoint from here to the registration.
         def let_go() -> None:
             for channel, generation in zip(channels, generations, strict=False):
                 channel.close()
