@@ -127,18 +127,19 @@ def make_processors(params: SamplingParams, prompt_length: int) -> list[Any]:
 
     if not params.has_processors:
         return []
-    windowed = {"presence_penalty": params.presence_context_size is not None,
-                "frequency_penalty": params.frequency_context_size is not None}
+    # A penalty with a context size is mlx-lm's windowed one; without, OpenAI's over the whole completion.
+    presence_windowed = params.presence_context_size is not None
+    frequency_windowed = params.frequency_context_size is not None
     processors = make_logits_processors(
         logit_bias=dict(params.logit_bias) or None,
         repetition_penalty=None if params.repetition_penalty == 1.0 else params.repetition_penalty,
         repetition_context_size=params.repetition_context_size,
-        presence_penalty=(params.presence_penalty or None) if windowed["presence_penalty"] else None,
+        presence_penalty=(params.presence_penalty or None) if presence_windowed else None,
         presence_context_size=params.presence_context_size,
-        frequency_penalty=(params.frequency_penalty or None) if windowed["frequency_penalty"] else None,
+        frequency_penalty=(params.frequency_penalty or None) if frequency_windowed else None,
         frequency_context_size=params.frequency_context_size)
-    presence = 0.0 if windowed["presence_penalty"] else params.presence_penalty
-    frequency = 0.0 if windowed["frequency_penalty"] else params.frequency_penalty
+    presence = 0.0 if presence_windowed else params.presence_penalty
+    frequency = 0.0 if frequency_windowed else params.frequency_penalty
     if presence or frequency:
         processors.append(GeneratedTextPenalty(presence, frequency, prompt_length))
     return processors

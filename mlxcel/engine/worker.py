@@ -27,7 +27,7 @@ from ..policy import BootFacts, HintStore, MtpPolicy
 from .admission import Admission
 from .batch import ContinuousBatch
 from .messages import LoadCancelled, Message, WorkerSettings
-from .requests import Event, Finish, FinishReason, GenerationRequest
+from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .sequence import Sequence
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
@@ -166,9 +166,8 @@ class Worker(Admission):
             self._forget(sequence)
             message = f"the response's grammar cannot be followed: {exc}" if grammar \
                 else f"generation failed: {type(exc).__name__}: {exc}"
-            events.append((sequence.request.id, sequence.output.finish(
-                "error", sequence.admitted, sequence.cached, sequence.burst, message,
-                "invalid_request_error" if grammar else "server_error")))
+            events.append((sequence.request.id, self._finish(sequence, "error", message,
+                                                             "invalid_request_error" if grammar else "server_error")))
         self._publish_load()
         self._deliver(events)
 
@@ -335,8 +334,9 @@ class Worker(Admission):
             self.batch.discard(sequence)
         sequence.solo = None
 
-    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None) -> Finish:
-        return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error)
+    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None,
+                error_type: ErrorType = "server_error") -> Finish:
+        return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error, error_type)
 
     def _publish_load(self) -> None:
         # Sequences are served in admission order: the first ``parallel`` hold the slots, the rest wait.

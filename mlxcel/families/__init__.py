@@ -73,9 +73,8 @@ class Family:
         raise NotImplementedError(f"model_type {config.get('model_type')!r} is mlx-lm's own")
 
     def target(self, model: Any) -> SpeculativeTarget:
-        """The speculative target adapter around the loaded model (worker thread)."""
-        raise ValueError(f"model_type {self.model_types[0] if self.model_types else '?'!r} has no speculative "
-                         "target adapter")
+        """The speculative target adapter around the loaded model (worker thread; :attr:`mtp` families only)."""
+        raise NotImplementedError
 
     def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
         """Check the drafter (``--mtp``: the target's own head; else *draft_model*) before the port is bound;

@@ -124,4 +124,7 @@ def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
     """The family's target adapter around the loaded mlx-lm *model* (:mod:`mlxcel.families`)."""
     from ..families import family
 
-    return family(model_type).target(model)
+    served = family(model_type)
+    if not served.mtp:
+        raise ValueError(f"model_type {model_type!r} has no speculative target adapter")
+    return served.target(model)
