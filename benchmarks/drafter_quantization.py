@@ -26,6 +26,7 @@ from benchmarks._common import mtp_model  # noqa: E402
 from mlxcel.engine.burst import Burst  # noqa: E402
 from mlxcel.engine.solo import SoloDecoder  # noqa: E402
 from mlxcel.models.drafters import DrafterSpec, load_drafter  # noqa: E402
+from mlxcel.models.loader import inspect_checkpoint  # noqa: E402
 from mlxcel.models.speculative import speculative_target  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:"]
@@ -42,7 +43,7 @@ def main() -> None:
     model, tokenizer = load(str(path))
     target = speculative_target("qwen3_5", model)
     spec = DrafterSpec(path=path, name=f"{path.name}#mtp", in_checkpoint=True, model_type="qwen3_5")
-    drafters = {label: load_drafter(spec, path, model, quantize=bits) for label, bits in
+    drafters = {label: load_drafter(spec, inspect_checkpoint(path), model, quantize=bits) for label, bits in
                 (("as stored (fp32)", None), ("8-bit", 8), ("4-bit", 4))}
     stream = mx.default_stream(mx.default_device())
     results: dict[str, dict[str, list[float]]] = {label: {"accepted": [], "proposed": [], "draft": [], "rate": []}

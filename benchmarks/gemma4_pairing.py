@@ -67,8 +67,7 @@ def step_costs(paths: dict[str, Path], blocks: list[int], repeats: int = 60) -> 
     load_fast_blas()
     info = inspect_checkpoint(paths["target"])
     model, _ = load_checkpoint(info)
-    drafter = load_drafter(inspect_drafter(paths["target"], info.model_type, mtp=False,
-                                           draft_model=paths["agreeing"]), paths["target"], model)
+    drafter = load_drafter(inspect_drafter(info, mtp=False, draft_model=paths["agreeing"]), info, model)
     target = speculative_target(info.model_type, model)
     cache = make_prompt_cache(model)
     prompt = list(range(3, 67))

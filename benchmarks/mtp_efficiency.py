@@ -74,7 +74,7 @@ class Served:
 def load(path: Path) -> Served:
     info = inspect_checkpoint(path)
     model, tokenizer = load_checkpoint(info)
-    head = load_drafter(inspect_drafter(path, info.model_type, mtp=True, draft_model=None), path, model)
+    head = load_drafter(inspect_drafter(info, mtp=True, draft_model=None), info, model)
     reference, reference_tokenizer = mlx_lm.load(str(path))
     return Served(model, speculative_target(info.model_type, model), head, tokenizer.encode(PROMPT), reference,
                   reference_tokenizer)

@@ -164,7 +164,7 @@ class Observability:
 
     def publish_load(self, sequences: list[tuple[int, int]], parallel: int) -> None:
         """Slots, batch size and queue depth from the (prompt tokens, decoded) of every sequence held,
-        in admission order: the first *parallel* hold the slots, the rest wait."""
+        those decoding first: the first *parallel* hold the slots, the rest wait."""
         serving = sequences[:parallel]
         self.slots = tuple(SlotState(id=i, is_processing=i < len(serving),
                                      n_prompt_tokens=serving[i][0] if i < len(serving) else 0,

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
 from hypercorn.config import Config as HypercornConfig
 
 from .engine import Engine, WorkerSettings
+from .engine.instrument import Instrument
 from .http.listener import ConnectionLimits
 from .http.listener import serve as serve_http
 from .http.signals import until_signalled
@@ -46,8 +46,8 @@ class ServeConfig:
     blas: str | None = None
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     access_log: bool = False
-    before_load: Callable[[], None] | None = field(default=None, compare=False)
-    """Runs on the worker thread before the model loads (tests hold a load here)."""
+    instrument: Instrument | None = field(default=None, compare=False)
+    """Tests only: what the worker calls before the load and at its fault points (:mod:`.engine.instrument`)."""
 
 
 async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
@@ -59,7 +59,7 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
     observability = Observability(initial, model=config.checkpoint.name)
     observability.blas = config.blas
     engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
-                    before_load=config.before_load)
+                    instrument=config.instrument)
     app = guard_transport(create_app(engine, observability, config.options),
                           drain_limit=config.options.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)

@@ -179,8 +179,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         from .models.drafters.loader import DrafterError, inspect_drafter
 
         try:
-            drafter = inspect_drafter(checkpoint.path, checkpoint.model_type, mtp=args.mtp,
-                                      draft_model=args.draft_model)
+            drafter = inspect_drafter(checkpoint, mtp=args.mtp, draft_model=args.draft_model)
         except (DrafterError, OSError) as exc:
             raise UsageError(str(exc)) from exc
         # K: the flag, else the environment, else what a standalone drafter's config names, else the default.

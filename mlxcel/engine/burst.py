@@ -20,6 +20,7 @@ import mlx.core as mx
 
 from ..models.speculative import SequenceDrafter, SpeculativeTarget, Split, Verify
 from .grammar import GrammarProcessor
+from .instrument import Probe
 from .requests import BurstStats
 from .sampling import SpeculativeSampler, log_probabilities
 
@@ -66,14 +67,14 @@ class Burst:
     """One sequence's speculative decoding state: its drafter, the verify split, the acceptance rule."""
 
     def __init__(self, target: SpeculativeTarget, drafter: SequenceDrafter, split: Split,
-                 sampler: SpeculativeSampler | None, before_verify: Callable[[], None] | None = None,
+                 sampler: SpeculativeSampler | None, probe: Probe | None = None,
                  processors: Sequence[Callable[[Any, Any], Any]] = ()) -> None:
         self.target = target
         self.drafter = drafter
         self.split = split
         self.sampler = sampler
         self.stats = BurstStats()
-        self._before_verify = before_verify
+        self._probe = probe
         # The request's logits processors, in classic decode's order: a grammar (always last) masks
         # what the others computed, and is stateful, so it is driven apart from the pure ones.
         last = processors[-1] if processors else None
@@ -90,8 +91,8 @@ class Burst:
         """
         started = time.perf_counter()
         drafts = self.drafter.draft(width - 1).astype(mx.int32)
-        if self._before_verify is not None:
-            self._before_verify()
+        if self._probe is not None:
+            self._probe("verify")
         block = mx.concatenate([mx.array([[next_input]], dtype=mx.int32), drafts], axis=1)
         verify = self.target.verify(block, cache, self.split)
         logits, grammar_consumed = verify.logits, 0

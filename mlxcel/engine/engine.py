@@ -6,13 +6,13 @@ import contextlib
 import logging
 import math
 import queue
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
+from .instrument import Instrument
 from .messages import Cancel, LoadCancelled, Message, Stop, Submit, WorkerSettings
 from .requests import Event, Finish, GenerationRequest
 from .worker import Worker
@@ -43,7 +43,7 @@ class Engine:
     """
 
     def __init__(self, checkpoint: CheckpointInfo, settings: WorkerSettings, observability: Observability,
-                 max_queue_depth: int = 16, before_load: Callable[[], None] | None = None) -> None:
+                 max_queue_depth: int = 16, instrument: Instrument | None = None) -> None:
         self.checkpoint = checkpoint
         self.settings = settings
         self.observability = observability
@@ -56,7 +56,7 @@ class Engine:
         self.ready = trio.Event()
         self.finished = trio.Event()
         """Set when the worker has returned (stopped, or failed to load)."""
-        self._before_load = before_load
+        self._instrument = instrument
         self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._channels: dict[str, trio.MemorySendChannel[Event]] = {}
         self._held: set[str] = set()
@@ -68,7 +68,7 @@ class Engine:
         self._token = trio.lowlevel.current_trio_token()
         worker = Worker(self.settings, self.checkpoint, self.observability, self._inbox,
                         deliver=self._deliver_from_worker, on_ready=self._ready_from_worker,
-                        before_load=self._before_load, stopping=lambda: self._closing)
+                        instrument=self._instrument, stopping=lambda: self._closing)
         try:
             await trio.to_thread.run_sync(worker.run, abandon_on_cancel=False)
         except LoadCancelled:

@@ -126,7 +126,7 @@ def _splits(model: Any, block_size: int) -> tuple[Split, ...]:
     from K = 3 (at K = 2 it is the chain itself)."""
     from ..models.row_exact import measure
 
-    _, share = measure(model, block_size)
+    share = measure(model, block_size).share
     order: list[Split] = ["wide"]
     if share * (block_size - 1) < 1:
         order.append("rows")

@@ -13,6 +13,7 @@ from ..models.loader import CheckpointInfo, load_checkpoint
 from ..policy import PairingKey
 from .batch import batchable
 from .messages import WorkerSettings
+from .scheduler import Capabilities
 from .speculation import Speculation
 
 logger = logging.getLogger(__name__)
@@ -31,13 +32,11 @@ class Loaded:
     """Token ids below this have an input embedding."""
     host: HostInfo
     speculation: Speculation | None
-    batching: bool
-    parallel: int
-    """Sequences decoding at once: ``--parallel`` when batching, else 1."""
+    capabilities: Capabilities
     pairing: PairingKey | None = None
     """The MTP pairing configured (also when it cannot run), or None: no drafter."""
     sharded: bool = False
-    """The model is sharded across processes (``--distributed``): no burst, one sequence at a time."""
+    """The model is sharded across processes (``--distributed``): what the policy's boot facts report."""
     release: Callable[[], None] = field(default=lambda: None)
     """What the worker calls as it ends (a sharded model tells the other ranks to stop)."""
     grammar_tokenizer: Any = None
@@ -81,17 +80,22 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         vocab = int(model(mx.array([[0]])).shape[-1])
     speculation = None
     pairing = None
+    no_burst: str | None = "no drafter configured (--mtp, --draft-model)"
+    if settings.drafter is not None and not settings.batch:
+        no_burst = "--no-batch"
     if settings.drafter is not None and settings.batch and sharding is not None:
         # The burst's verify and rollback reach inside the model, which no follower could mirror.
         logger.warning("--distributed: the MTP burst does not run on a sharded model; %s is not loaded and "
                        "every request decodes classically", settings.drafter.name)
         pairing = PairingKey(checkpoint.name, settings.drafter.name, host.label, settings.block_size)
-    elif settings.drafter is not None and settings.batch:  # the legacy worker has no MTP path
+        no_burst = "the model is sharded across processes (--distributed)"
+    elif settings.drafter is not None and settings.batch:  # with --no-batch no drafter is loaded
         from .speculation import set_up
 
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
                              settings.policy.allow_inexact, settings.draft_quantize, check=check)
         pairing = speculation.pairing
+        no_burst = None if speculation.split is not None else speculation.decline or "the exactness probe vetoed it"
     check()
     # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
     # --no-batch) sequences decode solo, one at a time, first come first served. A sharded
@@ -99,16 +103,21 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     broken = BATCH_BROKEN.get(checkpoint.model_type)
     if sharding is not None:
         broken = f"--distributed {sharding.mode}: the other ranks follow one sequence at a time"
-    batching = settings.batch and settings.parallel > 1 and batchable(model) and not broken
-    if settings.batch and not batching and settings.parallel > 1:
-        logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name,
-                       broken or "its caches cannot be merged into a batch")
+    no_batch = "--no-batch" if not settings.batch else "--parallel 1" if settings.parallel < 2 else broken
+    if no_batch is None and not batchable(model):
+        no_batch = "its caches cannot be merged into a batch"
+    if settings.batch and settings.parallel > 1 and no_batch is not None:
+        logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name, no_batch)
+    capabilities = Capabilities(
+        parallel=settings.parallel if no_batch is None else 1, no_batch=no_batch, no_burst=no_burst,
+        # Scoring is a forward of its own, between the running sequence's: the other ranks would not
+        # know which cache it runs on (mlxcel.distributed.mirror).
+        no_prompt_scoring="the model is sharded across processes (--distributed)" if sharding else None)
     from .grammar import grammar_tokenizer
 
     eos = frozenset(tokenizer.eos_token_ids)
-    return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab),
-                  host, speculation, batching, settings.parallel if batching else 1, pairing, sharding is not None,
-                  release, grammar_tokenizer(tokenizer, vocab, eos))
+    return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab), host, speculation,
+                  capabilities, pairing, sharding is not None, release, grammar_tokenizer(tokenizer, vocab, eos))
 
 
 def _embedding_rows(model: Any, vocab: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -10,10 +9,6 @@ from ..distributed import World
 from ..models.drafters import DrafterSpec
 from ..policy import PolicySettings
 from .requests import GenerationRequest
-
-#: ``fault_hook(point, request)`` is called at these points (tests raise there to check isolation).
-FAULT_POINTS = ("prefill", "solo_step", "verify", "sampler", "batch_step")
-FaultHook = Callable[[str, GenerationRequest], None]
 
 
 class LoadCancelled(Exception):
@@ -25,7 +20,7 @@ class WorkerSettings:
     parallel: int = 4
     """Sequences that decode together (1 with ``--no-batch``)."""
     batch: bool = True
-    """False: the legacy single-sequence worker, which has no MTP path."""
+    """False (``--no-batch``): one slot, sequences decode one at a time, and no MTP drafter is loaded."""
     prefix_cache_entries: int = 8
     prefix_cache_bytes: int = 1 << 30
     """The prefix cache's bound in bytes of KV caches (``--prompt-cache-bytes``), as well as in entries."""
@@ -41,8 +36,6 @@ class WorkerSettings:
     """``--draft-quantize``: quantize the drafter's linear layers to this many bits at load (affine, group 64)."""
     sharding: World | None = field(default=None, compare=False)
     """``--distributed``: this rank's place in the group (rank 0 runs the worker), or None: one process."""
-    fault_hook: FaultHook | None = field(default=None, compare=False)
-    """Tests only: called at each of :data:`FAULT_POINTS`; an exception it raises is a fault there."""
 
 
 @dataclass(frozen=True, slots=True)

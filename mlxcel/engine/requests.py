@@ -64,6 +64,9 @@ class GenerationRequest:
     prompt_logprobs: bool = False
     """Score the prompt too (completions ``echo`` with ``logprobs``): a :class:`PromptLogprobs` comes first,
     with *top_logprobs* alternatives per position."""
+    group: str = ""
+    """The client request it is one choice of (``n``, ``best_of``), which the scheduler shares places among
+    fairly; empty: a request of its own."""
 
 
 @dataclass(frozen=True, slots=True)

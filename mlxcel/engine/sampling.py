@@ -163,16 +163,3 @@ class GeneratedTextPenalty:
         counts = mx.zeros((logits.shape[-1],), dtype=mx.float32).at[generated].add(1.0)
         penalty = counts * self.frequency + (counts > 0).astype(mx.float32) * self.presence
         return logits - penalty.astype(logits.dtype)
-
-
-def sampler_with_hook(sampler: Any, hook: Any) -> Any:
-    """*sampler* calling *hook* first (fault injection in tests); greedy gets mlx-lm's argmax."""
-    from mlx_lm.sample_utils import greedy_sampler
-
-    inner = sampler or greedy_sampler
-
-    def hooked(logprobs: mx.array) -> mx.array:
-        hook()
-        return inner(logprobs)
-
-    return hooked

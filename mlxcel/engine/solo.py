@@ -23,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from .burst import Burst, PendingRound
+from .instrument import Probe
 from .sampling import log_probabilities
 
 Sampler = Callable[[Any], Any]
@@ -42,7 +43,7 @@ class SoloDecoder:
 
     def __init__(self, model: Any, stream: Any, sampler: Sampler | None, cache: list[Any],
                  tokens_in_cache: list[int], pending: list[int], burst: Burst | None = None,
-                 before_step: Callable[[], None] | None = None, processors: Sequence[Processor] = ()) -> None:
+                 probe: Probe | None = None, processors: Sequence[Processor] = ()) -> None:
         from mlx_lm.sample_utils import greedy_sampler
 
         assert pending, "a sequence always has its next input to feed"
@@ -53,7 +54,7 @@ class SoloDecoder:
         self.cache = cache
         self.tokens_in_cache = tokens_in_cache
         self.pending = pending
-        self._before_step = before_step
+        self._probe = probe
         self.processors = tuple(processors)
         """Applied by classic steps; the burst, if any, applies the same ones at every verify position."""
         self._context: Any = None  # every token fed so far, on the device: what the processors read
@@ -107,8 +108,8 @@ class SoloDecoder:
     # -- classic steps ------------------------------------------------------------------
 
     def _feed(self, token: Any) -> tuple[Any, Any]:
-        if self._before_step is not None:
-            self._before_step()
+        if self._probe is not None:
+            self._probe("solo_step")
         with mx.stream(self.stream):
             tokens = token.reshape(1, 1)
             if self.burst is None:

@@ -48,7 +48,7 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     from .exactness import ProbeResult, probe_exactness
 
     target = speculative_target(checkpoint.model_type, model)
-    drafter = load_drafter(spec, checkpoint.path, model, quantize=draft_quantize)
+    drafter = load_drafter(spec, checkpoint, model, quantize=draft_quantize)
     started = time.perf_counter()
     logger.info("MTP exactness probe: checking every verify width up to K=%d against single-token decode",
                 block_size)

@@ -7,9 +7,11 @@ It talks to the trio side through a thread-safe inbox (requests, cancellations,
 stop) and hands events back with ``TrioToken.run_sync_soon``, which never
 blocks: the decode loop never waits on the HTTP side.
 
-Faults are isolated per request: an exception while serving a sequence ends
-that request with an error and frees it; a failure of the batch step fails
-the sequences in it and rebuilds the batch. Serving goes on either way.
+What to do is the :class:`~.scheduler.Scheduler`'s decision (pure); the worker
+applies it with MLX. Faults are isolated per request: an exception while
+serving a sequence ends that request with an error and frees it; a failure of
+the batch step fails the sequences in it and rebuilds the batch. Serving goes
+on either way.
 """
 
 from __future__ import annotations
@@ -24,38 +26,43 @@ import trio
 from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
-from .admission import Admission
 from .batch import ContinuousBatch
+from .instrument import Instrument
 from .messages import LoadCancelled, Message, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
-from .sequence import Sequence
+from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, SoloTurn
+from .sequence import Sequence, new_sequence
+from .solo_turn import SoloTurns
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
-    from .solo import SoloDecoder
     from .speculation import Speculation
 
 logger = logging.getLogger(__name__)
 
-#: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
-CANCEL_CHECK_TOKENS = 16
+#: How long an idle worker waits for work before checking for cancellation.
+IDLE_POLL_SECONDS = 0.05
 
-class Worker(Admission):
+Events = list[tuple[str, Event]]
+
+
+class Worker:
     """Owns MLX for the server. :meth:`run` is the thread's whole life."""
 
     def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
-                 inbox: queue.SimpleQueue[Message], deliver: Callable[[list[tuple[str, Event]]], None],
-                 on_ready: Callable[[Any, Any], None], before_load: Callable[[], None] | None = None,
+                 inbox: queue.SimpleQueue[Message], deliver: Callable[[Events], None],
+                 on_ready: Callable[[Any, Any], None], instrument: Instrument | None = None,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
         self.checkpoint = checkpoint
         self.observability = observability
         self.inbox = inbox
-        self._deliver = deliver
+        self.deliver = deliver
+        self.instrument = instrument
         self._on_ready = on_ready
-        self._before_load = before_load
         self._stopping = stopping
         hints = HintStore(settings.cache_root) if settings.cache_root is not None else None
         self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
+        self.scheduler = Scheduler(Capabilities())
         self.model: Any = None
         self.tokenizer: Any = None
         self.stream: Any = None
@@ -63,9 +70,7 @@ class Worker(Admission):
         self.speculation: Speculation | None = None
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
-        self.sharded = False
-        self._parallel = 1
-        self._sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
 
     # -- the thread -------------------------------------------------------------
@@ -94,18 +99,19 @@ class Worker(Admission):
         from .loading import load
         from .prefix_cache import PrefixCache
 
-        if self._before_load is not None:
-            self._before_load()
+        if self.instrument is not None:
+            self.instrument.before_load()
         loaded = load(self.settings, self.checkpoint, self._check_stopping)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
-        self.eos_tokens, self.speculation = loaded.eos_tokens, loaded.speculation
-        self._parallel, self._release, self.sharded = loaded.parallel, loaded.release, loaded.sharded
-        if loaded.batching:
-            self.batch = ContinuousBatch(self.model, self.eos_tokens, self._parallel,
+        self.eos_tokens, self.speculation, self._release = loaded.eos_tokens, loaded.speculation, loaded.release
+        capabilities = loaded.capabilities
+        self.scheduler = Scheduler(capabilities)
+        if capabilities.batching:
+            self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream)
         self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries,
                                   self.checkpoint.model_type, max_bytes=self.settings.prefix_cache_bytes)
-        self._publish_load()
+        self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
                                               probe_decline=speculation.decline if speculation else None,
@@ -118,170 +124,134 @@ class Worker(Admission):
                                                 context_length=self.checkpoint.context_length)
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
-    def _fault(self, point: str, request: GenerationRequest) -> None:
-        if self.settings.fault_hook is not None:
-            self.settings.fault_hook(point, request)
-
-    def _burst_allowed(self, request: GenerationRequest) -> bool:
-        """The runtime gates of the B=1 burst, below the policy's live gate."""
-        # Logprobs come from classic decode. Logits processors (bias, penalties, a grammar) do not gate:
-        # the burst applies them at every verify position.
-        return bool(self.policy.mtp_enabled) and not request.logprobs
-
     def _loop(self) -> None:
+        solo = SoloTurns(self)
         while True:
-            if not self._take_messages(block=not self._sequences):
+            if not self._take_messages(block=not self.sequences):
                 return
             trio.from_thread.check_cancelled()
-            solo = self._solo_candidate()
-            if solo is not None:
+            turn = self.scheduler.turn()
+            if isinstance(turn, SoloTurn):
+                sequence = self.sequences[turn.request_id]
                 try:
-                    self._advance_solo(solo)
+                    solo.advance(sequence)
                 except Exception as exc:
-                    self._fail([solo], exc)
-            elif self._sequences and self.batch is not None:
-                try:
-                    self._batch_step(self.batch)
-                except Exception as exc:
-                    self._fail(self.batch.sequences, exc)
-                    self._rebuild_batch()
+                    self.fail([sequence], exc)
+            elif isinstance(turn, BatchTurn):
+                self._batch_turn(turn)
 
-    def _rebuild_batch(self) -> None:
-        assert self.batch is not None
+    # -- what comes in -------------------------------------------------------------
+
+    def _take_messages(self, block: bool) -> bool:
+        """Apply every message waiting (waiting a little for one if *block*); False on Stop."""
         try:
-            self.batch.rebuild()
-        except Exception as exc:  # no batch to be had: serve on, one sequence at a time
-            logger.error("the continuous batch could not be rebuilt (%s: %s): serving one sequence at a time",
-                         type(exc).__name__, exc)
-            self.batch, self._parallel = None, 1
-
-    def _fail(self, sequences: list[Sequence], exc: Exception) -> None:
-        """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
-        from .grammar import GrammarError  # here: grammar.py imports mlx, which a router never loads
-
-        events: list[tuple[str, Event]] = []
-        grammar = isinstance(exc, GrammarError)  # the request's own grammar: a 400, not the server's fault
-        for sequence in sequences:
-            logger.error("request %s failed: %s: %s", sequence.request.id, type(exc).__name__, exc)
-            self._forget(sequence)
-            message = f"the response's grammar cannot be followed: {exc}" if grammar \
-                else f"generation failed: {type(exc).__name__}: {exc}"
-            events.append((sequence.request.id, self._finish(sequence, "error", message,
-                                                             "invalid_request_error" if grammar else "server_error")))
-        self._publish_load()
-        self._deliver(events)
-
-    def _solo_candidate(self) -> Sequence | None:
-        """The sequence to decode alone now, if any: batching, the only one if it started alone;
-        not batching, the oldest (its prompt is prefilled when its turn comes)."""
-        if not self._sequences or (self.batch is not None and len(self._sequences) != 1):
-            return None
-        sequence = next(iter(self._sequences.values()))
-        return None if self.batch is not None and sequence in self.batch else sequence
-
-    # -- decoding -----------------------------------------------------------------
-
-    def _advance_solo(self, sequence: Sequence) -> None:
-        """Start, prefill (a chunk at a time, watching the inbox) and decode the lone sequence."""
-        if sequence.solo is None:
-            sequence.solo = self._start_solo(sequence)
-        solo = sequence.solo
-        while not solo.prefilled:
-            self._fault("prefill", sequence.request)
-            solo.prefill_chunk(self.settings.prefill_step_size)
-            if not self.inbox.empty():
-                return  # a cancel, a stop or a new request is seen within one chunk
-        if solo.burst is not None:
-            from .burst_loop import run_burst
-
-            assert self.speculation is not None
-            run_burst(solo, sequence.output, self.settings.block_size, self.policy.state == "profiling",
-                      mail=lambda: not self.inbox.empty(), emit=lambda tokens: self.emit(sequence, tokens))
-        else:
-            self._run_classic(sequence, solo)
-
-    def _start_solo(self, sequence: Sequence) -> SoloDecoder:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        from .solo import SoloDecoder
-
-        assert sequence.prompt_state is not None
-        cache, cached_tokens, rest = sequence.prompt_state
-        sequence.prompt_state = None
-        if cache is None:
-            cache = make_prompt_cache(self.model)
-        burst = None
-        request = sequence.request
-        speculation = self.speculation
-        if speculation is not None and speculation.split is not None and self._burst_allowed(request):
-            from .burst import Burst
-            from .sampling import SpeculativeSampler
-
-            chain = sequence.chain
-            burst = Burst(speculation.target, speculation.drafter.new_sequence(cache), speculation.split,
-                          SpeculativeSampler(chain) if chain is not None else None,
-                          before_verify=lambda: self._fault("verify", request), processors=sequence.processors)
-            sequence.burst = burst.stats
-        return SoloDecoder(self.model, self.stream, sequence.sampler, cache, list(cached_tokens), list(rest), burst,
-                           before_step=lambda: self._fault("solo_step", request), processors=sequence.processors)
-
-    def _run_classic(self, sequence: Sequence, solo: SoloDecoder) -> None:
-        """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""
-        output = sequence.output
-        solo.resume()
+            messages = [self.inbox.get(timeout=IDLE_POLL_SECONDS) if block else self.inbox.get_nowait()]
+        except queue.Empty:
+            return True
         while True:
-            # Stop feeding once the token about to be emitted is the last allowed,
-            # or when the worker has mail: then the sequence parks, ready to batch.
-            feed_next = output.remaining > 1 and self.inbox.empty()
-            token, logprobs = solo.emit(feed_next)
-            self.emit(sequence, [token], logprobs)
-            if output.finish_reason is not None or solo.parked:
-                return
-            if output.generated % CANCEL_CHECK_TOKENS == 0:
-                self._publish_load()
-                trio.from_thread.check_cancelled()
-
-    def emit(self, sequence: Sequence, tokens: list[int], logprobs: Any = None) -> bool:
-        """Deliver a solo sequence's new *tokens*; retire it if they finish it. True when finished."""
-        events: list[tuple[str, Event]] = []
-        output = sequence.output
-        for token in tokens:
-            delta = output.on_token(token, logprobs, output.natural_finish(token))
-            self.observability.generated_tokens.inc()
-            if delta is not None:
-                events.append((sequence.request.id, delta))
-            if output.finish_reason is not None:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
                 break
-        finished = output.finish_reason is not None
-        if finished:
-            assert sequence.solo is not None
-            self._retire_solo(sequence, sequence.solo, events)
+        intake = self.scheduler.take(messages)
+        events: Events = list(intake.finished)
+        if intake.stop is not None:
+            for sequence in list(self.sequences.values()):
+                self.forget(sequence)
+                events.append((sequence.request.id, self.finish(sequence, "error", intake.stop)))
+            self.deliver(events)
+            return False
+        self._apply(intake, events)
+        self.publish_load()
         if events:
-            self._deliver(events)
-        return finished
+            self.deliver(events)
+        return True
 
-    def _retire_solo(self, sequence: Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
-        """A solo sequence finished: keep its cache, report its burst, send its Finish."""
-        if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
-            solo.finish_round(count=False)
-        self._keep(solo.tokens_in_cache, solo.cache)
-        self._forget(sequence)
-        stats = sequence.burst
-        # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
-        if stats is not None and stats.rounds and stats.classic_steps and not sequence.ever_batched:
-            self.policy.on_sample(stats.sample())
-        assert sequence.output.finish_reason is not None
-        events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
+    def _apply(self, intake: Intake, events: Events) -> None:
+        for request_id in intake.cancelled:
+            sequence = self.sequences[request_id]
+            self.forget(sequence)
+            events.append((request_id, self.finish(sequence, "cancelled", "the client went away")))
+        for request_id in intake.to_batch:
+            sequence = self.sequences[request_id]
+            try:
+                self._into_batch(sequence)
+            except Exception as exc:
+                self.fail([sequence], exc)
+        for request, place in intake.admitted:
+            self._admit(request, place, events)
         self.observability.cache = self.prefix.stats()
-        self._publish_load()
+
+    def _admit(self, request: GenerationRequest, place: Place, events: Events) -> None:
+        """Start serving *request*: its record, its prompt's prefix from the cache, its prompt's scores."""
+        tokens = list(request.prompt_tokens)
+        try:
+            cache, rest = self.prefix.fetch(tokens)
+            cached = len(tokens) - len(rest)
+            probe = self.instrument.probe(request) if self.instrument is not None else None
+            sequence = new_sequence(request, self.tokenizer, self.eos_tokens, cached, probe)
+            sequence.prompt_state = (cache, tokens[:cached], rest)  # prefilled on its turn
+            if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
+                from .prompt_scoring import score_prompt
+
+                events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs)))
+        except Exception as exc:  # a request the model cannot take must not stop the worker
+            logger.error("request %s could not be admitted: %s: %s", request.id, type(exc).__name__, exc)
+            self.scheduler.ended(request.id)
+            events.append((request.id, Finish("error", len(tokens), 0, error=f"cannot start generation: {exc}")))
+            return
+        self.sequences[request.id] = sequence
+        self.observability.prompt_tokens.inc(len(tokens))
+
+    # -- the batch -------------------------------------------------------------------
+
+    def _into_batch(self, sequence: Sequence) -> None:
+        """Insert *sequence* into the batch: waiting (the batch prefills its prompt), or a parked solo one
+        (prefilled or part-prefilled: its cache, and the tokens it still has to feed)."""
+        from .grammar import GrammarProcessor
+
+        assert self.batch is not None
+        solo = sequence.solo
+        if solo is None:
+            assert sequence.prompt_state is not None
+            cache, cached, pending = sequence.prompt_state
+            sequence.prompt_state = None
+        else:
+            assert solo.parked
+            sequence.solo = None
+            cache, cached, pending = solo.cache, solo.tokens_in_cache, solo.pending
+            self.observability.handoffs.inc()
+        for processor in sequence.processors:
+            if isinstance(processor, GrammarProcessor):
+                processor.deferring = True  # a grammar failing in the batch ends its own sequence only
+        self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
+                          sequence.processors)
+        sequence.ever_batched = True
+
+    def _batch_turn(self, turn: BatchTurn) -> None:
+        assert self.batch is not None
+        for request_id in turn.insert:
+            sequence = self.sequences[request_id]
+            try:
+                self._into_batch(sequence)
+            except Exception as exc:
+                self.fail([sequence], exc)
+        if not self.batch.sequences:
+            return
+        try:
+            self._batch_step(self.batch)
+        except Exception as exc:
+            self.fail(self.batch.sequences, exc)
+            self._rebuild_batch()
 
     def _batch_step(self, batch: ContinuousBatch[Sequence]) -> None:
         """One step of the batch. If the step itself raises, the caller fails the batch and rebuilds
         it; a failure in one sequence's own handling (its text, its logprobs) ends that one only."""
-        for sequence in batch.sequences:
-            self._fault("batch_step", sequence.request)
+        if self.instrument is not None:
+            for sequence in batch.sequences:
+                self.instrument.at("batch_step", sequence.request)
         responses = batch.step()
-        events: list[tuple[str, Event]] = []
+        events: Events = []
         finished: list[tuple[Sequence, Any]] = []
         failed: list[tuple[Sequence, Exception]] = []
         for sequence, response in responses:
@@ -303,19 +273,47 @@ class Worker(Admission):
                 kept = batch.take_out(finished)
                 for sequence, _ in finished:
                     cache, tokens = kept[id(sequence)]
-                    self._keep(tokens, cache)
-                    self._forget(sequence)
+                    self.keep(tokens, cache)
+                    self.forget(sequence)
                     assert sequence.output.finish_reason is not None
-                    events.append((sequence.request.id, self._finish(sequence, sequence.output.finish_reason)))
+                    events.append((sequence.request.id, self.finish(sequence, sequence.output.finish_reason)))
                 self.observability.cache = self.prefix.stats()
         finally:  # what was built is delivered, whatever happens after
-            self._publish_load()
+            self.publish_load()
             if events:
-                self._deliver(events)
+                self.deliver(events)
         for sequence, error in failed:
-            self._fail([sequence], error)
+            self.fail([sequence], error)
 
-    def _keep(self, tokens: list[int], cache: Any) -> None:
+    def _rebuild_batch(self) -> None:
+        assert self.batch is not None
+        try:
+            self.batch.rebuild()
+        except Exception as exc:  # no batch to be had: serve on, one sequence at a time
+            logger.error("the continuous batch could not be rebuilt (%s: %s): serving one sequence at a time",
+                         type(exc).__name__, exc)
+            self.batch = None
+            self.scheduler.batch_lost(f"the batch could not be rebuilt: {exc}")
+
+    # -- what goes out -----------------------------------------------------------------
+
+    def fail(self, sequences: list[Sequence], exc: Exception) -> None:
+        """End *sequences* with an error (their caches are dropped, not reused); serving goes on."""
+        from .grammar import GrammarError  # here: grammar.py imports mlx, which a router never loads
+
+        events: Events = []
+        grammar = isinstance(exc, GrammarError)  # the request's own grammar: a 400, not the server's fault
+        for sequence in sequences:
+            logger.error("request %s failed: %s: %s", sequence.request.id, type(exc).__name__, exc)
+            self.forget(sequence)
+            message = f"the response's grammar cannot be followed: {exc}" if grammar \
+                else f"generation failed: {type(exc).__name__}: {exc}"
+            events.append((sequence.request.id, self.finish(sequence, "error", message,
+                                                            "invalid_request_error" if grammar else "server_error")))
+        self.publish_load()
+        self.deliver(events)
+
+    def keep(self, tokens: list[int], cache: Any) -> None:
         """Offer a finished sequence's cache to the prefix cache; a failure loses only the reuse."""
         if cache is None or not tokens:
             return
@@ -324,9 +322,10 @@ class Worker(Admission):
         except Exception:
             logger.exception("could not keep a finished prompt cache")
 
-    def _forget(self, sequence: Sequence) -> None:
-        """Drop *sequence* from the worker, and from the batch if it is still there."""
-        if self._sequences.pop(sequence.request.id, None) is not None and sequence.burst is not None:
+    def forget(self, sequence: Sequence) -> None:
+        """Drop *sequence* from the worker, the scheduler, and the batch if it is still there."""
+        self.scheduler.ended(sequence.request.id)
+        if self.sequences.pop(sequence.request.id, None) is not None and sequence.burst is not None:
             # Every burst counts, however its request ended (finished, batched, cancelled, failed).
             self.observability.draft_tokens.inc(sequence.burst.proposed)
             self.observability.draft_accepted.inc(sequence.burst.accepted)
@@ -334,11 +333,12 @@ class Worker(Admission):
             self.batch.discard(sequence)
         sequence.solo = None
 
-    def _finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None,
-                error_type: ErrorType = "server_error") -> Finish:
+    def finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None,
+               error_type: ErrorType = "server_error") -> Finish:
         return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error, error_type)
 
-    def _publish_load(self) -> None:
-        # Sequences are served in admission order: the first ``parallel`` hold the slots, the rest wait.
-        self.observability.publish_load([(len(s.request.prompt_tokens), s.output.generated)
-                                         for s in self._sequences.values()], self._parallel)
+    def publish_load(self) -> None:
+        # Those decoding first (solo, or in the batch), then those waiting for a place.
+        ordered = sorted(self.sequences.values(), key=lambda s: self.scheduler.place(s.request.id) == "waiting")
+        self.observability.publish_load([(len(s.request.prompt_tokens), s.output.generated) for s in ordered],
+                                        self.scheduler.capabilities.parallel)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ..models.drafters import DrafterSpec
+    from ..models.loader import CheckpointInfo
     from ..models.speculative import DraftHead, SpeculativeTarget
 
 #: model_type -> why mlx-lm's continuous batch is wrong for it (mlx-lm 0.32.x); found by
@@ -76,15 +77,16 @@ class Family:
         """The speculative target adapter around the loaded model (worker thread; :attr:`mtp` families only)."""
         raise NotImplementedError
 
-    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
         """Check the drafter (``--mtp``: the target's own head; else *draft_model*) before the port is bound;
         reads only JSON and safetensors headers. Raises :class:`~mlxcel.models.drafters.DrafterError`."""
         from ..models.drafters import DrafterError
 
-        raise DrafterError(f"model_type {model_type!r} has no MTP head mlxcel can run "
+        raise DrafterError(f"model_type {target.model_type!r} has no MTP head mlxcel can run "
                            f"(supported: {', '.join(sorted(mtp_model_types()))})")
 
-    def load_head(self, spec: DrafterSpec, target: Path, model: Any) -> tuple[Any, Callable[[Any], DraftHead]]:
+    def load_head(self, spec: DrafterSpec, target: CheckpointInfo,
+                  model: Any) -> tuple[Any, Callable[[Any], DraftHead]]:
         """The head *spec* names (an ``nn.Module``, not yet evaluated: it may be quantized first) and what
         makes the drafter of the loaded target *model* from it (worker thread)."""
         raise NotImplementedError

@@ -16,7 +16,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,8 @@ class CheckpointInfo:
     context_length: int
     weight_files: tuple[Path, ...]
     weight_bytes: int
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Its ``config.json``, read once here: whatever needs the target's config reads it from this."""
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
@@ -179,7 +181,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
             raise _unreadable(file, exc) from exc
     return CheckpointInfo(path=directory, name=directory.resolve().name, model_type=model_type,
                           context_length=_context_length(config), weight_files=weights,
-                          weight_bytes=sum(f.stat().st_size for f in weights))
+                          weight_bytes=sum(f.stat().st_size for f in weights), config=config)
 
 
 def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = None) -> tuple[Any, Any]:
@@ -199,7 +201,7 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
 
     served = family(info.model_type)
     try:
-        config = json.loads((info.path / "config.json").read_text(encoding="utf-8"))
+        config = info.config
         if served.own_model:  # mlxcel's own model file, through mlx-lm's loader
             from mlx_lm.utils import load_model, load_tokenizer
 

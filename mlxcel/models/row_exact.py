@@ -26,43 +26,113 @@ window's ring) each over every slot with its own row of the mask. K reads of
 the cache instead of one, cheap next to the weights at short contexts.
 The exactness probe still judges the whole verify.
 
-Worker thread only (the patch is process-wide while a ``rows`` verify builds
-its graph, and only the worker builds graphs).
+Scoped to one model: :func:`measure` swaps the class of just that model's layers
+of the inexact shapes for a subclass that multiplies a row at a time while the
+model's own :class:`RowSplit` is active, and only :func:`rows_apart` activates it.
+Attention has no per-model seam in mlx-lm (every family calls
+``mx.fast.scaled_dot_product_attention``), so that one function is replaced while
+:func:`rows_apart` is open, and only on the thread that measured the model (the
+MLX thread): :meth:`RowSplit.apart` asserts it.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_split: frozenset[tuple[int, int]] = frozenset()
-"""The (out, in) weight shapes a ``rows`` verify multiplies a row at a time."""
+
+class RowSplit:
+    """One model's row-split verify: the weight shapes it multiplies a row at a time, and the flag that says when."""
+
+    def __init__(self, shapes: frozenset[tuple[int, int]], share: float, max_rows: int = 0) -> None:
+        self.shapes = shapes
+        """The (out, in) weight shapes whose 2..K-row products differ from 1-row ones on this BLAS."""
+        self.share = share
+        """Their share of the bytes of the model's float linear layers (and tied embeddings)."""
+        self.max_rows = max_rows
+        """Products of up to this many rows were measured."""
+        self.active = False
+        self._thread = threading.get_ident()
+
+    @contextmanager
+    def apart(self) -> Iterator[None]:
+        """While open, this model's measured layers multiply one row at a time, and attention over a cache
+        (causal, or under a mask array) attends one query at a time."""
+        import mlx.core as mx
+
+        assert threading.get_ident() == self._thread, "a rows verify runs on the MLX thread that measured it"
+        attention = mx.fast.scaled_dot_product_attention
+
+        def by_queries(q: Any, k: Any, v: Any, *, mask: Any = None, **kwargs: Any) -> Any:
+            if q.shape[2] > 1 and (mask == "causal" if isinstance(mask, str) else mask is not None):
+                return _one_query_at_a_time(attention, q, k, v, mask, **kwargs)
+            return attention(q, k, v, mask=mask, **kwargs)
+
+        self.active = True
+        mx.fast.scaled_dot_product_attention = by_queries
+        try:
+            yield
+        finally:
+            mx.fast.scaled_dot_product_attention = attention
+            self.active = False
 
 
-def measure(model: Any, max_rows: int) -> tuple[frozenset[tuple[int, int]], float]:
+def measure(model: Any, max_rows: int) -> RowSplit:
     """The float weight shapes of *model*'s linear layers (and tied embeddings) whose 2..*max_rows*-row
-    products differ from 1-row ones, and their share of those layers' bytes. Sets them for :func:`rows_apart`."""
+    products differ from 1-row ones, and their share of those layers' bytes. Measured once per model:
+    its layers of those shapes then multiply a row at a time whenever its :class:`RowSplit` is active."""
     import mlx.core as mx
     import mlx.nn as nn
 
-    global _split
+    known: RowSplit | None = getattr(model, "row_split", None)
+    if known is not None and known.max_rows >= max_rows:
+        return known
     sizes: dict[tuple[int, int], int] = {}
     weights: dict[tuple[int, int], Any] = {}
+    layers: list[Any] = []
     for _, module in model.named_modules():
         if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating):
             shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
             sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
             weights.setdefault(shape, module.weight)  # the model's own: no copy of a large head
+            layers.append(module)
     inexact = set()
     for shape, weight in weights.items():
         rows = mx.random.normal((max_rows, shape[1]), key=mx.random.key(0)).astype(weight.dtype)
         single = mx.concatenate([rows[i:i + 1] @ weight.T for i in range(max_rows)])
         if any(not bool(mx.array_equal(rows[:m] @ weight.T, single[:m]).item()) for m in range(2, max_rows + 1)):
             inexact.add(shape)
-    _split = frozenset(inexact)
     total = sum(sizes.values())
-    return _split, (sum(sizes[s] for s in inexact) / total if total else 0.0)
+    split = RowSplit(frozenset(inexact), sum(sizes[s] for s in inexact) / total if total else 0.0, max_rows)
+    for layer in layers:
+        if tuple(layer.weight.shape) in split.shapes:
+            if not hasattr(layer, "row_split"):
+                layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
+            layer.row_split = split  # a plain attribute: not a parameter, never saved
+    model.row_split = split
+    return split
+
+
+@functools.cache
+def _by_rows(cls: Any) -> type:
+    """*cls* (a Linear or an Embedding) multiplying a row at a time while its model's RowSplit is active."""
+    import mlx.nn as nn
+
+    def by_rows(original: Any) -> Any:
+        def call(self: Any, x: Any) -> Any:
+            split = self.row_split
+            if not split.active or x.ndim < 2 or x.shape[-2] < 2 or tuple(self.weight.shape) not in split.shapes:
+                return original(self, x)
+            import mlx.core as mx
+
+            return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(x.shape[-2])], axis=-2)
+        return call
+
+    name = "as_linear" if issubclass(cls, nn.Embedding) else "__call__"
+    return type(f"RowSplit{cls.__name__}", (cls,), {name: by_rows(getattr(cls, name))})
 
 
 def _one_query_at_a_time(attention: Any, q: Any, k: Any, v: Any, mask: Any = "causal", **kwargs: Any) -> Any:
@@ -81,33 +151,8 @@ def _one_query_at_a_time(attention: Any, q: Any, k: Any, v: Any, mask: Any = "ca
 
 
 @contextmanager
-def rows_apart() -> Iterator[None]:
-    """While open, linear layers (and tied-embedding heads) of the measured shapes multiply one row at a
-    time, and attention over a cache (causal, or under a mask array) attends one query at a time."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    linear, as_linear = nn.Linear.__call__, nn.Embedding.as_linear
-    attention = mx.fast.scaled_dot_product_attention
-
-    def by_queries(q: Any, k: Any, v: Any, *, mask: Any = None, **kwargs: Any) -> Any:
-        if q.shape[2] > 1 and (mask == "causal" if isinstance(mask, str) else mask is not None):
-            return _one_query_at_a_time(attention, q, k, v, mask, **kwargs)
-        return attention(q, k, v, mask=mask, **kwargs)
-
-    def by_rows(original: Any) -> Any:
-        def call(self: Any, x: Any) -> Any:
-            if x.ndim < 2 or x.shape[-2] < 2 or tuple(self.weight.shape) not in _split:
-                return original(self, x)
-            return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(x.shape[-2])], axis=-2)
-        return call
-
-    nn.Linear.__call__ = by_rows(linear)  # type: ignore[method-assign]
-    nn.Embedding.as_linear = by_rows(as_linear)  # type: ignore[method-assign]
-    mx.fast.scaled_dot_product_attention = by_queries
-    try:
+def rows_apart(model: Any) -> Iterator[None]:
+    """:meth:`RowSplit.apart` of *model* (measured for one row shapes' set, or none: attention only)."""
+    split: RowSplit | None = getattr(model, "row_split", None)
+    with (split or RowSplit(frozenset(), 0.0)).apart():
         yield
-    finally:
-        nn.Linear.__call__ = linear  # type: ignore[method-assign]
-        nn.Embedding.as_linear = as_linear  # type: ignore[method-assign]
-        mx.fast.scaled_dot_product_attention = attention

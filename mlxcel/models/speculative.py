@@ -32,17 +32,17 @@ DESCRIBE: dict[Split, str] = {
 
 
 def split_forward(forward: Callable[[Any, list[Any]], tuple[Any, Any]], tokens: Any, cache: list[Any],
-                  split: Split) -> tuple[Any, Any]:
+                  split: Split, model: Any) -> tuple[Any, Any]:
     """*forward* (tokens, cache) -> (logits, hidden) over a verify block under *split*: one forward
-    (``wide``; ``rows``, with :func:`.row_exact.rows_apart`), or (``half``, blocks of three or more) two
-    of at most ceil(K/2) tokens, their outputs joined."""
+    (``wide``; ``rows``, with :func:`.row_exact.rows_apart` of *model*, the mlx-lm model *forward* runs),
+    or (``half``, blocks of three or more) two of at most ceil(K/2) tokens, their outputs joined."""
     import mlx.core as mx
 
     width = tokens.shape[1]
     if split == "rows":
         from .row_exact import rows_apart
 
-        with rows_apart():
+        with rows_apart(model):
             return forward(tokens, cache)
     if split == "wide" or width <= 2:
         return forward(tokens, cache)

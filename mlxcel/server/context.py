@@ -46,7 +46,7 @@ class ServerOptions:
     extra_props: dict[str, Any] = field(default_factory=dict)
 
 
-class Admission:
+class HeldPlaces:
     """Generation requests the HTTP layer holds: tokenizing, or in the engine.
 
     Counted so that a request beyond the engine's capacity is refused before
@@ -55,7 +55,7 @@ class Admission:
     """
 
     def __init__(self) -> None:
-        self.held = 0
+        self.count = 0
 
 
 @dataclass(frozen=True)
@@ -64,4 +64,4 @@ class ServerContext:
     observability: Observability
     options: ServerOptions
     tokens: Tokens = field(default_factory=Tokens)
-    admission: Admission = field(default_factory=Admission)
+    places: HeldPlaces = field(default_factory=HeldPlaces)

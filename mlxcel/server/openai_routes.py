@@ -106,7 +106,8 @@ class _Generation:
             max_tokens=requested or min(options.default_max_tokens, room),
             sampling=params.sampling(limits.vocab_size, index, matchers[index] if matchers else None),
             stop=params.stop_strings(), logprobs=logprobs or ranked,
-            top_logprobs=alternatives if logprobs else 0, prompt_logprobs=self.prompt is not None and index == 0)
+            top_logprobs=alternatives if logprobs else 0, prompt_logprobs=self.prompt is not None and index == 0,
+            group=self.id)
             for index in range(candidates)]
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
@@ -159,17 +160,17 @@ class _Generation:
             raise unavailable("the server is shutting down", "unavailable")
         if not self.ctx.engine.ready.is_set() or limits is None:
             raise unavailable("the model is still loading", "model_loading")
-        admission, capacity = self.ctx.admission, self.ctx.engine.capacity
+        taken, capacity = self.ctx.places, self.ctx.engine.capacity
         if places > capacity:
             raise bad_request(f"n is {places}, but this server holds at most {capacity} sequences at once",
                               param="n")
-        if admission.held + places > capacity:
+        if taken.count + places > capacity:
             raise unavailable(f"the server is at capacity (all {capacity} request places "
                                "are taken); retry later", "queue_full")
-        admission.held += places
+        taken.count += places
 
         def release() -> None:
-            admission.held -= places
+            taken.count -= places
 
         at_request_end(release)
         return limits

@@ -43,8 +43,8 @@ def _load(target: Path, assistant: Path) -> tuple[Any, Any, Any]:
 
     info = inspect_checkpoint(target)
     model, _ = load_checkpoint(info)
-    spec = inspect_drafter(target, info.model_type, mtp=False, draft_model=assistant)
-    return model, speculative_target(info.model_type, model), load_drafter(spec, target, model)
+    spec = inspect_drafter(info, mtp=False, draft_model=assistant)
+    return model, speculative_target(info.model_type, model), load_drafter(spec, info, model)
 
 
 def _reference(target: Path, assistant: Path) -> tuple[Any, Any]:
@@ -170,7 +170,7 @@ def test_a_stop_during_the_exactness_probe_abandons_it_instead_of_vetoing(pairs:
 
     info = inspect_checkpoint(pairs["target"])
     model, _ = load_checkpoint(info)
-    spec = inspect_drafter(pairs["target"], info.model_type, mtp=False, draft_model=pairs["assistant"])
+    spec = inspect_drafter(info, mtp=False, draft_model=pairs["assistant"])
     calls: list[int] = []
 
     def check() -> None:

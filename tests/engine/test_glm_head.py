@@ -26,6 +26,7 @@ from safetensors.numpy import load_file
 
 from mlxcel.models.drafters import load_drafter
 from mlxcel.models.drafters.loader import inspect_drafter
+from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.models.speculative import speculative_target
 from tests.glm_checkpoint import build_glm_checkpoint
 from tests.server.conftest import mlxcel
@@ -109,8 +110,9 @@ def test_the_split_drafters_drafts_equal_the_reference(glm: tuple[Path, Path]) -
     tensors = {k[len(layer):]: v.astype(np.float64) for file in sorted(raw.glob("model-*.safetensors"))
                for k, v in load_file(str(file)).items() if k.startswith(layer)}
     model, _ = load(str(raw))
-    spec = inspect_drafter(raw, "glm4_moe_lite", mtp=False, draft_model=head_dir)
-    drafter = load_drafter(spec, raw, model)
+    info = inspect_checkpoint(raw)
+    spec = inspect_drafter(info, mtp=False, draft_model=head_dir)
+    drafter = load_drafter(spec, info, model)
     rng = np.random.default_rng(0)
     drafts, expected = [], []
     for length in (1, 3, 6, 9):

@@ -48,9 +48,9 @@ def _load(target: Path) -> tuple[Any, Any, Any]:
 
     info = inspect_checkpoint(target)
     model, _ = load_checkpoint(info)
-    spec = inspect_drafter(target, info.model_type, mtp=True, draft_model=None)
+    spec = inspect_drafter(info, mtp=True, draft_model=None)
     assert (spec.model_type, spec.block_size, spec.name) == (info.model_type, 3, f"{target.name}#mtp")
-    return model, speculative_target(info.model_type, model), load_drafter(spec, target, model)
+    return model, speculative_target(info.model_type, model), load_drafter(spec, info, model)
 
 
 def _reference_drafts(hf: Any, mtp: Any, prompt: list[int], count: int) -> list[int]:

@@ -25,6 +25,7 @@ from mlx_lm import load
 from safetensors.numpy import load_file
 
 from mlxcel.models.drafters import DrafterSpec, load_drafter
+from mlxcel.models.loader import inspect_checkpoint
 from tests.checkpoints import build_mtp_checkpoint
 
 
@@ -81,7 +82,7 @@ def test_the_moe_heads_drafts_equal_the_reference(tmp_path: Path) -> None:
     text = json.loads((path / "config.json").read_text())["text_config"]
     model, _ = load(str(path))
     spec = DrafterSpec(path=path, name="qwen36-moe#mtp", in_checkpoint=True, model_type="qwen3_5_moe")
-    head = load_drafter(spec, path, model)
+    head = load_drafter(spec, inspect_checkpoint(path), model)
     rng = np.random.default_rng(0)
     drafts, expected = [], []
     for _ in range(12):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -17,8 +18,10 @@ def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: 
     from mlx_lm import load
 
     model, _ = load(str(build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)))
-    inexact, share = row_exact.measure(model, 8)
-    assert inexact and 0 < share < 1  # this machine's OpenBLAS: some shapes, not all
+    split = row_exact.measure(model, 8)
+    inexact = split.shapes
+    assert inexact and 0 < split.share < 1  # this machine's OpenBLAS: some shapes, not all
+    assert row_exact.measure(model, 4) is split  # measured once per model
     layers = {tuple(m.weight.shape): m for _, m in model.named_modules() if isinstance(m, nn.Linear)}
     x_key = mx.random.key(1)
     for shape in inexact:
@@ -26,14 +29,38 @@ def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: 
         x = mx.random.normal((1, 8, shape[1]), key=x_key)
         one_by_one = mx.concatenate([layer(x[:, i:i + 1]) for i in range(8)], axis=1)
         assert not mx.array_equal(layer(x), one_by_one).item()  # the kernel switch, measured again
-        with row_exact.rows_apart():
+        with row_exact.rows_apart(model):
             assert mx.array_equal(layer(x), one_by_one).item()
         assert not mx.array_equal(layer(x), one_by_one).item()  # the patch is gone again
     exact = next(s for s in layers if s not in inexact)
     x = mx.random.normal((1, 8, exact[1]), key=x_key)
     whole = layers[exact](x)
-    with row_exact.rows_apart():  # a shape that multiplies exactly stays one product
+    with row_exact.rows_apart(model):  # a shape that multiplies exactly stays one product
         assert mx.array_equal(layers[exact](x), whole).item()
+    # Another model of the same shapes, never measured, is untouched even while the first is split.
+    other, _ = load(str(build_mtp_checkpoint(tmp_path / "other", drafter="aligned", context_scale=0.05)))
+    shape = next(iter(inexact))
+    twin = next(m for _, m in other.named_modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) == shape)
+    x = mx.random.normal((1, 8, shape[1]), key=x_key)
+    with row_exact.rows_apart(model):
+        assert not mx.array_equal(twin(x), mx.concatenate([twin(x[:, i:i + 1]) for i in range(8)], axis=1)).item()
+
+
+def test_a_rows_verify_refuses_to_run_off_the_thread_that_measured_it() -> None:
+    split = row_exact.RowSplit(frozenset(), 0.0)
+    failures: list[BaseException] = []
+
+    def elsewhere() -> None:
+        try:
+            with split.apart():
+                pass
+        except AssertionError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=elsewhere)
+    thread.start()
+    thread.join()
+    assert len(failures) == 1 and not split.active
 
 
 @pytest.mark.requires_openblas  # the cache lengths where the sums group differently are this BLAS's
@@ -46,7 +73,7 @@ def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
     steps = mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
                             for i in range(2)], axis=2)
     assert not mx.array_equal(attention(q, k, v, scale=0.125, mask="causal"), steps).item()
-    with row_exact.rows_apart():
+    with row_exact.rows_apart(None):
         assert mx.fast.scaled_dot_product_attention is not attention
         assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"),
                               steps).item()

@@ -13,6 +13,7 @@ from mlxcel.engine.burst import Burst
 from mlxcel.engine.solo import SoloDecoder
 from mlxcel.models.drafters import DrafterSpec
 from mlxcel.models.drafters.loader import load_drafter
+from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.models.speculative import DraftHead, speculative_target
 from tests.checkpoints import build_mtp_checkpoint
 
@@ -22,7 +23,7 @@ def pairing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, DraftHead]:
     path = build_mtp_checkpoint(tmp_path_factory.mktemp("solo") / "qwen35", drafter="aligned", context_scale=0.0)
     model, _ = load(str(path))
     spec = DrafterSpec(path=path, name="qwen35#mtp", in_checkpoint=True, model_type="qwen3_5")
-    return model, load_drafter(spec, path, model)
+    return model, load_drafter(spec, inspect_checkpoint(path), model)
 
 
 def _greedy(model: Any, prompt: list[int], count: int) -> list[int]:

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from mlxcel.cli import build_parser
-from mlxcel.engine.messages import FaultHook
+from mlxcel.engine.instrument import Instrument
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
 from tests import openai_spec
@@ -101,27 +101,21 @@ def llama(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
 
 
-def serve_config(argv: Sequence[str], before_load: Callable[[], None] | None = None,
-                 fault_hook: FaultHook | None = None) -> ServeConfig:
+def serve_config(argv: Sequence[str], instrument: Instrument | None = None) -> ServeConfig:
     args = build_parser().parse_args(["serve", "--port", "0", *argv])
     config = build_serve_config(args)
     assert isinstance(config, ServeConfig)
-    if before_load is not None:
-        config = dataclasses.replace(config, before_load=before_load)
-    if fault_hook is not None:
-        config = dataclasses.replace(config, worker=dataclasses.replace(config.worker, fault_hook=fault_hook))
-    return config
+    return dataclasses.replace(config, instrument=instrument)
 
 
 @asynccontextmanager
 async def running_server(argv: Sequence[str], *, ready: bool = True,
-                         before_load: Callable[[], None] | None = None,
-                         fault_hook: FaultHook | None = None) -> AsyncIterator[str]:
+                         instrument: Instrument | None = None) -> AsyncIterator[str]:
     """A real `mlxcel serve` in this process; yields its base URL, stops it on exit.
 
-    *fault_hook* is the worker's test hook (``mlxcel.engine.worker.FAULT_POINTS``).
+    *instrument* reaches into its worker (:mod:`mlxcel.engine.instrument`: faults, a held load).
     """
-    config = serve_config(argv, before_load, fault_hook)
+    config = serve_config(argv, instrument)
     async with trio.open_nursery() as nursery:
         (url,) = await nursery.start(run_server, config)
         if ready:

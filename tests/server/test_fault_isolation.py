@@ -17,6 +17,7 @@ import pytest
 import trio
 
 from mlxcel.engine import GenerationRequest
+from mlxcel.engine.instrument import Hooks
 from tests.checkpoints import build_mtp_checkpoint
 from tests.server.conftest import running_server
 
@@ -68,7 +69,7 @@ async def test_a_fault_while_decoding_alone_ends_only_that_request(
     # while the faulty one runs, and must be served correctly after it failed.
     seen, hook = fault_at(point)
     sampled = {"temperature": 1.0, "seed": 7} if point == "sampler" else {}
-    async with running_server(["--model", str(llama), "--no-batch"], fault_hook=hook) as url, \
+    async with running_server(["--model", str(llama), "--no-batch"], instrument=Hooks(at=hook)) as url, \
             httpx.AsyncClient(timeout=60) as client:
         expected = (await _complete(client, url, OTHER, 24)).json()["choices"][0]["text"]
         assert len(expected) > 10
@@ -98,7 +99,7 @@ async def test_a_fault_while_decoding_alone_ends_only_that_request(
 @pytest.mark.slow
 async def test_a_failed_batch_step_fails_its_sequences_and_the_batch_is_rebuilt(llama: Path) -> None:
     _, hook = fault_at("batch_step")
-    async with running_server(["--model", str(llama), "--parallel", "4"], fault_hook=hook) as url, \
+    async with running_server(["--model", str(llama), "--parallel", "4"], instrument=Hooks(at=hook)) as url, \
             httpx.AsyncClient(timeout=60) as client:
         alone = [(await _complete(client, url, p, 20)).json()["choices"][0]["text"] for p in (PROMPT, OTHER)]
         responses: dict[str, httpx.Response] = {}
@@ -132,7 +133,7 @@ async def test_a_fault_in_the_mtp_verify_ends_only_that_request(tmp_path: Path,
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
     seen, hook = fault_at("verify")
-    async with running_server(["--model", str(model), "--mtp"], fault_hook=hook) as url, \
+    async with running_server(["--model", str(model), "--mtp"], instrument=Hooks(at=hook)) as url, \
             httpx.AsyncClient(timeout=60) as client:
         before = (await _complete(client, url, OTHER, 30)).json()
         _assert_server_error(await _complete(client, url, PROMPT, FAULTY_MAX_TOKENS))

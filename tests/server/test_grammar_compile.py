@@ -27,6 +27,7 @@ import llguidance.hf
 import pytest
 import trio
 
+from mlxcel.engine.instrument import Hooks
 from tests.server.conftest import running_server
 
 COMPILE_SECONDS = 0.75
@@ -73,7 +74,7 @@ async def test_a_grammar_request_compiles_off_the_worker_and_never_stalls_a_stre
         if request.max_tokens == STREAM_TOKENS and point in ("solo_step", "batch_step"):
             time.sleep(0.01)  # the long stream lasts seconds, solo and batched
 
-    async with running_server(["--model", str(llama)], fault_hook=on_worker) as url, \
+    async with running_server(["--model", str(llama)], instrument=Hooks(at=on_worker)) as url, \
             httpx.AsyncClient(timeout=60) as client:
         ready = time.perf_counter()
         assert len(tokenizers) == 1 and tokenizers[0] < ready  # llguidance's tokenizer: at load, once

@@ -17,14 +17,16 @@ import pytest
 import trio
 import trio.testing
 
+from mlxcel.engine.instrument import Hooks
 from tests.conftest import validate_wire
 from tests.server.conftest import free_port, mlxcel, running_server, wait_ready
 
 
 async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path) -> None:
     release = threading.Event()
-    async with running_server(["--model", str(llama)], ready=False,
-                              before_load=lambda: release.wait(30)) as url, httpx.AsyncClient() as client:
+    held = Hooks(before_load=lambda: release.wait(30))
+    async with running_server(["--model", str(llama)], ready=False, instrument=held) as url, \
+            httpx.AsyncClient() as client:
         loading = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
         validate_wire(loading)
         assert (loading["state"], loading["reason"], loading["mtp_enabled"]) == (
@@ -50,7 +52,7 @@ async def test_a_shutdown_during_the_model_load_stops_it_between_slices(
 
     release = threading.Event()
     shutdown = trio.Event()
-    config = serve_config(["--model", str(llama)], before_load=lambda: release.wait(30))
+    config = serve_config(["--model", str(llama)], instrument=Hooks(before_load=lambda: release.wait(30)))
     with caplog.at_level("INFO", logger="mlxcel"), trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(lambda task_status: run_server(config, shutdown=shutdown, task_status=task_status))

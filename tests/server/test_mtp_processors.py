@@ -19,6 +19,7 @@ import pytest
 import trio
 from tokenizers import Tokenizer
 
+from mlxcel.engine.instrument import Hooks
 from tests.checkpoints import build_mtp_checkpoint
 from tests.server.conftest import running_server
 from tests.server.test_structured import AS_PERSON, CHAT, PERSON
@@ -149,7 +150,8 @@ async def test_a_constrained_burst_joined_mid_way_moves_into_the_batch_with_its_
     classic = await _serve(target, monkeypatch, "0", 3, {"person": ("/v1/chat/completions", body)})
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     joined, last, during = "", None, []
-    async with running_server(["--model", str(target), "--mtp", "--metrics"], fault_hook=_slow_rounds) as url, \
+    slow = Hooks(at=_slow_rounds)
+    async with running_server(["--model", str(target), "--mtp", "--metrics"], instrument=slow) as url, \
             httpx.AsyncClient(base_url=url, timeout=120) as client:
         async def second() -> None:
             during.append(await _post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": 20}))

@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from mlxcel.engine import GenerationRequest
+from mlxcel.engine.instrument import Hooks
 from tests.server.conftest import running_server
 
 LONG_PROMPT = [(37 * i) % 500 + 3 for i in range(2000)]  # token ids: four prefill chunks of 512
@@ -40,7 +41,7 @@ async def test_a_long_prefill_sees_a_new_request_within_one_chunk(llama: Path) -
             time.sleep(0.2)  # the worker thread, not the event loop: the second request reaches the inbox
 
     async with running_server(["--model", str(llama), "--parallel", "2", "--prompt-cache-size", "0"],
-                              fault_hook=hook) as url, httpx.AsyncClient(timeout=60) as client:
+                              instrument=Hooks(at=hook)) as url, httpx.AsyncClient(timeout=60) as client:
         alone = await _text(client, url, LONG_PROMPT, 12)
         assert prefill_chunks == {12: 4}  # alone, the prompt goes through in four chunks
         texts: dict[str, str] = {}

@@ -17,6 +17,7 @@ import jsonschema
 import pytest
 import trio
 
+from mlxcel.engine.instrument import Hooks
 from tests.checkpoints import build_mtp_checkpoint
 from tests.server.conftest import running_server
 
@@ -55,7 +56,7 @@ def _slow_stream_steps(point: str, request: Any) -> None:
 
 
 async def test_json_schema_and_json_object(llama: Path) -> None:
-    async with running_server(["--model", str(llama), "--metrics"], fault_hook=_slow_stream_steps) as url, \
+    async with running_server(["--model", str(llama), "--metrics"], instrument=Hooks(at=_slow_stream_steps)) as url, \
             httpx.AsyncClient(timeout=60) as client:
         free = await _chat(client, url)
         with pytest.raises(ValueError):

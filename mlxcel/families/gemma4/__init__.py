@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Family
+
+if TYPE_CHECKING:
+    from ...models.loader import CheckpointInfo
 
 
 class Gemma4(Family):
@@ -40,7 +43,7 @@ class Gemma4(Family):
 
         return Gemma4Target(model)
 
-    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
         """An assistant checkpoint directory, never the target itself."""
         from ...models.drafters.loader import (
             DrafterError,
@@ -48,7 +51,6 @@ class Gemma4(Family):
             block_size_of,
             drafter_directory,
             headers,
-            read_config,
         )
         from .assistant import TYPES
 
@@ -64,7 +66,7 @@ class Gemma4(Family):
         if kind not in TYPES:
             raise DrafterError(f"{directory} is not a Gemma 4 assistant: its config.json says model_type "
                                f"{kind!r} (expected {' or '.join(TYPES)})")
-        target_config = read_config(target / "config.json")
+        target_config = target.config
         text = target_config.get("text_config", target_config)
         backbone = config.get("backbone_hidden_size")
         if backbone != text.get("hidden_size"):
@@ -80,9 +82,9 @@ class Gemma4(Family):
         except (OSError, ValueError) as exc:
             raise DrafterError(f"cannot read the safetensors in {directory}: {exc}") from exc
         return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False,
-                           model_type=model_type, block_size=block_size_of(config.get("block_size", 4)))
+                           model_type=target.model_type, block_size=block_size_of(config.get("block_size", 4)))
 
-    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         from ...models.drafters.loader import DrafterError
         from .assistant import Gemma4AssistantDrafter, build
 

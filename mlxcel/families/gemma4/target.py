@@ -206,6 +206,7 @@ class Gemma4Target:
     def __init__(self, model: Any) -> None:
         from mlx_lm.models.gemma4_text import logit_softcap
 
+        self.model = model
         self.text = text_model(model)
         self.body = self.text.model
         self._softcap = logit_softcap
@@ -226,7 +227,7 @@ class Gemma4Target:
         width = tokens.shape[1]
         if width > SLACK:
             raise ValueError(f"a Gemma 4 verify block is at most {SLACK} tokens, not {width}")
-        logits, hidden = split_forward(self.forward, tokens, cache, split)
+        logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
         return Gemma4Verify(logits, hidden, width)
 
     def rollback(self, cache: list[Any], verify: Gemma4Verify, kept: int) -> None:

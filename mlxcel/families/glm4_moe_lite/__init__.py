@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Family
+
+if TYPE_CHECKING:
+    from ...models.loader import CheckpointInfo
 
 
 class Glm4MoeLite(Family):
@@ -25,13 +28,13 @@ class Glm4MoeLite(Family):
 
         return Glm4MoeLiteTarget(model)
 
-    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
         from ...models.drafters.loader import inspect_mtp_head
         from . import mtp as head
 
-        return inspect_mtp_head(target, model_type, head, mtp=mtp, draft_model=draft_model, split_only=True)
+        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model, split_only=True)
 
-    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         from ...models.drafters.loader import DrafterError
         from .mtp import Glm4MoeLiteDrafter, load
 

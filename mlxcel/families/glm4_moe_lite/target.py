@@ -73,6 +73,7 @@ class Glm4MoeLiteTarget:
     """
 
     def __init__(self, model: Any) -> None:
+        self.model = model
         self.body = model.model
         self.lm_head = model.lm_head
 
@@ -94,7 +95,7 @@ class Glm4MoeLiteTarget:
     def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Glm4MoeLiteVerify:
         """The forward of a (1, K) block under *split*, attention row by row (see the module docstring)."""
         width = tokens.shape[1]
-        logits, hidden = split_forward(self._verify_forward, tokens, cache, split)
+        logits, hidden = split_forward(self._verify_forward, tokens, cache, split, self.model)
         return Glm4MoeLiteVerify(logits, hidden, width)
 
     def rollback(self, cache: list[Any], verify: Glm4MoeLiteVerify, kept: int) -> None:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Family
+
+if TYPE_CHECKING:
+    from ...models.loader import CheckpointInfo
 
 
 class Inkling(Family):
@@ -30,15 +33,15 @@ class Inkling(Family):
 
         return InklingTarget(model)
 
-    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
         """The unindexed ``mtp.safetensors`` of the target (``--mtp``) or of the ``--draft-model``
         directory (a full checkpoint: only that file is read)."""
         from safetensors import SafetensorError, safe_open
 
-        from ...models.drafters.loader import DrafterError, DrafterSpec, block_size_of, read_config
+        from ...models.drafters.loader import DrafterError, DrafterSpec, block_size_of
         from .mtp import FILE, PREFIX
 
-        directory = (draft_model or target).expanduser()
+        directory = (draft_model or target.path).expanduser()
         if not directory.is_dir():
             raise DrafterError(f"draft model directory {directory} does not exist")
         file = directory / FILE
@@ -51,20 +54,20 @@ class Inkling(Family):
             raise DrafterError(f"cannot read {file}: {exc}") from exc
         if not any(n.startswith(PREFIX) for n in names):
             raise DrafterError(f"{file} holds no {PREFIX}* tensors")
-        config = read_config(target / "config.json")
+        config = target.config
         blocks = len({n[len(PREFIX):].split(".")[0] for n in names if n.startswith(PREFIX)})
         block_size = config.get("block_size") or (config.get("mtp_config") or {}).get("block_size") or blocks + 2
-        name = f"{target.resolve().name}#mtp" if draft_model is None else directory.resolve().name
-        return DrafterSpec(path=file, name=name, in_checkpoint=draft_model is None, model_type=model_type,
+        name = f"{target.name}#mtp" if draft_model is None else directory.resolve().name
+        return DrafterSpec(path=file, name=name, in_checkpoint=draft_model is None, model_type=target.model_type,
                            block_size=block_size_of(block_size))
 
-    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         import mlx.core as mx
 
-        from ...models.drafters.loader import DrafterError, read_config
+        from ...models.drafters.loader import DrafterError
         from .mtp import InklingDrafter, build
 
-        config = read_config(target / "config.json")
+        config = target.config
         try:
             head = build(config, mx.load(str(spec.path)))  # type: ignore[arg-type]
         except (ValueError, KeyError) as exc:

@@ -54,7 +54,7 @@ class InklingTarget:
             c.windows = {}
         try:
             width = tokens.shape[1]
-            logits, hidden = split_forward(self.forward, tokens, cache, split)
+            logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
             return InklingVerify(logits, hidden, width, [c.windows for c in cache])
         finally:
             for c in cache:

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import Family
+
+if TYPE_CHECKING:
+    from ...models.loader import CheckpointInfo
 
 BUNDLED_MODEL = Path(__file__).parent / "bundled" / "qwen35-stdlib-4m"
 """The default pairing (docs/default-model.md): trained here, served when ``mlxcel serve`` names no model."""
@@ -29,13 +32,13 @@ class Qwen35(Family):
 
         return Qwen35Target(model)
 
-    def inspect_drafter(self, target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
         from ...models.drafters.loader import inspect_mtp_head
         from . import mtp as head
 
-        return inspect_mtp_head(target, model_type, head, mtp=mtp, draft_model=draft_model)
+        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model)
 
-    def load_head(self, spec: Any, target: Path, model: Any) -> tuple[Any, Callable[[Any], Any]]:
+    def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         import mlx.core as mx
 
         from ...models.drafters.loader import PREFIX as MTP_PREFIX
@@ -49,11 +52,11 @@ class Qwen35(Family):
                 weights.update(mx.load(str(file)))  # type: ignore[arg-type]
             raw = False
         else:
-            config = read_config(target / "config.json")
+            config = target.config
             for file in mtp_files(spec.path):
                 tensors: dict[str, Any] = mx.load(str(file))  # type: ignore[assignment]
                 weights.update({k[len(MTP_PREFIX):]: v for k, v in tensors.items() if k.startswith(MTP_PREFIX)})
-            raw = raw_layout(target)
+            raw = raw_layout(target.path)
         try:
             head = build(config, weights, raw_layout=raw)
         except (ValueError, KeyError) as exc:

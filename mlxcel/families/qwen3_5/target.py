@@ -140,6 +140,7 @@ class Qwen35Target:
     """
 
     def __init__(self, model: Any) -> None:
+        self.model = model
         inner = getattr(model, "language_model", model)
         self.body = inner.model
         self.embed = self.body.embed_tokens
@@ -163,7 +164,7 @@ class Qwen35Target:
             mixer.states = []
         try:
             width = tokens.shape[1]
-            logits, hidden = split_forward(self.forward, tokens, cache, split)
+            logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
             states = [mixer.states or [] for _, mixer in self.mixers]
             if any(len(kept) != width for kept in states):
                 raise RuntimeError("a gated-delta mixer did not keep its per-token states during the verify "

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..loader import CheckpointInfo
     from ..speculative import DraftHead
 
 PREFIX = "mtp."
@@ -90,11 +91,11 @@ def raw_layout(target: Path) -> bool:
     return False  # no gated-delta layers: mlx-lm applies no norm shift, and neither do we
 
 
-def inspect_drafter(target: Path, model_type: str, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
+def inspect_drafter(target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
     """Check the drafter exists and has weights for a family mlxcel can run (before the port is bound)."""
     from ...families import family
 
-    return family(model_type).inspect_drafter(target, model_type, mtp=mtp, draft_model=draft_model)
+    return family(target.model_type).inspect_drafter(target, mtp=mtp, draft_model=draft_model)
 
 
 def drafter_directory(draft_model: Path) -> Path:
@@ -104,12 +105,12 @@ def drafter_directory(draft_model: Path) -> Path:
     return directory
 
 
-def inspect_mtp_head(target: Path, model_type: str, head: Any, *, mtp: bool, draft_model: Path | None,
+def inspect_mtp_head(target: CheckpointInfo, head: Any, *, mtp: bool, draft_model: Path | None,
                      split_only: bool = False) -> DrafterSpec:
     """A head of ``mtp.*`` tensors (in the target, ``--mtp``, or a checkpoint directory) or a standalone
     one (``mlxcel split-mtp``). *head*: the head's module (``STANDALONE_TYPE``, ``inventory``,
     ``text_config``); *split_only*: served only from a standalone directory, never from inside the target."""
-    head_type = head.STANDALONE_TYPE
+    head_type, model_type = head.STANDALONE_TYPE, target.model_type
     if draft_model is None and split_only:
         raise DrafterError(f"a {model_type} target's next-token layer is served from its own directory: "
                            f"`mlxcel split-mtp -m RAW_DIR -o OUT_DIR`, then --draft-model OUT_DIR")
@@ -117,11 +118,11 @@ def inspect_mtp_head(target: Path, model_type: str, head: Any, *, mtp: bool, dra
         directory = drafter_directory(draft_model)
         standalone = _standalone_config(directory, head_type, split_only)
         if standalone is not None:
-            return _inspect_standalone(directory, standalone, target, head, model_type)
+            return _inspect_standalone(directory, standalone, target, head)
         spec = DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False, model_type=model_type)
     else:
         assert mtp
-        spec = DrafterSpec(path=target, name=f"{target.resolve().name}#mtp", in_checkpoint=True,
+        spec = DrafterSpec(path=target.path, name=f"{target.name}#mtp", in_checkpoint=True,
                            model_type=model_type)
     try:
         files = mtp_files(spec.path)
@@ -155,8 +156,7 @@ def _standalone_config(directory: Path, head_type: str, split_only: bool) -> dic
                        "(make one with `mlxcel split-mtp`)")
 
 
-def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path, head: Any,
-                        model_type: str) -> DrafterSpec:
+def _inspect_standalone(directory: Path, config: dict[str, Any], target: CheckpointInfo, head: Any) -> DrafterSpec:
     """Strict inventory: exactly the tensors (names and shapes) a head of this config holds."""
     STANDALONE_TYPE, inventory, text_config = head.STANDALONE_TYPE, head.inventory, head.text_config
     try:
@@ -175,16 +175,16 @@ def _inspect_standalone(directory: Path, config: dict[str, Any], target: Path, h
                                               ("wrong shape", misshapen)) if names)
         raise DrafterError(f"{directory} does not look like a standalone {STANDALONE_TYPE} head "
                            f"({len(found)} tensors; {what})")
-    target_text = text_config(read_config(target / "config.json"))
+    target_text = text_config(target.config)
     for key in ("hidden_size", "vocab_size"):
         if text_config(config).get(key) != target_text.get(key):
             raise DrafterError(f"the head in {directory} was split from another model: {key} "
                                f"{text_config(config).get(key)} != the target's {target_text.get(key)}")
-    return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False, model_type=model_type,
+    return DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False, model_type=target.model_type,
                        standalone=True, block_size=block_size_of(config.get("block_size")))
 
 
-def load_drafter(spec: DrafterSpec, target: Path, model: Any, quantize: int | None = None) -> DraftHead:
+def load_drafter(spec: DrafterSpec, target: CheckpointInfo, model: Any, quantize: int | None = None) -> DraftHead:
     """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
     bits (affine, group 64; layers whose width does not divide are kept as they are)."""
     import mlx.core as mx

@@ -1,0 +1,132 @@
+"""The worker's solo turn: a lone sequence prefilled, decoded classically or by the B=1 burst, retired.
+
+The scheduler says whose turn it is (:class:`~.scheduler.SoloTurn`); this does
+it with MLX, until the sequence finishes or the worker has mail (then the
+sequence parks, ready to be handed to the batch or resumed). Worker thread only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import trio
+
+from .requests import Event
+from .scheduler import burst_allowed
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .solo import SoloDecoder
+    from .worker import Worker
+
+#: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
+CANCEL_CHECK_TOKENS = 16
+
+
+class SoloTurns:
+    """Serves the solo turns of *worker* (its model, its policy, its delivery of events)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+
+    def _mail(self) -> bool:
+        return not self.worker.inbox.empty()
+
+    def advance(self, sequence: Sequence) -> None:
+        """Start, prefill (a chunk at a time, watching the inbox) and decode the lone sequence."""
+        worker = self.worker
+        if sequence.solo is None:
+            sequence.solo = self._start(sequence)
+        solo = sequence.solo
+        while not solo.prefilled:
+            if worker.instrument is not None:
+                worker.instrument.at("prefill", sequence.request)
+            solo.prefill_chunk(worker.settings.prefill_step_size)
+            if self._mail():
+                return  # a cancel, a stop or a new request is seen within one chunk
+        if solo.burst is not None:
+            from .burst_loop import run_burst
+
+            run_burst(solo, sequence.output, worker.settings.block_size, worker.policy.state == "profiling",
+                      mail=self._mail, emit=lambda tokens: self.deliver(sequence, tokens))
+        else:
+            self._run_classic(sequence, solo)
+
+    def _start(self, sequence: Sequence) -> SoloDecoder:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        from .solo import SoloDecoder
+
+        worker = self.worker
+        assert sequence.prompt_state is not None
+        cache, cached_tokens, rest = sequence.prompt_state
+        sequence.prompt_state = None
+        if cache is None:
+            cache = make_prompt_cache(worker.model)
+        request = sequence.request
+        probe = worker.instrument.probe(request) if worker.instrument is not None else None
+        burst = None
+        speculation = worker.speculation
+        if speculation is not None and speculation.split is not None and \
+                burst_allowed(worker.scheduler.capabilities, request, bool(worker.policy.mtp_enabled)):
+            from .burst import Burst
+            from .sampling import SpeculativeSampler
+
+            chain = sequence.chain
+            burst = Burst(speculation.target, speculation.drafter.new_sequence(cache), speculation.split,
+                          SpeculativeSampler(chain) if chain is not None else None, probe=probe,
+                          processors=sequence.processors)
+            sequence.burst = burst.stats
+        return SoloDecoder(worker.model, worker.stream, sequence.sampler, cache, list(cached_tokens), list(rest),
+                           burst, probe=probe, processors=sequence.processors)
+
+    def _run_classic(self, sequence: Sequence, solo: SoloDecoder) -> None:
+        """Decode *sequence* alone until it finishes or a message arrives (then it parks)."""
+        output = sequence.output
+        solo.resume()
+        while True:
+            # Stop feeding once the token about to be emitted is the last allowed,
+            # or when the worker has mail: then the sequence parks, ready to batch.
+            token, logprobs = solo.emit(feed_next=output.remaining > 1 and not self._mail())
+            self.deliver(sequence, [token], logprobs)
+            if output.finish_reason is not None or solo.parked:
+                return
+            if output.generated % CANCEL_CHECK_TOKENS == 0:
+                self.worker.publish_load()
+                trio.from_thread.check_cancelled()
+
+    def deliver(self, sequence: Sequence, tokens: list[int], logprobs: Any = None) -> bool:
+        """Hand a solo sequence's new *tokens* to its client; retire it if they finish it. True when finished."""
+        worker = self.worker
+        events: list[tuple[str, Event]] = []
+        output = sequence.output
+        for token in tokens:
+            delta = output.on_token(token, logprobs, output.natural_finish(token))
+            worker.observability.generated_tokens.inc()
+            if delta is not None:
+                events.append((sequence.request.id, delta))
+            if output.finish_reason is not None:
+                break
+        finished = output.finish_reason is not None
+        if finished:
+            assert sequence.solo is not None
+            self._retire(sequence, sequence.solo, events)
+        if events:
+            worker.deliver(events)
+        return finished
+
+    def _retire(self, sequence: Sequence, solo: SoloDecoder, events: list[tuple[str, Event]]) -> None:
+        """A solo sequence finished: keep its cache, report its burst, send its Finish."""
+        worker = self.worker
+        if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
+            solo.finish_round(count=False)
+        worker.keep(solo.tokens_in_cache, solo.cache)
+        worker.forget(sequence)
+        stats = sequence.burst
+        # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
+        if stats is not None and stats.rounds and stats.classic_steps and not sequence.ever_batched:
+            worker.policy.on_sample(stats.sample())
+        assert sequence.output.finish_reason is not None
+        events.append((sequence.request.id, worker.finish(sequence, sequence.output.finish_reason)))
+        worker.observability.cache = worker.prefix.stats()
+        worker.publish_load()
