@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,27 +38,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, rounds: int, tokens: in
 
 def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name: str | None = None) -> Path:
     """A random-weight fp32 checkpoint big enough that a decode step is milliseconds, not microseconds."""
-    sys.path.insert(0, str(ROOT))
-    from tests.checkpoints import CONFIGS, build_checkpoint
+    from mlxcel.testing.checkpoints import build_checkpoint
 
     directory = BENCH_DIR / (name or f"{family}-h{hidden}-l{layers}")
     if (directory / "model.safetensors").exists():
         return directory
-    config = CONFIGS[family]
-    saved = dict(config)
-    config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 3,
-                  num_attention_heads=hidden // 64, num_key_value_heads=max(1, hidden // 256), head_dim=64)
-    try:
-        return build_checkpoint(directory, family, scale=2.0)
-    finally:
-        config.clear()
-        config.update(saved)
+    return build_checkpoint(directory, family, scale=2.0, hidden_size=hidden, num_hidden_layers=layers,
+                            intermediate_size=hidden * 3, num_attention_heads=hidden // 64,
+                            num_key_value_heads=max(1, hidden // 256), head_dim=64)
 
 
 def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256) -> Path:
-    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see tests/checkpoints.py)."""
-    sys.path.insert(0, str(ROOT))
-    from tests.checkpoints import build_mtp_checkpoint
+    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/testing/checkpoints.py)."""
+    from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
     directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}"
     if not (directory / "model.safetensors").exists():
@@ -89,8 +80,7 @@ def decode_rate(bodies: dict[str, Any] | list[dict[str, Any]]) -> float:
 @contextmanager
 def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """`mlxcel serve` in a subprocess (the tests' helper); yields its URL once healthy, then SIGTERM."""
-    sys.path.insert(0, str(ROOT))
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     BENCH_DIR.mkdir(exist_ok=True)
     log = BENCH_DIR / f"serve-{time.time_ns()}.log"

@@ -142,7 +142,7 @@ def mlx_lm_server(path: Path) -> Iterator[str]:
     """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
 
     from benchmarks._common import BENCH_DIR
-    from tests.server.conftest import free_port, wait_healthy
+    from mlxcel.testing.serving import free_port, wait_healthy
 
     port = free_port()
     code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
@@ -202,7 +202,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.server.conftest's helpers
     if args.child:  # one BLAS, chosen before mlx loads; rows as JSON on the last line
         from mlxcel.blas import load_fast_blas
 

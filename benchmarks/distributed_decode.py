@@ -15,20 +15,18 @@ Prints medians and the ratio sharded / single.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import BENCH_DIR, ROOT, complete, decode_rate, median, server
+from benchmarks._common import BENCH_DIR, complete, decode_rate, median, server
 
 PROMPT = "def wrap(text, width=70, **kwargs):"
 
 
 def model_for(mode: str, hidden: int, layers: int) -> Path:
-    sys.path.insert(0, str(ROOT))
-    from tests.checkpoints import CONFIGS, build_checkpoint, build_mtp_checkpoint, write_weight_index
+    from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint, write_weight_index
 
     if mode == "pipeline":
         directory = BENCH_DIR / f"qwen35-h{hidden}-l{layers}-indexed"
@@ -37,16 +35,10 @@ def model_for(mode: str, hidden: int, layers: int) -> Path:
         return directory
     directory = BENCH_DIR / f"llama-h{hidden}-l{layers}-tensor"
     if not (directory / "model.safetensors").exists():
-        config = CONFIGS["llama"]
-        saved = dict(config)
         heads = max(2, hidden // 32)
-        config.update(hidden_size=hidden, num_hidden_layers=layers, intermediate_size=hidden * 2,
-                      num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads)
-        try:
-            build_checkpoint(directory, "llama", scale=2.0)
-        finally:
-            config.clear()
-            config.update(saved)
+        build_checkpoint(directory, "llama", scale=2.0, hidden_size=hidden, num_hidden_layers=layers,
+                         intermediate_size=hidden * 2, num_attention_heads=heads, num_key_value_heads=2,
+                         head_dim=hidden // heads)
     return directory
 
 
@@ -60,7 +52,7 @@ def main() -> None:
     args = parser.parse_args()
     model = model_for(args.mode, args.hidden, args.layers)
     print(f"model: {model.name} (fp32 random weights), {args.tokens} tokens, {args.rounds} rounds, {args.mode}")
-    from tests.distributed.launch import launched
+    from mlxcel.testing.serving import launched
 
     rates: dict[str, list[float]] = {"single": [], "sharded": []}
     with server(model, "--prompt-cache-size", "0") as single, \

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import BENCH_DIR, ROOT, add_model_arguments, bench_model
+from benchmarks._common import BENCH_DIR, add_model_arguments, bench_model
 
 
 def geometry(hidden: int, layers: int) -> dict[str, Any]:
@@ -31,10 +30,9 @@ def geometry(hidden: int, layers: int) -> dict[str, Any]:
 
 def inkling_model(hidden: int, layers: int, kind: str = "random") -> Path:
     """A random (or ``permutation``) fp32 Inkling target of :func:`geometry` whose config declares one
-    MTP block (the weights are not there: tests/inkling_checkpoints.py's ``build_mtp`` writes them),
+    MTP block (the weights are not there: mlxcel/testing/inkling.py's ``build_mtp`` writes them),
     built once under .bench."""
-    sys.path.insert(0, str(ROOT))
-    from tests.inkling_checkpoints import build_target
+    from mlxcel.testing.inkling import build_target
 
     directory = BENCH_DIR / f"inkling{'' if kind == 'random' else '-' + kind}-h{hidden}-l{layers}"
     if not (directory / "model.safetensors").exists():

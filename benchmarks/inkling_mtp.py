@@ -2,7 +2,7 @@
 
     python -m benchmarks.inkling_mtp [--hidden 512 --layers 8] [--k 2 3 4] [--blas auto] [--tokens 64]
 
-The pairing is tests/inkling_checkpoints.py's at benchmarks/inkling_decode.py's geometry: the
+The pairing is mlxcel/testing/inkling.py's at benchmarks/inkling_decode.py's geometry: the
 permutation target (its next token a fixed permutation of the current one, every layer still
 computed) with a one-block head built to agree with it on every token (``agreeing``) or a random
 one (``random``), each in a copy of the target's directory (``--mtp``). For each BLAS, head and K:
@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import sys
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import ROOT, complete, decode_rate, server
+from benchmarks._common import complete, decode_rate, server
 from benchmarks.inkling_decode import inkling_model
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
@@ -31,8 +30,7 @@ HEADS = ("agreeing", "random")
 
 def pairings(hidden: int, layers: int) -> dict[str, Path]:
     """Per head kind, a copy of the permutation target's directory with that head's mtp.safetensors."""
-    sys.path.insert(0, str(ROOT))
-    from tests.inkling_checkpoints import build_mtp
+    from mlxcel.testing.inkling import build_mtp
 
     target = inkling_model(hidden, layers, kind="permutation")
     paths = {}

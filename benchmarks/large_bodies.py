@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks._common import bench_model
-from tests.server.conftest import free_port, wait_healthy
+from mlxcel.testing.serving import free_port, wait_healthy
 
 
 def main() -> None:

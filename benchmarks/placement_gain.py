@@ -16,7 +16,6 @@ MTP-aware router is faster).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -37,8 +36,7 @@ def main() -> None:
                         help="seconds between requests: over two probe intervals, so that neither router "
                              "acts on a probe taken during the other's request")
     args = parser.parse_args()
-    sys.path.insert(0, str(BENCH_DIR.parent))
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     model = mtp_model("aligned", 0.0)
     env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}

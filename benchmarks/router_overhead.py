@@ -45,10 +45,8 @@ def main() -> None:
     args = parser.parse_args()
     model = bench_model("llama", args.hidden, args.layers)
     print(f"model: {model.name} (fp32 random weights), {args.tokens} tokens, {args.rounds} rounds")
-    import sys
 
-    sys.path.insert(0, str(BENCH_DIR.parent))
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     rates: dict[str, list[float]] = {"direct B=1": [], "router B=1": [], "direct B=N": [], "router B=N": []}
     with server(model, "--parallel", str(args.concurrent)) as node, \

@@ -155,7 +155,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
 
     from .engine import WorkerSettings
     from .http.auth import KeyFileError, read_keys
-    from .http.listener import ConnectionLimits
+    from .http.listener import connection_limits
     from .models.loader import CheckpointError, inspect_checkpoint
     from .serve import ServeConfig
     from .server import ServerOptions
@@ -214,8 +214,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
-    connections = ConnectionLimits(max_connections=args.max_connections,
-                                   keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout)
+    connections = connection_limits(args)
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
                        max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
                        access_log=args.access_log)

@@ -14,8 +14,9 @@ import pytest
 
 from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.serve_cli import BUNDLED_BLOCK_SIZE, BUNDLED_MODEL
+from mlxcel.testing.serving import serve_subprocess
 from tests.conftest import validate_wire
-from tests.server.conftest import running_server, serve_subprocess
+from tests.server.conftest import running_server
 
 PROMPTS = ["def read_config(path):", "class Queue:", "import os\n\n\ndef main():"]
 
@@ -97,7 +98,7 @@ def test_the_training_script_is_deterministic_given_its_seed(tmp_path: Path) -> 
     for run in ("a", "b"):
         out = tmp_path / run
         subprocess.run([sys.executable, "-m", "mlxcel.families.qwen3_5.train_default", "--steps", "2", "--batch", "2",
-                        "--length", "64", "--seed", "3", "--out", str(out)],
+                        "--length", "64", "--seed", "3", "--files", "40", "--out", str(out)],
                        check=True, capture_output=True, timeout=600)
         digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())})
     assert digests[0] == digests[1]

@@ -29,7 +29,7 @@ from mlx_lm.models.cache import (
     trim_prompt_cache,
 )
 
-from tests.checkpoints import CONFIGS
+from mlxcel.testing.checkpoints import CONFIGS
 
 POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 BY_KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)

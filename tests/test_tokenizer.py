@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 from mlxcel.serve_cli import BUNDLED_MODEL
-from tests.checkpoints import FAMILIES, build_checkpoint
+from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
 from tests.server.conftest import running_server
 
 TEXTS = [

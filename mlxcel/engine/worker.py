@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -172,12 +172,7 @@ class Worker:
             sequence = self.sequences[request_id]
             self.forget(sequence)
             events.append((request_id, self.finish(sequence, "cancelled", "the client went away")))
-        for request_id in intake.to_batch:
-            sequence = self.sequences[request_id]
-            try:
-                self._into_batch(sequence)
-            except Exception as exc:
-                self.fail([sequence], exc)
+        self._into_batch_each(intake.to_batch)
         for request, place in intake.admitted:
             self._admit(request, place, events)
         self.observability.cache = self.prefix.stats()
@@ -228,14 +223,18 @@ class Worker:
                           sequence.processors)
         sequence.ever_batched = True
 
-    def _batch_turn(self, turn: BatchTurn) -> None:
-        assert self.batch is not None
-        for request_id in turn.insert:
+    def _into_batch_each(self, request_ids: Iterable[str]) -> None:
+        """:meth:`_into_batch` for each; one that cannot go in fails alone."""
+        for request_id in request_ids:
             sequence = self.sequences[request_id]
             try:
                 self._into_batch(sequence)
             except Exception as exc:
                 self.fail([sequence], exc)
+
+    def _batch_turn(self, turn: BatchTurn) -> None:
+        assert self.batch is not None
+        self._into_batch_each(turn.insert)
         if not self.batch.sequences:
             return
         try:

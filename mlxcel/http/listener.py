@@ -75,6 +75,12 @@ class ConnectionLimits:
     its places in the engine for as long as it stays connected."""
 
 
+def connection_limits(args: Any) -> ConnectionLimits:
+    """From the parsed ``--max-connections``, ``--keep-alive-timeout`` and ``--send-timeout`` (both roles)."""
+    return ConnectionLimits(max_connections=args.max_connections, keep_alive_timeout=args.keep_alive_timeout,
+                            send_timeout=args.send_timeout)
+
+
 class _Connections:
     """Open connections, and since when each has been idle (None: a request is in progress)."""
 

@@ -10,10 +10,11 @@ import argparse
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ..config import OFF_VALUES, ON_VALUES
+from ..http.listener import ConnectionLimits, connection_limits
 from ..usage import UsageError
 from .placement import PLACEMENT_MODES, PlacementMode
 
@@ -35,9 +36,7 @@ class RouterConfig:
     probe_timeout: float = 2.0
     show_addresses: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
-    max_connections: int = 1024
-    keep_alive_timeout: float = 5.0
-    send_timeout: float = 30.0
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     backend_timeout: float = 600.0
     """Seconds a node may send nothing before its request fails (a hung node, not a slow generation)."""
     access_log: bool = False
@@ -130,8 +129,7 @@ def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None 
         placement=args.placement, health_interval=args.health_interval,
         probe_timeout=2.0,  # not shorter with the interval: a loaded node answers slowly, and is not down
         show_addresses=args.router_stats_verbose or _switch(env, "MLXCEL_ROUTER_STATS_VERBOSE"),
-        max_body_bytes=args.max_body_bytes, max_connections=args.max_connections,
-        keep_alive_timeout=args.keep_alive_timeout, send_timeout=args.send_timeout, access_log=args.access_log,
+        max_body_bytes=args.max_body_bytes, connections=connection_limits(args), access_log=args.access_log,
         backend_timeout=_backend_timeout(args.backend_timeout))
 
 

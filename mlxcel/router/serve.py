@@ -20,7 +20,6 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from ..http.listener import ConnectionLimits
 from ..http.listener import serve as serve_http
 from ..http.signals import until_signalled
 from ..http.transport import guard_transport
@@ -65,8 +64,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
     hypercorn.graceful_timeout = 5.0
-    limits = ConnectionLimits(max_connections=config.max_connections, keep_alive_timeout=config.keep_alive_timeout,
-                              send_timeout=config.send_timeout)
+    limits = config.connections
     async with backend_client(config.backend_timeout) as client, trio.open_nursery() as nursery:
         probed = trio.Event()
         forwarder = Forwarder(nodes, Placement(config.placement), client, backend_headers)
@@ -74,7 +72,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
         options = RouterOptions(api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
                                 show_addresses=config.show_addresses)
         app = guard_transport(create_router_app(state, options), drain_limit=config.max_body_bytes,
-                              drain_seconds=config.keep_alive_timeout)
+                              drain_seconds=limits.keep_alive_timeout)
         nursery.start_soon(lambda: watch(nodes, client, backend_headers, interval=config.health_interval,
                                          timeout=config.probe_timeout, first_round=probed))
 

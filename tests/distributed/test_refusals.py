@@ -8,8 +8,8 @@ import pytest
 
 from mlxcel.cli import build_parser
 from mlxcel.serve_cli import build_serve_config
+from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
 from mlxcel.usage import UsageError
-from tests.checkpoints import build_checkpoint, build_mtp_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,8 @@ import jsonschema
 import pytest
 import trio
 
-from tests.checkpoints import build_checkpoint, build_mtp_checkpoint, write_weight_index
-from tests.distributed.launch import launched
+from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint, write_weight_index
+from mlxcel.testing.serving import launched
 from tests.server.conftest import running_server
 
 pytestmark = pytest.mark.slow

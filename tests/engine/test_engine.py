@@ -11,7 +11,7 @@ from mlxcel.engine import Engine, Finish, GenerationRequest, QueueFull, Sampling
 from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.observability import Observability
 from mlxcel.policy import MtpPolicy, PolicySettings
-from tests.checkpoints import build_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 
 
 @pytest.fixture(scope="module")

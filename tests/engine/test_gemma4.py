@@ -1,6 +1,6 @@
 """Gemma 4 and its assistant through mlxcel, against transformers' reference on the same inputs.
 
-The checkpoints are transformers' own classes saved with ``save_pretrained`` (tests/gemma4_checkpoints.py);
+The checkpoints are transformers' own classes saved with ``save_pretrained`` (mlxcel/testing/gemma4.py);
 mlxcel loads them as a server does (``inspect_checkpoint``/``load_checkpoint``, ``load_drafter``).
 """
 
@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.gemma4_checkpoints import PERMUTATION, WINDOW, build_assistant, build_target
+from mlxcel.testing.gemma4 import PERMUTATION, WINDOW, build_assistant, build_target
 
 torch = pytest.importorskip("torch")
 

@@ -28,7 +28,7 @@ from mlxcel.models.drafters import load_drafter
 from mlxcel.models.drafters.loader import inspect_drafter
 from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.models.speculative import speculative_target
-from tests.glm_checkpoint import build_glm_checkpoint
+from mlxcel.testing.glm import build_glm_checkpoint
 from tests.server.conftest import mlxcel
 
 

@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.inkling_checkpoints import (
+from mlxcel.testing.inkling import (
     EXTENT,
     PERMUTATION,
     UNPADDED,

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file
 
 from mlxcel.models.drafters import DrafterSpec, load_drafter
 from mlxcel.models.loader import inspect_checkpoint
-from tests.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
 
 def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -10,7 +10,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxcel.models import row_exact
-from tests.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
 
 @pytest.mark.requires_openblas  # the inexact shapes are OpenBLAS's; CI requires it

@@ -15,7 +15,7 @@ from mlxcel.models.drafters import DrafterSpec
 from mlxcel.models.drafters.loader import load_drafter
 from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.models.speculative import DraftHead, speculative_target
-from tests.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.checkpoints import build_mtp_checkpoint
-from tests.server.conftest import free_port
+from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.serving import free_port
 
 NODE_KEY = "node-secret"
 ROUTER_KEY = "router-secret"

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from tests.checkpoints import build_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 from tests.router.conftest import node_stats, processes, router_args, stats
 
 pytestmark = pytest.mark.slow

@@ -20,9 +20,10 @@ import httpx
 import pytest
 import trio
 
-from tests.checkpoints import build_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
+from mlxcel.testing.serving import free_port
 from tests.router.conftest import NODE_KEY, ROUTER_KEY, Process, node_stats, processes, router_args, texts
-from tests.server.conftest import free_port, mlxcel
+from tests.server.conftest import mlxcel
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {ROUTER_KEY}"}

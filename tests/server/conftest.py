@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,8 +18,8 @@ from mlxcel.cli import build_parser
 from mlxcel.engine.instrument import Instrument
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
+from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
 from tests import openai_spec
-from tests.checkpoints import FAMILIES, build_checkpoint
 
 T = TypeVar("T")
 
@@ -131,12 +130,6 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
                 await trio.sleep(0.02)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the `mlxcel` command line to completion."""
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,
@@ -164,40 +157,6 @@ async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.Sock
         assert chunk, "the server closed the connection before the first event"
         received += chunk
     return stream
-
-
-def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: Path) -> None:
-    """Until *url*'s ``/health`` answers 200; an AssertionError with *log* if *process* exits or *timeout* passes."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
-
-
-@contextmanager
-def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120) -> Iterator[str]:
-    """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
-    import os
-    import signal
-
-    port = free_port()
-    with log.open("w") as out, subprocess.Popen(
-            [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, process, start_timeout, log)
-            yield url
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(timeout=30)
 
 
 async def stream_interrupted(client: httpx.AsyncClient, url: str, body: dict[str, object],

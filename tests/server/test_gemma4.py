@@ -19,8 +19,9 @@ import httpx
 import pytest
 import trio
 
-from tests.gemma4_checkpoints import build_assistant, build_target
-from tests.server.conftest import free_port, mlxcel, running_server, serve_subprocess
+from mlxcel.testing.gemma4 import build_assistant, build_target
+from mlxcel.testing.serving import free_port, serve_subprocess
+from tests.server.conftest import mlxcel, running_server
 
 pytest.importorskip("torch")
 

@@ -2,7 +2,7 @@
 
 The raw checkpoint is transformers' own model with the next-token layer at
 ``model.layers.{N}.*`` in the raw names, sharded with an index
-(:mod:`tests.glm_checkpoint`).
+(:mod:`mlxcel.testing.glm`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import trio
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from tests.checkpoints import build_checkpoint, build_mtp_checkpoint
-from tests.glm_checkpoint import build_glm_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
+from mlxcel.testing.glm import build_glm_checkpoint
 from tests.server.conftest import mlxcel, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]

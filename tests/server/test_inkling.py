@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from tests.inkling_checkpoints import UNPADDED, build_target, load_reference
+from mlxcel.testing.inkling import UNPADDED, build_target, load_reference
 from tests.server.conftest import mlxcel, running_server
 
 torch = pytest.importorskip("torch")
@@ -75,7 +75,7 @@ def test_a_directory_with_only_the_mtp_file_is_refused_as_a_target_in_one_line(c
 
 @pytest.fixture(scope="module")
 def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.inkling_checkpoints import build_mtp
+    from mlxcel.testing.inkling import build_mtp
 
     target = build_target(tmp_path_factory.mktemp("inkling-mtp-serve") / "inkling-mtp-tiny", mtp_layers=1)
     build_mtp(target)
@@ -87,7 +87,7 @@ def _served_texts(target: Path, tmp_path: Path, args: list[str], prompts: list[l
     """Completions of *prompts* at temperature 0 from a server in its own process under mlx's reference
     BLAS (where the wide verify is exact at every K; under OpenBLAS the probe verifies in halves from
     K = 3, tested below), and its policy afterwards."""
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
     settings = {"MLXCEL_BLAS": "off", "MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
@@ -114,7 +114,7 @@ def test_temperature_0_text_with_mtp_is_classic_decode_byte_for_byte(with_head: 
 @pytest.fixture(scope="module")
 def permutation_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The permutation target, in two directories: one with the agreeing head, one with a random one."""
-    from tests.inkling_checkpoints import build_mtp
+    from mlxcel.testing.inkling import build_mtp
 
     root = tmp_path_factory.mktemp("inkling-permutation-serve")
     target = build_target(root / "inkling-permutation", kind="permutation", mtp_layers=1)

@@ -18,8 +18,9 @@ import trio
 import trio.testing
 
 from mlxcel.engine.instrument import Hooks
+from mlxcel.testing.serving import free_port
 from tests.conftest import validate_wire
-from tests.server.conftest import free_port, mlxcel, running_server, wait_ready
+from tests.server.conftest import mlxcel, running_server, wait_ready
 
 
 async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path) -> None:

@@ -12,9 +12,10 @@ import pytest
 import trio
 
 from mlxcel.blas import load_fast_blas
-from tests.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.testing.serving import free_port
 from tests.conftest import validate_wire
-from tests.server.conftest import free_port, mlxcel, running_server, stream_interrupted
+from tests.server.conftest import mlxcel, running_server, stream_interrupted
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
 OPENBLAS = load_fast_blas().startswith("OpenBLAS")
@@ -232,7 +233,7 @@ def test_under_mkl_the_row_split_verify_is_byte_identical(mtp_models: dict[str, 
     several queries differs from one query's: no wide or half verify is exact at K = 4. The row-split verify
     (each such product a row at a time, the attention a query at a time) is. A BLAS is chosen per process:
     the servers run in their own."""
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     env = {"MLXCEL_BLAS": "mkl", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
 
@@ -397,7 +398,7 @@ def test_drafter_problems_stop_startup(mtp_models: dict[str, Path], checkpoints:
 @pytest.mark.slow
 def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp_path: Path) -> None:
     """Measured with mlx's reference BLAS, restored only under the reference BLAS, never under OpenBLAS."""
-    from tests.server.conftest import serve_subprocess
+    from mlxcel.testing.serving import serve_subprocess
 
     model = mtp_models["aligned"]
     env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"), "MLXCEL_MTP_PROFILE_SAMPLES": "1",

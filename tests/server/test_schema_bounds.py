@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel.server.schema_bounds import MAX_SCHEMA_BYTES, SchemaTooLarge, check_schema
-from tests.checkpoints import TOOLS_CHATML, build_checkpoint
-from tests.server.conftest import serve_subprocess
+from mlxcel.testing.checkpoints import TOOLS_CHATML, build_checkpoint
+from mlxcel.testing.serving import serve_subprocess
 
 Link = Callable[[str], dict[str, Any]]
 #: One link of a reference chain per keyword that can hold a subschema: each wraps a ``$ref`` to the next link.

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from tests.checkpoints import build_checkpoint, build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
 from tests.server.conftest import mlxcel, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]

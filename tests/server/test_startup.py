@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.conftest import free_port, mlxcel, wait_healthy
+from mlxcel.testing.serving import free_port, wait_healthy
+from tests.server.conftest import mlxcel
 
 
 def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:

@@ -1,7 +1,7 @@
 """Tool calling through real HTTP and the ``openai`` client: templates, parsing, streaming, forced calls.
 
 ``auto`` is served by a llama built to answer every chat with a fixed text that
-holds a Hermes-format call (``tests/tool_checkpoints.py``): the template
+holds a Hermes-format call (``mlxcel/testing/tools.py``): the template
 rendering, mlx-lm's parser and the streaming reader are the real ones. Forced
 calls (a named function, ``required``) run a random llama under the grammar.
 """
@@ -18,9 +18,9 @@ import pytest
 import trio
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.checkpoints import TOOLS_CHATML, build_checkpoint
+from mlxcel.testing.checkpoints import TOOLS_CHATML, build_checkpoint
+from mlxcel.testing.tools import build_scripted_checkpoint
 from tests.server.conftest import running_server
-from tests.tool_checkpoints import build_scripted_checkpoint
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -174,6 +174,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=CONFIG["text_config"]["num_hidden_layers"])  # type: ignore[index]
     parser.add_argument("--hidden", type=int, default=CONFIG["text_config"]["hidden_size"])  # type: ignore[index]
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--files", type=int, default=None, metavar="N",
+                        help="train on the first N corpus files only (a quick run; default: all)")
     args = parser.parse_args()
     text = CONFIG["text_config"]
     assert isinstance(text, dict)
@@ -183,6 +185,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"BLAS: {BLAS}")
     train_files, held = corpus_files()
+    train_files = train_files[:args.files]
     tokenizer = train_tokenizer(train_files, args.out)
     data, held_data = encode(tokenizer, train_files), encode(tokenizer, held)
     print(f"corpus: {len(train_files)} files, {data.size:,} tokens; held out: {len(held)} files, "

@@ -2,7 +2,7 @@
 
 The layout is what a user's download holds: ``config.json`` and ``model.safetensors`` exactly as
 transformers writes them (``gemma4_text``, or the ``gemma4`` wrapper with a nested ``text_config``),
-and tests/checkpoints.py's tokenizer (vocabulary 512).
+and mlxcel/testing/checkpoints.py's tokenizer (vocabulary 512).
 
 Besides random models, a pairing whose assistant agrees with its target by construction:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.checkpoints import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.checkpoints import VOCAB_SIZE, write_tokenizer
 
 WINDOW = 16
 SPECIAL = 3  # tokens 0-2 are the tokenizer's special tokens: the permutation leaves them alone
@@ -43,7 +43,7 @@ def _text_config(hidden: int, layers: int, *, softcap: float | None, tied: bool,
     return Gemma4TextConfig(
         vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=head_dim,
-        global_head_dim=2 * head_dim, sliding_window=window,
+        global_head_dim=2 * head_dim, sliding_window=window,  # type: ignore[call-arg]  # transformers 5 has it
         layer_types=kinds, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
         final_logit_softcapping=softcap, max_position_embeddings=4096, num_kv_shared_layers=0,
         tie_word_embeddings=tied, initializer_range=init, eos_token_id=0, bos_token_id=1, pad_token_id=0)
@@ -112,11 +112,11 @@ def build_assistant(directory: Path, target: Path, *, kind: str = "random", agre
 
         unified = Gemma4UnifiedTextConfig(**{k: v for k, v in text.to_dict().items()
                                              if k in Gemma4UnifiedTextConfig.__dataclass_fields__},
-                                          global_head_dim=32)
+                                          global_head_dim=32)  # type: ignore[call-arg]
         model = Gemma4UnifiedAssistantForCausalLM(
             Gemma4UnifiedAssistantConfig(text_config=unified, backbone_hidden_size=backbone)).eval()
         return _finish(model, directory)
-    extra = {"use_ordered_embeddings": True, "num_centroids": 16, "centroid_intermediate_top_k": 4} \
+    extra: dict[str, Any] = {"use_ordered_embeddings": True, "num_centroids": 16, "centroid_intermediate_top_k": 4} \
         if kind == "centroids" else {}
     model = Gemma4AssistantForCausalLM(Gemma4AssistantConfig(text_config=text, backbone_hidden_size=backbone,
                                                              **extra)).eval()

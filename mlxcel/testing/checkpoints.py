@@ -143,18 +143,19 @@ _TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _to_
 
 
 def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float = 1.0,
-                     chat_template: str = CHATML) -> Path:
+                     chat_template: str = CHATML, **overrides: Any) -> Path:
     """Write a tiny *family* checkpoint into *directory* (created) and return it.
 
     *scale* multiplies the random weights: larger values give peakier output
-    distributions, so greedy decoding has no near-ties.
+    distributions, so greedy decoding has no near-ties. *overrides*: config values
+    on top of the family's (a bigger model for a benchmark).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     directory.mkdir(parents=True, exist_ok=True)
-    config = CONFIGS[family]
+    config = {**CONFIGS[family], **overrides}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_tokenizer(directory, chat_template)
     model_class, args_class = _get_classes(config)
@@ -207,9 +208,11 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     model = model_class(args_class.from_dict(config))
     head = Qwen35MTP(text_args(config), num_layers=1)
     outputs = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
-    target = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in tree_flatten(model.parameters())}
+    leaves: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
+    target = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in leaves}
     target = {name: (v * context_scale if name.endswith(outputs) else v) for name, v in target.items()}
-    mtp = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in tree_flatten(head.parameters())}
+    head_leaves: list[tuple[str, Any]] = tree_flatten(head.parameters())  # type: ignore[assignment]
+    mtp = {name: (v * 2.0 if v.ndim > 1 else v) for name, v in head_leaves}
     if drafter == "aligned":
         eye = mx.eye(hidden)
         mtp["fc.weight"] = mx.concatenate([eye, mx.zeros((hidden, hidden))], axis=1)

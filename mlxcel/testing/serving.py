@@ -1,0 +1,82 @@
+"""`mlxcel serve` in its own process, as a user starts it: for process-wide settings (the BLAS, signals)
+and for the benchmarks, which measure the server a user runs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: Path) -> None:
+    """Until *url*'s ``/health`` answers 200; an AssertionError with *log* if *process* exits or *timeout* passes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.05)
+
+
+@contextmanager
+def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120) -> Iterator[str]:
+    """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
+    port = free_port()
+    with log.open("w") as out, subprocess.Popen(
+            [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, process, start_timeout, log)
+            yield url
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=30)
+
+
+#: mlx's launcher, installed beside the interpreter.
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+
+
+@contextmanager
+def launched(model: Path, mode: str, log: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Two ranks of ``mlxcel serve --distributed MODE`` under mlx.launch; yields rank 0's URL and the launcher."""
+    port, ring = free_port(), free_port()
+    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(ring), "--",
+               sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port", str(port),
+               "--distributed", mode, "--props", *extra]
+    # stdin a pipe left open: mlx.launch forwards its stdin to the ranks, and /dev/null would spin it.
+    # Its own session, so that cleanup can end the launcher and its ranks together.
+    with log.open("wb") as out, subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out,
+                                                 stderr=subprocess.STDOUT, env=dict(os.environ),
+                                                 start_new_session=True) as launcher:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, launcher, 120, log)
+            yield url, launcher
+        finally:
+            # Whatever is left of the launcher's session (a test that failed midway, a rank that hung).
+            with suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGTERM)
+            launcher.wait(timeout=30)
+
+
