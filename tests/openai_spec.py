@@ -72,6 +72,8 @@ def response_schema(method: str, path: str, status: int, streamed: bool) -> str 
     """The schema an OpenAI route's response body (or each streamed event) follows; None: not an OpenAI body."""
     if not path.startswith("/v1/") or path == "/v1/health":  # /v1/health's 503 says {"status": "loading"}
         return None
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):  # Anthropic's API: its SDK parses those
+        return None
     if status >= 400:
         return "ErrorResponse"
     if method == "GET" and path == "/v1/models":

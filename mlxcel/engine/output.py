@@ -100,4 +100,4 @@ class SequenceOutput:
                 predicted_ms=(now - first) * 1000, cached_n=cached,
                 draft_n=burst.proposed if burst else 0, draft_n_accepted=burst.accepted if burst else 0,
                 draft_rounds=burst.rounds if burst else 0),
-            error=error, error_type=error_type)
+            error=error, error_type=error_type, stop_sequence=self.stop.matched)

@@ -119,6 +119,8 @@ class Finish:
     """Why the request ended early (reason ``error`` or ``cancelled``)."""
     error_type: ErrorType = "server_error"
     """Whose fault an ``error`` finish is: the server's (HTTP 500) or the request's (HTTP 400)."""
+    stop_sequence: str | None = None
+    """The stop string that ended the text (reason ``stop``), if one did (Anthropic's ``stop_sequence``)."""
 
 
 Event = TextDelta | Finish | PromptLogprobs

@@ -84,6 +84,8 @@ class StopStringFilter:
         self._matchers = tuple(_Matcher(s) for s in dict.fromkeys(stops) if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text (the longest of those ending at that character)."""
 
     def feed(self, text: str) -> str:
         """The part of *text* (after what was held back) that is safe to emit."""
@@ -97,7 +99,7 @@ class StopStringFilter:
             longest = 0
             for matcher in self._matchers:
                 if matcher.advance(char) and len(matcher.pattern) > longest:
-                    longest = len(matcher.pattern)
+                    longest, self.matched = len(matcher.pattern), matcher.pattern
             if longest:
                 self.stopped = True
                 self._held = ""

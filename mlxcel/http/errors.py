@@ -1,10 +1,11 @@
-"""OpenAI-shaped errors: every error body is ``{"error": {"message", "type", "param", "code"}}``."""
+"""Errors in the shape of the API asked: OpenAI's ``{"error": {"message", "type", "param", "code"}}``, or on
+Anthropic's routes (``/v1/messages``) Anthropic's ``{"type": "error", "error": {"type", "message"}}``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from quart import Response, jsonify
+from quart import Response, jsonify, request
 
 
 class ApiError(Exception):
@@ -24,8 +25,19 @@ class ApiError(Exception):
                           "code": self.code}}
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+"""Anthropic's error types by status; any other status is an ``api_error``."""
+
+
+def anthropic_body(error: ApiError) -> dict[str, Any]:
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(error.status, "api_error"),
+                                       "message": error.message}}
+
+
 def error_response(error: ApiError) -> Response:
-    response = jsonify(error.body())
+    anthropic = request.path == "/v1/messages" or request.path.startswith("/v1/messages/")
+    response = jsonify(anthropic_body(error) if anthropic else error.body())
     response.status_code = error.status
     return response
 

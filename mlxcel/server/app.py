@@ -7,7 +7,7 @@ from quart_trio import QuartTrio
 
 from ..http.app import create_app as create_base_app
 from ..observability import Observability
-from . import openai_routes, status_routes
+from . import anthropic_routes, openai_routes, responses_routes, status_routes
 from .context import EngineApi, ServerContext, ServerOptions
 
 
@@ -25,4 +25,6 @@ def create_app(engine: EngineApi, observability: Observability, options: ServerO
 
     status_routes.register(app, ctx)
     openai_routes.register(app, ctx)
+    anthropic_routes.register(app, ctx)
+    responses_routes.register(app, ctx)
     return app

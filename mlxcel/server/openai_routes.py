@@ -25,14 +25,21 @@ from .prompts import prompt_tokens, too_long
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolCallReader, ToolSetup
-from .wire import finish_error, json_body, off_the_loop_if_large, replayed, sse
+from .wire import event_stream, finish_error, json_body, off_the_loop_if_large, replayed, sse
+
+Events = trio.MemoryReceiveChannel[tuple[int, Event]]
+"""A request's events, each with the index of its choice."""
 
 
-class _Generation:
+class Generation:
     """One request through the engine: validation, submission, and the two response shapes."""
 
-    def __init__(self, ctx: ServerContext, chat: bool) -> None:
+    def __init__(self, ctx: ServerContext, chat: bool, fit_context: bool = False) -> None:
         self.ctx = ctx
+        self.fit_context = fit_context
+        """A ``max_tokens`` past the context's room is cut to the room (Anthropic's meaning), not a 400."""
+        self.clamped = False
+        """It was cut."""
         self.started = time.perf_counter()
         self.chat = chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -48,9 +55,18 @@ class _Generation:
         """The prompt's tokens, when its log-probabilities are asked for (completions ``echo`` with ``logprobs``)."""
         self.prompt_scores: PromptLogprobs | None = None
         """Their log-probabilities, once the engine has sent them (computed once, for the first choice)."""
+        self.prompt_length = 0
+        """The prompt's tokens, once rendered."""
 
     async def respond(self) -> Response | dict[str, Any]:
-        body = await json_body()
+        params, events, candidates = await self.start(await json_body())
+        if params.stream:
+            return event_stream(self._stream(events, params.n, params.include_usage()))
+        return await self._complete(events, candidates, params.n)
+
+    async def start(self, body: dict[str, Any]) -> tuple[ChatCompletionRequest | CompletionRequest, Events, int]:
+        """Validate *body*, admit it, render its prompt and submit its choices: (the request, their events,
+        how many sequences). The other APIs served as a chat completion start here too."""
         schema: type[ChatCompletionRequest | CompletionRequest] = \
             ChatCompletionRequest if self.chat else CompletionRequest
         try:
@@ -85,8 +101,12 @@ class _Generation:
         self.tools, matchers = await structured.constraints(params, self.ctx, candidates)
         requested = (params.max_completion_tokens or params.max_tokens if isinstance(params, ChatCompletionRequest)
                      else params.max_tokens)
-        tokens = await prompt_tokens(self.ctx, params, limits, requested or 1, self.tools)
+        # Fitting the context, only the prompt must fit: the completion is cut to the room it leaves.
+        least = 1 if self.fit_context else requested or 1
+        tokens = await prompt_tokens(self.ctx, params, limits, least, self.tools)
         room = options.context_length - len(tokens)
+        if self.fit_context and requested is not None and 0 < room < requested:
+            requested, self.clamped = room, True
         if room <= 0 or (requested is not None and requested > room):
             raise too_long(self.ctx, self.chat, f"{len(tokens)}", requested or 1)
         logprobs = (params.logprobs is True) if isinstance(params, ChatCompletionRequest) \
@@ -109,16 +129,10 @@ class _Generation:
             top_logprobs=alternatives if logprobs else 0, prompt_logprobs=self.prompt is not None and index == 0,
             group=self.id)
             for index in range(candidates)]
+        self.prompt_length = len(tokens)
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
-        events = self._submit(generations)
-        if params.stream:
-            response = Response(self._stream(events, params.n, params.include_usage()),
-                                content_type="text/event-stream")
-            response.headers["Cache-Control"] = "no-cache"
-            response.timeout = None
-            return response
-        return await self._complete(events, candidates, params.n)
+        return params, self._submit(generations), candidates
 
     def _check_combinations(self, params: CompletionRequest | ChatCompletionRequest) -> None:
         if params.stream_options is not None and not params.stream:
@@ -345,8 +359,8 @@ def register(app: Quart, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions() -> Any:
-        return await _Generation(ctx, chat=False).respond()
+        return await Generation(ctx, chat=False).respond()
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Any:
-        return await _Generation(ctx, chat=True).respond()
+        return await Generation(ctx, chat=True).respond()

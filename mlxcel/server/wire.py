@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
-from quart import request
+from quart import Response, request
 
 from ..http.errors import ApiError, bad_request, unavailable
 from .schemas import json_problem
@@ -22,6 +22,14 @@ def sse(payload: dict[str, Any] | str) -> bytes:
     """One server-sent event carrying *payload* (JSON, or a literal like ``[DONE]``)."""
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
+
+
+def event_stream(body: AsyncIterator[bytes]) -> Response:
+    """A streamed answer of server-sent events, which no proxy should cache and no timeout may cut."""
+    response = Response(body, content_type="text/event-stream")
+    response.headers["Cache-Control"] = "no-cache"
+    response.timeout = None
+    return response
 
 
 def _no_constants(name: str) -> Any:

@@ -174,3 +174,24 @@ async def stream_interrupted(client: httpx.AsyncClient, url: str, body: dict[str
                     result = await interrupt()
     assert result is not None
     return text, result
+
+
+HELLO = ("Hello", " there", ",", " friend", ".")
+"""The scripted reply of :func:`hello_model`, piece by piece (a token each)."""
+
+
+@pytest.fixture(scope="session")
+def hello_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama answering every chat with "Hello there, friend." (``mlxcel.testing.tools``)."""
+    from mlxcel.testing.tools import build_scripted_checkpoint
+
+    return build_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "hello", HELLO)
+
+
+@pytest.fixture(scope="session")
+def caller_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A llama answering every chat with "Checking." and a Hermes-format call of get_weather for Paris."""
+    from mlxcel.testing.tools import build_scripted_checkpoint
+
+    return build_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "caller")
+

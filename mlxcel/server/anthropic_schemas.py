@@ -1,0 +1,186 @@
+"""Anthropic Messages API request bodies (``POST /v1/messages``), validated, and turned into a chat request.
+
+A Messages request is served as the chat completion it means: the same chat
+template, tool-call parser, grammar path and engine as ``/v1/chat/completions``.
+:func:`to_chat` does the translation; every field Claude Code sends is accepted,
+and those with no meaning here are ignored (``docs/http-api.md`` lists them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..http.errors import bad_request
+from .schemas import MAX_STOP_STRINGS, MAX_TOOLS
+
+BILLING_HEADER = "x-anthropic-billing-header:"
+"""Claude Code's first system block starts so, and changes per client: kept, every prompt would miss the prefix
+cache, so the block is dropped from what the model sees."""
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+class TextBlock(_Block):
+    type: Literal["text"]
+    text: str
+
+
+class ToolResultBlock(_Block):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[dict[str, Any]] = ""
+    is_error: bool = False
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+
+
+class ToolUseBlock(_Block):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["user", "assistant", "system"]
+    content: str | list[dict[str, Any]]
+
+
+class ToolDefinition(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
+class ToolChoice(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class MessagesRequest(BaseModel):
+    """The fields mlxcel uses; others (``metadata``, ``thinking``, ``context_management``, ``output_config``,
+    ``cache_control`` on blocks, ``service_tier``, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
+    temperature: float = Field(default=1.0, ge=0, le=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    stream: bool = False
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """``/v1/messages/count_tokens``: a Messages request without ``max_tokens``."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+
+
+def _system_text(system: str | list[TextBlock] | None) -> str:
+    if system is None:
+        return ""
+    if isinstance(system, str):
+        return system
+    return "\n".join(block.text for block in system if not block.text.startswith(BILLING_HEADER))
+
+
+def _blocks(message: Message, index: int) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"type": "text", "text": message.content}]
+    for block in message.content:
+        if block.get("type") in ("image", "document"):
+            raise bad_request(f"messages.{index}: this model reads text only; {block['type']} blocks cannot be "
+                              "served", param="messages")
+    return message.content
+
+
+def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat completion messages: a system message, tool calls and their results."""
+    chat: list[dict[str, Any]] = []
+    # A system-role message inside `messages` (Claude Code sends one) joins the system prompt: chat
+    # templates take one system message, first.
+    systems = [_system_text(params.system), *(_system_text(m.content if isinstance(m.content, str) else [
+        TextBlock.model_validate(b) for b in m.content if b.get("type") == "text"])
+        for m in params.messages if m.role == "system")]
+    system = "\n".join(s for s in systems if s)
+    if system:
+        chat.append({"role": "system", "content": system})
+    for index, message in enumerate(params.messages):
+        if message.role == "system":
+            continue
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for raw in _blocks(message, index):
+            kind = raw.get("type")
+            if kind == "text":
+                texts.append(TextBlock.model_validate(raw).text)
+            elif kind == "tool_use" and message.role == "assistant":
+                use = ToolUseBlock.model_validate(raw)
+                calls.append({"id": use.id, "type": "function",
+                              "function": {"name": use.name, "arguments": json.dumps(use.input)}})
+            elif kind == "tool_result" and message.role == "user":
+                result = ToolResultBlock.model_validate(raw)
+                text = result.text()
+                chat.append({"role": "tool", "tool_call_id": result.tool_use_id,
+                             "content": f"Error: {text}" if result.is_error else text})
+            # thinking / redacted_thinking in history, server tool blocks: nothing the template renders
+        if texts or calls or not isinstance(message.content, list):
+            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+            if calls:
+                entry["tool_calls"] = calls
+            chat.append(entry)
+    return chat
+
+
+def _tool_fields(params: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    if not params.tools:
+        return {}
+    fields: dict[str, Any] = {"tools": [{"type": "function", "function": {
+        "name": tool.name, "description": tool.description, "parameters": tool.input_schema}}
+        for tool in params.tools]}
+    choice = params.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if choice.name is None:
+                raise bad_request("tool_choice of type 'tool' needs the tool's name", param="tool_choice")
+            fields["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            fields["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            fields["parallel_tool_calls"] = False
+    return fields
+
+
+def to_chat(params: MessagesRequest) -> dict[str, Any]:
+    """The chat completions body that serves *params* (validated again there, with its bounds)."""
+    return {"messages": _chat_messages(params), "max_tokens": params.max_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "stop": params.stop_sequences, "stream": params.stream,
+            **_tool_fields(params)}
+
+
+def count_body(params: CountTokensRequest) -> dict[str, Any]:
+    """The chat body whose prompt :func:`to_chat` would render for the same conversation."""
+    return {"messages": _chat_messages(params), "max_tokens": 1, **_tool_fields(params)}

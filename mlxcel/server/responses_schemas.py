@@ -1,0 +1,142 @@
+"""OpenAI Responses API request bodies (``POST /v1/responses``, Codex's), validated, and turned into a chat request.
+
+Stateless, as Codex uses it (``store: false``; it resends the whole history
+every turn): the input items become the chat completion they mean, served by
+the same chat template, tool-call parser, grammar path and engine as
+``/v1/chat/completions``. Fields with no meaning here are accepted and ignored
+(``docs/http-api.md`` lists them); ``previous_response_id`` is a 400, since
+nothing is stored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..http.errors import bad_request
+from .schemas import MAX_TOOLS
+
+
+class FunctionTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """The fields mlxcel uses; others (``reasoning``, ``include``, ``store``, ``prompt_cache_key``,
+    ``metadata``, ``truncation``, ``user``, ``service_tier``, ...) are accepted and ignored."""
+
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    stream: bool = False
+    text: TextOptions | None = None
+    previous_response_id: str | None = None
+
+    def function_tools(self) -> list[FunctionTool]:
+        """The function tools; other kinds (``web_search``, ``namespace``, ...) are not served and are dropped."""
+        return [FunctionTool.model_validate(tool) for tool in self.tools or [] if tool.get("type") == "function"]
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or ``input_text`` / ``output_text`` parts (images are a 400)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts", param="input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text"):
+            texts.append(str(part.get("text", "")))
+        elif kind in ("input_image", "input_file", "input_audio"):
+            raise bad_request(f"{where}: this model reads text only; {kind} parts cannot be served", param="input")
+    return "".join(texts)
+
+
+def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
+    items = [{"type": "message", "role": "user", "content": params.input}] if isinstance(params.input, str) \
+        else params.input
+    system = [params.instructions] if params.instructions else []
+    chat: list[dict[str, Any]] = []
+    for index, item in enumerate(items):
+        where = f"input.{index}"
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role in ("system", "developer"):  # chat templates take one system message, first
+                system.append(_text(item.get("content", ""), where))
+            elif role in ("user", "assistant"):
+                chat.append({"role": role, "content": _text(item.get("content", ""), where)})
+            else:
+                raise bad_request(f"{where}.role must be user, assistant, system or developer", param="input")
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id", "")), "type": "function",
+                    "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}
+            if chat and chat[-1]["role"] == "assistant":
+                chat[-1].setdefault("tool_calls", []).append(call)
+            else:
+                chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            chat.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
+                         "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind is None:
+            raise bad_request(f"{where} has no type", param="input")
+        # reasoning items passed back, and other item types: nothing the template renders
+    system_text = "\n\n".join(s for s in system if s)
+    return ([{"role": "system", "content": system_text}] if system_text else []) + chat
+
+
+def to_chat(params: ResponsesRequest) -> dict[str, Any]:
+    """The chat completions body that serves *params* (validated again there, with its bounds)."""
+    if params.previous_response_id is not None:
+        raise bad_request("previous_response_id needs a stored response, and this server stores none: send the "
+                          "whole conversation in input (as with store: false)", param="previous_response_id")
+    body: dict[str, Any] = {"messages": _chat_messages(params), "temperature": params.temperature,
+                            "top_p": params.top_p, "stream": params.stream}
+    if params.max_output_tokens is not None:
+        body["max_tokens"] = params.max_output_tokens
+    tools = params.function_tools()
+    if tools:
+        body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+                         for tool in tools]
+        choice = params.tool_choice
+        if isinstance(choice, dict):
+            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+                raise bad_request("tool_choice must be auto, none, required or {type: function, name}",
+                                  param="tool_choice")
+            body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+        elif choice is not None:
+            body["tool_choice"] = choice
+        if params.parallel_tool_calls is False:
+            body["parallel_tool_calls"] = False
+    form = params.text.format if params.text is not None else None
+    if form is not None and form.type != "text":
+        body["response_format"] = {"type": "json_object"} if form.type == "json_object" else {
+            "type": "json_schema", "json_schema": {"name": form.name or "response",
+                                                   "schema": form.json_schema or {"type": "object"}}}
+    return body
