@@ -56,7 +56,7 @@ async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
     if shutdown is None:
         shutdown = trio.Event()
     initial = MtpPolicy(config.worker.policy).snapshot
-    observability = Observability(initial, model=config.checkpoint.name)
+    observability = Observability(initial, model=config.options.model_name or config.checkpoint.name)
     observability.blas = config.blas
     engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
                     instrument=config.instrument)

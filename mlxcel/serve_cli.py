@@ -34,6 +34,13 @@ logger = logging.getLogger(__name__)
 BUNDLED_BLOCK_SIZE = 2
 
 
+def _model_name(value: str) -> str:
+    if not value or len(value) > 256 or not value.isprintable() or any(c.isspace() for c in value):
+        raise argparse.ArgumentTypeError(f"--served-model-name must be 1 to 256 printable characters without "
+                                         f"spaces, not {value!r}")
+    return value
+
+
 def _positive(name: str, low: int = 1, high: int | None = None) -> Callable[[str], int]:
     def parse(value: str) -> int:
         try:
@@ -104,7 +111,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-depth", type=_positive("--max-queue-depth", 0), default=16,
                         help="requests that may wait for a slot before 503 (default: %(default)s)")
     parser.add_argument("--no-batch", action="store_true",
-                        help="the legacy single-sequence worker: one request at a time, no MTP")
+                        help="one slot: one request at a time, no MTP")
+    parser.add_argument("--served-model-name", action="append", type=_model_name, default=[], metavar="NAME",
+                        help="a name a request's model may use (repeatable); the first is the one /v1/models lists "
+                             "and answers name (default: the model directory's name, which stays accepted)")
     parser.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512,
                         help="completion length when a request names none (default: %(default)s)")
     parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=8,
@@ -209,8 +219,10 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
                             else args.prompt_cache_bytes, policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding)
+    # The first served name is the model's; the others and the directory's name are accepted too.
+    name, *aliases = dict.fromkeys([*args.served_model_name, checkpoint.name])
     options = ServerOptions(
-        model_name=checkpoint.name, model_path=checkpoint.path, context_length=checkpoint.context_length,
+        model_name=name, aliases=tuple(aliases), model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})

@@ -25,7 +25,7 @@ from ..engine import Finish
 from ..http.errors import ApiError, bad_request
 from .anthropic_schemas import CountTokensRequest, MessagesRequest, count_body, to_chat
 from .choice_reader import ChoiceReader, read_whole
-from .context import ServerContext
+from .context import ServerContext, serves
 from .openai_routes import Events, Generation
 from .prompts import prompt_tokens
 from .schemas import ChatCompletionRequest, describe
@@ -83,7 +83,7 @@ class _Message:
 
     def _check_model(self, model: str) -> None:
         # Claude Code names its own models (claude-*) for its main and background work: all mean this one.
-        if model not in (self.ctx.options.model_name, "default") and not model.startswith("claude-"):
+        if not serves(self.ctx.options, model) and not model.startswith("claude-"):
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{self.ctx.options.model_name!r}", code="model_not_found")
 

@@ -33,7 +33,9 @@ class EngineApi(Protocol):
 @dataclass(frozen=True)
 class ServerOptions:
     model_name: str | None = None
-    """The served model id (the model directory basename); None on a router."""
+    """The served model's name (the first ``--served-model-name``, else the model directory's); None on a router."""
+    aliases: tuple[str, ...] = ()
+    """Other names a request's ``model`` may use: the other served names, and the directory's."""
     model_path: Path | None = None
     context_length: int = 4096
     parallel: int = 1
@@ -44,6 +46,11 @@ class ServerOptions:
     slots: bool = False
     metrics: bool = False
     extra_props: dict[str, Any] = field(default_factory=dict)
+
+
+def serves(options: ServerOptions, name: str) -> bool:
+    """Whether a request naming the model *name* means the served one (``default`` always does)."""
+    return name in (options.model_name, "default", *options.aliases)
 
 
 class HeldPlaces:

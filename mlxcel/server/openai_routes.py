@@ -18,7 +18,7 @@ from ..http.errors import ApiError, bad_request, unavailable
 from ..http.scope import at_request_end
 from ..observability import ModelLimits
 from . import shapes, structured
-from .context import ServerContext
+from .context import ServerContext, serves
 from .fanin import fan_in
 from .matchers import token_bytes
 from .prompts import prompt_tokens, too_long
@@ -89,7 +89,7 @@ class Generation:
                               code="unsupported_parameter")
         self._check_combinations(params)
         options = self.ctx.options
-        if params.model is not None and params.model not in (options.model_name, "default"):
+        if params.model is not None and not serves(options, params.model):
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves "
                                 f"{options.model_name!r}", param="model", code="model_not_found")
         # best_of candidates are generated, each a sequence; the n most likely are returned.
@@ -352,7 +352,7 @@ def register(app: Quart, ctx: ServerContext) -> None:
     @app.get("/v1/models/<path:model>")
     async def model(model: str) -> Any:
         # <path:...>: Hugging Face style ids ("org/name") hold a slash.
-        if model != ctx.options.model_name:
+        if not serves(ctx.options, model) or model == "default":
             raise ApiError(404, f"the model {model!r} does not exist; this server serves "
                                 f"{ctx.options.model_name!r}", param="model", code="model_not_found")
         return model_object()

@@ -19,7 +19,7 @@ from quart import Quart, Response
 from ..engine import Finish
 from ..http.errors import ApiError, bad_request
 from .choice_reader import ChoiceReader, read_whole
-from .context import ServerContext
+from .context import ServerContext, serves
 from .openai_routes import Events, Generation
 from .responses_schemas import ResponsesRequest, to_chat
 from .schemas import describe
@@ -62,7 +62,7 @@ class _Responses:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc
         name = self.ctx.options.model_name
-        if params.model is not None and params.model not in (name, "default"):
+        if params.model is not None and not serves(self.ctx.options, params.model):
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
         self.params = params

@@ -348,7 +348,10 @@ async def test_verdicts_come_from_measured_samples(mtp_models: dict[str, Path],
             policies[drafter] = await _policy(client, url)
     random, aligned = policies["random"], policies["aligned"]
     assert (random["state"], random["verdict"], random["mtp_enabled"]) == ("settled", "decline", False)
-    assert random["acceptance_rate"] == 0.0 and random["estimated_speedup"] <= 1.0  # type: ignore[operator]
+    # A never-right head makes one token a round: at best (drafts free, a 2-wide verify costing what a step
+    # does) the estimate is 1.0, and timing noise on a shared machine moves it a few percent either way
+    # (1.02 seen once): never into the zone where the burst would be enabled.
+    assert random["acceptance_rate"] == 0.0 and random["estimated_speedup"] < ENABLE_AT_OR_ABOVE  # type: ignore[operator]
     assert (aligned["state"], aligned["samples"], aligned["acceptance_rate"]) == ("settled", 4, 1.0)
     # Two tokens a round instead of one, for the same work: at least 1.5x the random head's estimate.
     assert aligned["estimated_speedup"] >= 1.5 * random["estimated_speedup"]  # type: ignore[operator]
