@@ -16,6 +16,7 @@ handles the previous round's tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 Split = Literal["wide", "rows", "half"]
@@ -63,6 +64,16 @@ class Verify(Protocol):
     def hidden(self) -> Any:
         """(1, W, H): what the drafter reads."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class BlockVerify:
+    """A :class:`Verify` whose rollback needs only the block's width (caches that trim); a family whose
+    rollback needs more (recurrent states, convolution inputs) subclasses it with that."""
+
+    logits: Any
+    hidden: Any
+    width: int
 
 
 class SpeculativeTarget(Protocol):

@@ -161,12 +161,13 @@ def test_the_probe_vetoes_mlx_lms_own_wide_forward_as_a_verify(glm: tuple[Path, 
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.engine.exactness import probe_exactness
-    from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget, Glm4MoeLiteVerify
+    from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget
+    from mlxcel.models.speculative import BlockVerify
 
     class WideForward(Glm4MoeLiteTarget):
-        def verify(self, tokens: mx.array, cache: list[object], split: object) -> Glm4MoeLiteVerify:
+        def verify(self, tokens: mx.array, cache: list[object], split: object) -> BlockVerify:
             logits, hidden = self.forward(tokens, cache)
-            return Glm4MoeLiteVerify(logits, hidden, tokens.shape[1])
+            return BlockVerify(logits, hidden, tokens.shape[1])
 
     model, _ = load(str(glm[0]))
     def make_cache() -> list[object]:

@@ -19,13 +19,12 @@ mlx-lm serves the model; this file adds three things.
 from __future__ import annotations
 
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from ...models.speculative import Split, split_forward
+from ...models.speculative import BlockVerify, Split, split_forward
 
 #: Ring slots beyond the sliding window. A verify block of up to SLACK tokens writes in place and
 #: rolls back; larger blocks (prompt chunks) take mlx-lm's concatenating path.
@@ -188,13 +187,6 @@ class SlidingWindowCache(RotatingKVCache):
                 mx.array([self.offset])]
 
 
-@dataclass(frozen=True, slots=True)
-class Gemma4Verify:
-    logits: mx.array
-    hidden: mx.array
-    width: int
-
-
 class Gemma4Target:
     """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a Gemma 4 model.
 
@@ -223,14 +215,14 @@ class Gemma4Target:
             logits = self._softcap(text.final_logit_softcapping, logits)
         return logits, hidden
 
-    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Gemma4Verify:
+    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> BlockVerify:
         width = tokens.shape[1]
         if width > SLACK:
             raise ValueError(f"a Gemma 4 verify block is at most {SLACK} tokens, not {width}")
         logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
-        return Gemma4Verify(logits, hidden, width)
+        return BlockVerify(logits, hidden, width)
 
-    def rollback(self, cache: list[Any], verify: Gemma4Verify, kept: int) -> None:
+    def rollback(self, cache: list[Any], verify: BlockVerify, kept: int) -> None:
         dropped = verify.width - kept
         if dropped == 0:
             return

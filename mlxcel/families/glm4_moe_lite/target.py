@@ -20,12 +20,11 @@ when they change).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from ...models.speculative import Split, split_forward
+from ...models.speculative import BlockVerify, Split, split_forward
 
 
 def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
@@ -57,13 +56,6 @@ def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
     return projected
 
 
-@dataclass(frozen=True, slots=True)
-class Glm4MoeLiteVerify:
-    logits: mx.array
-    hidden: mx.array
-    width: int
-
-
 class Glm4MoeLiteTarget:
     """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a GLM-4.7-Flash model.
 
@@ -92,13 +84,13 @@ class Glm4MoeLiteTarget:
         hidden = self.body.norm(h)
         return self.lm_head(hidden), hidden
 
-    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> Glm4MoeLiteVerify:
+    def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> BlockVerify:
         """The forward of a (1, K) block under *split*, attention row by row (see the module docstring)."""
         width = tokens.shape[1]
         logits, hidden = split_forward(self._verify_forward, tokens, cache, split, self.model)
-        return Glm4MoeLiteVerify(logits, hidden, width)
+        return BlockVerify(logits, hidden, width)
 
-    def rollback(self, cache: list[Any], verify: Glm4MoeLiteVerify, kept: int) -> None:
+    def rollback(self, cache: list[Any], verify: BlockVerify, kept: int) -> None:
         """Back to the state after the first *kept* tokens of *verify*'s block: trim every KV cache."""
         dropped = verify.width - kept
         if dropped:

@@ -12,15 +12,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from ...models.speculative import split_forward
+from ...models.speculative import BlockVerify, split_forward
 from .model import Model
 
 
 @dataclass(frozen=True, slots=True)
-class InklingVerify:
-    logits: mx.array
-    hidden: mx.array
-    width: int
+class InklingVerify(BlockVerify):
     windows: list[dict[str, mx.array]]
     """Per layer, each convolution's inputs: its state before the block, then the block's."""
 

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...models.speculative import Split, split_forward
+from ...models.speculative import BlockVerify, Split, split_forward
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,10 +121,7 @@ class _SnapshotMixer(nn.Module):
 
 
 @dataclass(frozen=True, slots=True)
-class Qwen35Verify:
-    logits: mx.array
-    hidden: mx.array
-    width: int
+class Qwen35Verify(BlockVerify):
     states: list[list[_MixerState]]
     """For each gated-delta mixer, its cache state after each token of the block."""
 
