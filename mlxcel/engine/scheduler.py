@@ -24,7 +24,7 @@ is a test without a model (``tests/engine/test_scheduler.py``). The rules:
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .messages import Cancel, Message, Stop, Submit
@@ -201,8 +201,6 @@ class Scheduler:
 
     def batch_lost(self, why: str) -> None:
         """The batch could not be rebuilt: one slot from now on, every held sequence solo."""
-        from dataclasses import replace
-
         self.capabilities = replace(self.capabilities, parallel=1, no_batch=why)
         for held in self._held.values():
             held.place = "solo"

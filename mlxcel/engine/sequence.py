@@ -39,6 +39,8 @@ class Sequence:
     """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""
     burst: BurstStats | None = None
     """Its MTP burst's statistics, if it ran one."""
+    probe: Probe | None = None
+    """The test instrument bound to its request (None without one): what its decoders call at their points."""
 
     def grammar_failure(self) -> Exception | None:
         """Why its grammar could not go on in the last batch step, if it could not (see GrammarProcessor.deferring)."""
@@ -75,4 +77,4 @@ def new_sequence(request: GenerationRequest, tokenizer: Any, eos_tokens: frozens
         processors.append(GrammarProcessor(request.sampling.grammar, prompt))
     return Sequence(request=request, chain=chain, sampler=sampler, processors=processors,
                     output=SequenceOutput(request, tokenizer.detokenizer, eos_tokens),
-                    admitted=time.perf_counter(), cached=cached)
+                    admitted=time.perf_counter(), cached=cached, probe=probe)

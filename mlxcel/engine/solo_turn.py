@@ -64,7 +64,7 @@ class SoloTurns:
         if cache is None:
             cache = make_prompt_cache(worker.model)
         request = sequence.request
-        probe = worker.instrument.probe(request) if worker.instrument is not None else None
+        probe = sequence.probe
         burst = None
         speculation = worker.speculation
         if speculation is not None and speculation.split is not None and \
