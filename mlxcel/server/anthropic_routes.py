@@ -59,6 +59,11 @@ def _usage(finish: Finish) -> dict[str, Any]:
             "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
+def _thinking(reasoning: str) -> dict[str, Any]:
+    """A ``thinking`` block; its ``signature`` is empty: nothing here signs, or checks, a model's reasoning."""
+    return {"type": "thinking", "thinking": reasoning, "signature": ""}
+
+
 def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call as a ``tool_use`` block (its arguments as an object; unreadable ones as ``{}``)."""
     try:
@@ -109,11 +114,13 @@ class _Message:
     async def _complete(self, events: Events) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            text, calls, finish = await read_whole(events, self.generation.tools, self._stopping())
+            answer = await read_whole(events, self.generation.tools, self.generation.thinking, self._stopping())
         finally:
             self.ctx.observability.request_seconds.observe(time.perf_counter() - started)
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(call) for call in calls]
-        return self._envelope(content, _stop_reason(finish, calls, self.generation.clamped), _usage(finish))
+        content = ([_thinking(answer.reasoning)] if answer.reasoning else []) + \
+            ([{"type": "text", "text": answer.text}] if answer.text else []) + [_tool_use(c) for c in answer.calls]
+        return self._envelope(content, _stop_reason(answer.finish, answer.calls, self.generation.clamped),
+                              _usage(answer.finish))
 
     async def _stream(self, events: Events) -> AsyncIterator[bytes]:
         """Anthropic's events: message_start, then per block content_block_start / _delta / _stop, then
@@ -121,15 +128,15 @@ class _Message:
         started = time.perf_counter()
         usage = {"input_tokens": self.generation.prompt_length, "output_tokens": 0}
         yield _event("message_start", {"message": self._envelope([], (None, None), usage)})
-        blocks, choice = _Blocks(), ChoiceReader(self.generation.tools)
+        blocks, choice = _Blocks(), ChoiceReader(self.generation.tools, self.generation.thinking)
         try:
             async with events, aclosing(_with_pings(events)) as stream:
                 async for event in stream:
                     if event is None:
                         yield _event("ping", {})
                         continue
-                    text, calls = choice.read(event)
-                    for piece in blocks.text(text) + blocks.calls(calls):
+                    reasoning, text, calls = choice.read(event)
+                    for piece in blocks.thinking(reasoning) + blocks.text(text) + blocks.calls(calls):
                         yield piece
             error = choice.failure(self._stopping())
             if error is not None:
@@ -153,7 +160,7 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None  # "text", "tool_use" or None
+        self.open: str | None = None  # "thinking", "text", "tool_use" or None
 
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         pieces = self.close()
@@ -173,6 +180,13 @@ class _Blocks:
         pieces = self._start({"type": "text", "text": ""}) if self.open != "text" else []
         return [*pieces, _event("content_block_delta", {"index": self.index,
                                                         "delta": {"type": "text_delta", "text": text}})]
+
+    def thinking(self, reasoning: str) -> list[bytes]:
+        if not reasoning:
+            return []
+        pieces = self._start(_thinking("")) if self.open != "thinking" else []
+        return [*pieces, _event("content_block_delta", {"index": self.index, "delta": {
+            "type": "thinking_delta", "thinking": reasoning}})]
 
     def calls(self, deltas: list[dict[str, Any]]) -> list[bytes]:
         """Chat tool-call deltas: one with an ``id`` starts a call, the others carry more of its arguments."""

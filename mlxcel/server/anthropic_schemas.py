@@ -70,8 +70,16 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: bool = False
 
 
+class ThinkingConfig(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+    """``disabled`` turns a thinking template's reasoning off; any other (``enabled``, ``adaptive``) on."""
+    budget_tokens: int | None = None
+    """Ignored: the reasoning ends when the model ends it, within ``max_tokens``."""
+
+
 class MessagesRequest(BaseModel):
-    """The fields mlxcel uses; others (``metadata``, ``thinking``, ``context_management``, ``output_config``,
+    """The fields mlxcel uses; others (``metadata``, ``context_management``, ``output_config``,
     ``cache_control`` on blocks, ``service_tier``, ...) are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="allow")
@@ -86,6 +94,7 @@ class MessagesRequest(BaseModel):
     stream: bool = False
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -97,6 +106,7 @@ class CountTokensRequest(BaseModel):
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 def _system_text(system: str | list[TextBlock] | None) -> str:
@@ -132,6 +142,7 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
         if message.role == "system":
             continue
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for raw in _blocks(message, index):
             kind = raw.get("type")
@@ -146,11 +157,15 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
                 text = result.text()
                 chat.append({"role": "tool", "tool_call_id": result.tool_use_id,
                              "content": f"Error: {text}" if result.is_error else text})
-            # thinking / redacted_thinking in history, server tool blocks: nothing the template renders
+            elif kind == "thinking" and message.role == "assistant":
+                thoughts.append(str(raw.get("thinking", "")))
+            # redacted_thinking (opaque), server tool blocks: nothing the template renders
         if texts or calls or not isinstance(message.content, list):
             entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
             if calls:
                 entry["tool_calls"] = calls
+            if any(thoughts):
+                entry["reasoning_content"] = "\n".join(t for t in thoughts if t)
             chat.append(entry)
     return chat
 
@@ -174,13 +189,19 @@ def _tool_fields(params: MessagesRequest | CountTokensRequest) -> dict[str, Any]
     return fields
 
 
+def _thinking_fields(params: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
+    if params.thinking is None:
+        return {}  # the template's own default
+    return {"chat_template_kwargs": {"enable_thinking": params.thinking.type != "disabled"}}
+
+
 def to_chat(params: MessagesRequest) -> dict[str, Any]:
     """The chat completions body that serves *params* (validated again there, with its bounds)."""
     return {"messages": _chat_messages(params), "max_tokens": params.max_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k, "stop": params.stop_sequences, "stream": params.stream,
-            **_tool_fields(params)}
+            **_tool_fields(params), **_thinking_fields(params)}
 
 
 def count_body(params: CountTokensRequest) -> dict[str, Any]:
     """The chat body whose prompt :func:`to_chat` would render for the same conversation."""
-    return {"messages": _chat_messages(params), "max_tokens": 1, **_tool_fields(params)}
+    return {"messages": _chat_messages(params), "max_tokens": 1, **_tool_fields(params), **_thinking_fields(params)}

@@ -18,13 +18,15 @@ from ..http.errors import ApiError, bad_request, unavailable
 from ..http.scope import at_request_end
 from ..observability import ModelLimits
 from . import shapes, structured
+from .choice_reader import ChoiceReader
 from .context import ServerContext, serves
 from .fanin import fan_in
 from .matchers import token_bytes
 from .prompts import prompt_tokens, too_long
+from .reasoning import Thinking, thinking
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
-from .tools import ToolCallReader, ToolSetup
+from .tools import ToolSetup
 from .wire import event_stream, finish_error, json_body, off_the_loop_if_large, replayed, sse
 
 Events = trio.MemoryReceiveChannel[tuple[int, Event]]
@@ -51,6 +53,8 @@ class Generation:
         """The prompt's text before each choice's (completions ``echo``)."""
         self.tools: ToolSetup | None = None
         """How the output is read for tool calls (None: it is text)."""
+        self.thinking: Thinking | None = None
+        """How a thinking model's reasoning is told from its answer (None: a chat's output is all answer)."""
         self.prompt: list[int] | None = None
         """The prompt's tokens, when its log-probabilities are asked for (completions ``echo`` with ``logprobs``)."""
         self.prompt_scores: PromptLogprobs | None = None
@@ -80,6 +84,8 @@ class Generation:
             name = "best_of"  # a completions parameter (`type(...) is int`: `true` is not 1 here)
         if name is None and self.chat and body.get("echo") not in (None, False):
             name = "echo"  # a completions parameter; a chat echo has no agreed meaning
+        if name is None and self.chat and body.get("suffix") not in (None, ""):
+            name = "suffix"  # a completions parameter
         if name is None and not self.chat and body.get("top_logprobs") not in (None, 0):
             name = "top_logprobs"  # a chat parameter; completions say `logprobs: N`
         if name is None and not self.chat and body.get("tools") not in (None, []):
@@ -130,6 +136,8 @@ class Generation:
             group=self.id)
             for index in range(candidates)]
         self.prompt_length = len(tokens)
+        if self.chat and not matchers:  # a grammar decides the output from its first token: no reasoning
+            self.thinking = thinking(self.ctx.engine.tokenizer, tokens)
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
         return params, self._submit(generations), candidates
@@ -245,13 +253,16 @@ class Generation:
         for index, log in enumerate(logs):
             text = self.echo + "".join(d.text for d in log.deltas)
             assert log.finish is not None
-            reason, calls = shapes.reason(log.finish), None
-            if self.tools is not None:
-                reader = ToolCallReader(self.tools)
-                text = reader.feed(text)[0] + reader.finish()[0]
-                calls, reason = reader.calls, shapes.tool_reason(reason, reader.calls)
+            reason, calls, reasoning = shapes.reason(log.finish), None, ""
+            if self.chat:
+                reader = ChoiceReader(self.tools, self.thinking)
+                (reasoning, text, _), rest = reader.feed(text), reader.end()
+                reasoning, text = reasoning + rest.reasoning, text + rest.text
+                if self.tools is not None:
+                    calls, reason = reader.calls, shapes.tool_reason(reason, reader.calls)
             logprobs = shapes.joined(await self._prompt_logprobs(log), await self._logprobs(log.deltas, log))
-            choices.append(shapes.choice(self.chat, index, text, reason, logprobs, delta=False, tool_calls=calls))
+            choices.append(shapes.choice(self.chat, index, text, reason, logprobs, delta=False, tool_calls=calls,
+                                         reasoning=reasoning))
         body = self._envelope(self.object, choices)
         body["usage"] = shapes.usage(done)  # every candidate's tokens were generated (OpenAI bills best_of)
         assert logs[0].finish is not None
@@ -262,7 +273,7 @@ class Generation:
                       include_usage: bool) -> AsyncIterator[bytes]:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         logs = self._new_logs(n)
-        readers = [ToolCallReader(self.tools) if self.tools is not None else None for _ in range(n)]
+        readers = [ChoiceReader(self.tools, self.thinking) if self.chat else None for _ in range(n)]
         try:
             async with events:
                 held = await self._until_prompt_scored(events)
@@ -279,10 +290,12 @@ class Generation:
                     async for index, event in replay:
                         log, reader = logs[index], readers[index]
                         if isinstance(event, TextDelta):
-                            text, calls = (event.text, []) if reader is None else reader.feed(event.text)
+                            reasoning, text, calls = ("", event.text, []) if reader is None \
+                                else reader.feed(event.text)
                             logprobs = await self._logprobs([event], log)
-                            if reader is None or text or logprobs is not None:
-                                choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True)
+                            if reader is None or reader.plain or reasoning or text or logprobs is not None:
+                                choice = shapes.choice(self.chat, index, text, None, logprobs, delta=True,
+                                                       reasoning=reasoning)
                                 yield sse(self._envelope(obj, [choice], include_usage))
                             for call in calls:
                                 yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
@@ -294,13 +307,15 @@ class Generation:
                             break
                         reason = shapes.reason(event)
                         if reader is not None:
-                            text, calls = reader.finish()
-                            if text:
-                                choice = shapes.choice(self.chat, index, text, None, None, delta=True)
+                            reasoning, text, calls = reader.end()
+                            if reasoning or text:
+                                choice = shapes.choice(self.chat, index, text, None, None, delta=True,
+                                                       reasoning=reasoning)
                                 yield sse(self._envelope(obj, [choice], include_usage))
                             for call in calls:
                                 yield sse(self._envelope(obj, [shapes.tool_delta(index, call)], include_usage))
-                            reason = shapes.tool_reason(reason, reader.calls)
+                            if self.tools is not None:
+                                reason = shapes.tool_reason(reason, reader.calls)
                         last = shapes.choice(self.chat, index, "", reason, None, delta=True)
                         if self.chat:
                             last["delta"] = {}

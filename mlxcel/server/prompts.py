@@ -8,6 +8,7 @@ from typing import Any
 from ..http.errors import ApiError, bad_request
 from ..observability import ModelLimits
 from .context import ServerContext
+from .fim import fim_format, fim_prompt
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import ToolSetup, template_messages
 
@@ -42,10 +43,11 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
             raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         # tool_choice "none" renders no tools: the model is not told of calls it may not make.
         rendered_tools = tools.tools if tools is not None else None
+        kwargs = params.template_kwargs()
 
         def render() -> str:
             return str(tokenizer.apply_chat_template(messages, tools=rendered_tools, add_generation_prompt=True,
-                                                     tokenize=False))
+                                                     tokenize=False, **kwargs))
 
         try:
             text = await ctx.tokens.run(render)
@@ -60,6 +62,8 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
             raise bad_request("only one prompt per request is supported", param="prompt",
                               code="unsupported_parameter")
         prompt = str(prompt[0])
+    if params.suffix:
+        return await _encode(ctx, False, _fill_in_the_middle(ctx, params, prompt), completion)
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
@@ -71,3 +75,16 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
         raise bad_request(f"prompt token ids must be a non-empty list of integers from 0 to {rows - 1}",
                           param="prompt")
     return list(prompt)  # type: ignore[arg-type]
+
+
+def _fill_in_the_middle(ctx: ServerContext, params: CompletionRequest, prompt: str | list[int] | list[str]) -> str:
+    """The prompt asking the model for the text between ``prompt`` and ``suffix``, or a 400 saying why not."""
+    form = fim_format(ctx.engine.tokenizer)
+    if form is None:
+        raise bad_request("suffix needs a model trained to fill in the middle, and this model's vocabulary has "
+                          "none of the known fill-in-the-middle tokens", param="suffix", code="unsupported_parameter")
+    if not isinstance(prompt, str):
+        raise bad_request("suffix is only supported with a text prompt", param="suffix")
+    if params.echo:
+        raise bad_request("echo is not supported with suffix", param="echo")
+    return fim_prompt(form, prompt, params.suffix or "")

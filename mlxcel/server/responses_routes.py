@@ -26,11 +26,18 @@ from .schemas import describe
 from .wire import event_stream, json_body, off_the_loop_if_large, sse
 
 
-def _usage(finish: Finish) -> dict[str, Any]:
+def _usage(finish: Finish, reasoning_tokens: int) -> dict[str, Any]:
     return {"input_tokens": finish.prompt_tokens,
             "input_tokens_details": {"cached_tokens": finish.timings.cached_n},
-            "output_tokens": finish.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": finish.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": finish.prompt_tokens + finish.completion_tokens}
+
+
+def _reasoning(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A ``reasoning`` item: the model's own reasoning as ``content`` (no summary is written, none encrypted)."""
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
 
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -70,31 +77,34 @@ class _Responses:
         return event_stream(self._stream(events)) if params.stream else await self._complete(events)
 
     def _response(self, status: str, output: list[dict[str, Any]], finish: Finish | None = None,
-                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+                  error: dict[str, Any] | None = None, reasoning_tokens: int = 0) -> dict[str, Any]:
         params = self.params
         assert params is not None
         incomplete = status == "incomplete"
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status,
                 "model": self.ctx.options.model_name, "output": output, "output_text": "".join(
                     part["text"] for item in output if item["type"] == "message" for part in item["content"]),
-                "usage": _usage(finish) if finish is not None else None, "error": error,
+                "usage": _usage(finish, reasoning_tokens) if finish is not None else None, "error": error,
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
                 "instructions": params.instructions, "tools": params.tools or [],
                 "tool_choice": params.tool_choice or "auto",
                 "parallel_tool_calls": params.parallel_tool_calls is not False, "temperature": params.temperature,
                 "top_p": params.top_p, "max_output_tokens": params.max_output_tokens,
                 "previous_response_id": None, "store": False, "metadata": {}, "truncation": "disabled",
-                "text": {"format": {"type": "text"}}, "reasoning": {"effort": None, "summary": None}}
+                "text": {"format": {"type": "text"}},
+                "reasoning": {"effort": params.reasoning.effort if params.reasoning else None, "summary": None}}
 
     def _stopping(self) -> bool:
         return self.ctx.observability.state == "stopping"
 
     async def _complete(self, events: Events) -> dict[str, Any]:
-        text, calls, finish = await read_whole(events, self.generation.tools, self._stopping())
-        output = ([_message("msg_" + uuid.uuid4().hex, text)] if text or not calls else []) + \
+        answer = await read_whole(events, self.generation.tools, self.generation.thinking, self._stopping())
+        text, calls, finish = answer.text, answer.calls, answer.finish
+        output = ([_reasoning("rs_" + uuid.uuid4().hex, answer.reasoning)] if answer.reasoning else []) + \
+            ([_message("msg_" + uuid.uuid4().hex, text)] if text or not calls else []) + \
             [_function_call(call) for call in calls]
         return self._response("incomplete" if finish.reason == "length" and not calls else "completed",
-                              output, finish)
+                              output, finish, reasoning_tokens=answer.reasoning_tokens)
 
     def _event(self, kind: str, payload: dict[str, Any]) -> bytes:
         self.sequence += 1
@@ -103,18 +113,19 @@ class _Responses:
     async def _stream(self, events: Events) -> AsyncIterator[bytes]:
         yield self._event("response.created", {"response": self._response("in_progress", [])})
         yield self._event("response.in_progress", {"response": self._response("in_progress", [])})
-        items, choice = _Items(self._event), ChoiceReader(self.generation.tools)
+        items, choice = _Items(self._event), ChoiceReader(self.generation.tools, self.generation.thinking)
         async with events:
             async for _, event in events:
-                text, calls = choice.read(event)
-                for piece in items.text(text) + items.calls(calls):
+                reasoning, text, calls = choice.read(event)
+                for piece in items.reasoning(reasoning) + items.text(text) + items.calls(calls):
                     yield piece
         error = choice.failure(self._stopping())
         if error is not None:
             failed = self._response("failed", items.output, error={"code": error.code, "message": error.message})
             yield self._event("response.failed", {"response": failed})
             return
-        if not items.output:
+        if not any(item["type"] != "reasoning" for item in items.output) and (
+                items.open is None or items.open["type"] == "reasoning"):
             for piece in items.text("", force=True):
                 yield piece
         for piece in items.close():
@@ -122,7 +133,8 @@ class _Responses:
         finish = choice.finish
         assert finish is not None
         status = "incomplete" if finish.reason == "length" and not choice.calls else "completed"
-        yield self._event(f"response.{status}", {"response": self._response(status, items.output, finish)})
+        yield self._event(f"response.{status}", {"response": self._response(
+            status, items.output, finish, reasoning_tokens=choice.reasoning_tokens)})
 
 
 class _Items:
@@ -150,6 +162,10 @@ class _Items:
             pieces += [self.event("response.output_text.done", {**where, "content_index": 0,
                                                                 "text": self.text_so_far}),
                        self.event("response.content_part.done", {**where, "content_index": 0, "part": part})]
+        elif item["type"] == "reasoning":
+            item = _reasoning(item["id"], self.text_so_far)
+            pieces.append(self.event("response.reasoning_text.done", {**where, "content_index": 0,
+                                                                      "text": self.text_so_far}))
         else:
             item = {**item, "status": "completed"}
             pieces.append(self.event("response.function_call_arguments.done", {**where,
@@ -173,6 +189,20 @@ class _Items:
             self.text_so_far += text
             pieces.append(self.event("response.output_text.delta", {**self._where(), "content_index": 0,
                                                                     "delta": text, "logprobs": []}))
+        return pieces
+
+    def reasoning(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        pieces: list[bytes] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            pieces = self.close()
+            self.open, self.text_so_far = _reasoning("rs_" + uuid.uuid4().hex, "", "in_progress"), ""
+            pieces.append(self.event("response.output_item.added", {"output_index": len(self.output),
+                                                                    "item": self.open}))
+        self.text_so_far += text
+        pieces.append(self.event("response.reasoning_text.delta", {**self._where(), "content_index": 0,
+                                                                   "delta": text}))
         return pieces
 
     def calls(self, deltas: list[dict[str, Any]]) -> list[bytes]:

@@ -38,8 +38,16 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    effort: str | None = None
+    """Reaches the chat template (see :meth:`~.schemas.ChatCompletionRequest.template_kwargs`)."""
+    summary: str | None = None
+    """Ignored: the reasoning is returned whole, as ``reasoning_text`` content; no summary is written."""
+
+
 class ResponsesRequest(BaseModel):
-    """The fields mlxcel uses; others (``reasoning``, ``include``, ``store``, ``prompt_cache_key``,
+    """The fields mlxcel uses; others (``include``, ``store``, ``prompt_cache_key``,
     ``metadata``, ``truncation``, ``user``, ``service_tier``, ...) are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
@@ -55,6 +63,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     text: TextOptions | None = None
     previous_response_id: str | None = None
+    reasoning: ReasoningOptions | None = None
 
     def function_tools(self) -> list[FunctionTool]:
         """The function tools; other kinds (``web_search``, ``namespace``, ...) are not served and are dropped."""
@@ -77,11 +86,23 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (encrypted content is opaque)."""
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if isinstance(parts, list):
+            text = "".join(str(p.get("text", "")) for p in parts if isinstance(p, dict) and p.get("type") == kind)
+            if text:
+                return text
+    return ""
+
+
 def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
     items = [{"type": "message", "role": "user", "content": params.input}] if isinstance(params.input, str) \
         else params.input
     system = [params.instructions] if params.instructions else []
     chat: list[dict[str, Any]] = []
+    thought = ""  # a reasoning item's text, for the assistant turn that follows it
     for index, item in enumerate(items):
         where = f"input.{index}"
         kind = item.get("type", "message" if "role" in item else None)
@@ -91,22 +112,28 @@ def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
                 system.append(_text(item.get("content", ""), where))
             elif role in ("user", "assistant"):
                 chat.append({"role": role, "content": _text(item.get("content", ""), where)})
+                if role == "assistant" and thought:
+                    chat[-1]["reasoning_content"], thought = thought, ""
             else:
                 raise bad_request(f"{where}.role must be user, assistant, system or developer", param="input")
         elif kind == "function_call":
             call = {"id": str(item.get("call_id", "")), "type": "function",
                     "function": {"name": str(item.get("name", "")), "arguments": str(item.get("arguments", "{}"))}}
-            if chat and chat[-1]["role"] == "assistant":
+            if chat and chat[-1]["role"] == "assistant" and not thought:
                 chat[-1].setdefault("tool_calls", []).append(call)
             else:
                 chat.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought:
+                    chat[-1]["reasoning_content"], thought = thought, ""
         elif kind == "function_call_output":
             output = item.get("output", "")
             chat.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
                          "content": output if isinstance(output, str) else _text(output, where)})
+        elif kind == "reasoning":  # passed back: the template may render it with the turn it led to
+            thought = _reasoning_text(item)
         elif kind is None:
             raise bad_request(f"{where} has no type", param="input")
-        # reasoning items passed back, and other item types: nothing the template renders
+        # other item types (web search calls, ...): nothing the template renders
     system_text = "\n\n".join(s for s in system if s)
     return ([{"role": "system", "content": system_text}] if system_text else []) + chat
 
@@ -120,6 +147,8 @@ def to_chat(params: ResponsesRequest) -> dict[str, Any]:
                             "top_p": params.top_p, "stream": params.stream}
     if params.max_output_tokens is not None:
         body["max_tokens"] = params.max_output_tokens
+    if params.reasoning is not None and params.reasoning.effort is not None:
+        body["reasoning_effort"] = params.reasoning.effort
     tools = params.function_tools()
     if tools:
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}

@@ -2,7 +2,7 @@
 
 Strict: a string where a number belongs is an error, not a guess. Fields mlxcel
 does not know are ignored (OpenAI clients send many); fields it knows but
-cannot honour (``suffix``, the legacy ``functions``, ...) are rejected by :func:`unsupported`,
+cannot honour (the legacy ``functions``, ...) are rejected by :func:`unsupported`,
 so a client never silently gets something else. Every bound here is
 documented in ``docs/http-api.md``.
 """
@@ -30,6 +30,13 @@ MAX_LOGIT_BIAS = 300
 """Entries of ``logit_bias``, as OpenAI's limit."""
 MAX_TOOLS = 128
 """Tools of one request, as OpenAI's limit."""
+MAX_TEMPLATE_KWARGS = 32
+"""Entries of ``chat_template_kwargs``; a template reads a handful."""
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "chat_template"})
+"""What the server itself passes to ``apply_chat_template``: a request's ``chat_template_kwargs`` may not set it."""
 
 
 class JsonSchemaFormat(BaseModel):
@@ -154,6 +161,8 @@ class CompletionRequest(_Request):
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     """Candidates generated (each a sequence of the engine, like a choice of ``n``); the ``n`` most likely
     are returned."""
+    suffix: str | None = None
+    """The text after the gap (fill-in-the-middle, :mod:`~.fim`); ``prompt`` is the text before it."""
 
     def candidates(self) -> int:
         """How many sequences the request generates: ``best_of``, or ``n`` without it."""
@@ -192,6 +201,10 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
     """A ``tool`` message: the call it answers."""
     name: str | None = None
+    reasoning_content: str | None = None
+    """An assistant's earlier reasoning (vLLM's and DeepSeek's name); templates read this name."""
+    reasoning: str | None = None
+    """The same, under mlx-lm's, Ollama's and OpenRouter's name."""
 
     def text(self) -> str:
         if self.content is None:
@@ -234,6 +247,36 @@ class ChatCompletionRequest(_Request):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (``enable_thinking``, ...), as vLLM and mlx-lm's server take them."""
+    reasoning_effort: str | None = Field(default=None, max_length=32)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs_bounds(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if len(value) > MAX_TEMPLATE_KWARGS:
+            raise ValueError(f"at most {MAX_TEMPLATE_KWARGS} entries")
+        for key in value:
+            if not key.isidentifier():
+                raise ValueError(f"a key must be a template variable's name, not {key[:40]!r}")
+            if key in RESERVED_TEMPLATE_KWARGS:
+                raise ValueError(f"{key!r} is set by the server, not by the request")
+        return value
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is rendered with besides the messages and tools.
+
+        ``reasoning_effort`` is passed as itself (gpt-oss's templates read it) and
+        as ``enable_thinking`` (Qwen's, GLM's: ``none`` turns the reasoning off);
+        ``chat_template_kwargs`` come last and win. mlx-lm's tokenizer wrapper
+        renames ``enable_thinking`` for templates that call it ``thinking``.
+        """
+        kwargs: dict[str, Any] = {}
+        if self.reasoning_effort is not None:
+            kwargs = {"reasoning_effort": self.reasoning_effort, "enable_thinking": self.reasoning_effort != "none"}
+        return {**kwargs, **(self.chat_template_kwargs or {})}
 
     def tool_mode(self) -> str:
         """``none``, ``auto``, ``required`` or ``named``; ``none`` when there are no tools (OpenAI's default)."""
@@ -249,7 +292,6 @@ class ChatCompletionRequest(_Request):
 
 #: Parameters mlxcel knows and cannot honour, with the values that are harmless.
 _UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "suffix": ("",),
     "functions": ([],),
     "function_call": ("none",),
     # Output mlxcel cannot produce, and services it does not run: ignoring them would answer something else.

@@ -157,19 +157,26 @@ def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[st
 
 
 def choice(chat: bool, index: int, text: str, finish_reason: str | None, logprobs: Any,
-           delta: bool, first: bool = False, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+           delta: bool, first: bool = False, tool_calls: list[dict[str, Any]] | None = None,
+           reasoning: str = "") -> dict[str, Any]:
     """One entry of ``choices``: a completion's text, a chat message, or a chat delta (*first*: with the role).
 
     A message with *tool_calls* has ``content`` null unless the model also wrote text (not only whitespace).
+    *reasoning* goes under both names clients read it by (``reasoning_content``: vLLM's and DeepSeek's;
+    ``reasoning``: mlx-lm's, Ollama's and OpenRouter's); a delta of reasoning alone has no ``content``.
     """
     if not chat:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    thought = {"reasoning_content": reasoning, "reasoning": reasoning} if reasoning else {}
     if delta:
-        content: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": index, "delta": content, "logprobs": logprobs, "finish_reason": finish_reason}
+        content: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text or not reasoning:
+            content["content"] = text
+        return {"index": index, "delta": {**content, **thought}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
     # Beside calls, whitespace alone (the newlines a model writes around them) is no content.
     message: dict[str, Any] = {"role": "assistant", "content": text if text.strip() or not tool_calls else None,
-                               "refusal": None}
+                               "refusal": None, **thought}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -67,6 +67,9 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
             entry["tool_call_id"] = message.tool_call_id
         if message.name is not None:
             entry["name"] = message.name
+        reasoning = message.reasoning_content or message.reasoning
+        if reasoning and message.role == "assistant":
+            entry["reasoning_content"] = reasoning
         out.append(entry)
     return out
 

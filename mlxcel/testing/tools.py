@@ -24,21 +24,24 @@ SCRIPT = ("Checking.", "<tool_call>", '{"name":"get_weather",', '"arguments":{"c
 
 
 def build_scripted_checkpoint(directory: Path, script: tuple[str, ...] = SCRIPT,
-                              chat_template: str = TOOLS_CHATML, context: int | None = None) -> Path:
+                              chat_template: str = TOOLS_CHATML, context: int | None = None,
+                              markers: tuple[str, ...] = (), after: str = "assistant\n") -> Path:
     """A llama answering every chat with *script*; *chat_template* names its tool-call format to mlx-lm.
-    *context*: its context length (``max_position_embeddings``), for a coding agent's long prompts."""
+    *context*: its context length (``max_position_embeddings``), for a coding agent's long prompts.
+    *markers*: more tokens for the vocabulary (``<think>``, ...), which mlx-lm reads a model's formats from.
+    *after*: the text whose last token starts the chain (a chat's generation prompt ends with it)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
     from tokenizers import Tokenizer
 
     directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory, chat_template, added=script)
+    write_tokenizer(directory, chat_template, added=tuple(dict.fromkeys((*script, *markers))))
     tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
     config = {**CONFIGS["llama"], "vocab_size": tokenizer.get_vocab_size(with_added_tokens=True),
               **({"max_position_embeddings": context} if context else {})}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    chain = [tokenizer.encode("assistant\n").ids[-1], *(tokenizer.token_to_id(p) for p in script),
+    chain = [tokenizer.encode(after).ids[-1], *(tokenizer.token_to_id(p) for p in script),
              tokenizer.token_to_id("<|im_end|>")]
     assert None not in chain and len(set(chain)) == len(chain), chain
     model_class, args_class = _get_classes(config)
