@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .policy import MtpPolicySnapshot
@@ -29,12 +29,23 @@ EngineState = Literal["loading", "ready", "failed", "stopping"]
 class CacheStats:
     entries: int = 0
     bytes: int = 0
-    max_entries: int = 0
+    max_entries: int | None = None
+    """None: bounded in bytes only."""
     max_bytes: int = 0
     lookups: int = 0
     hits: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    snapshots: int = 0
+    """Copies of a live sequence's cache kept at a prompt position (caches that cannot be rewound)."""
+    evictions: int = 0
+    """Entries dropped from memory to keep within the bounds, least recently used first (to disk, if any)."""
+    disk_hits: int = 0
+    """Prompts that resumed from an entry read back from disk."""
+    disk_entries: int = 0
+    disk_bytes: int = 0
+    max_disk_bytes: int = 0
+    """0: no disk tier."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -48,6 +59,10 @@ class CacheStats:
             "hit_rate": round(self.hits / self.lookups, 4) if self.lookups else None,
             "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens,
+            "snapshots": self.snapshots,
+            "evictions": self.evictions,
+            "disk": {"entries": self.disk_entries, "bytes": self.disk_bytes, "max_bytes": self.max_disk_bytes,
+                     "hits": self.disk_hits},
         }
 
 
@@ -68,6 +83,9 @@ class ModelLimits:
     embedding_size: int
     """Rows of the input embedding: a prompt token id must be below it."""
     context_length: int
+    snapshots: bool = False
+    """The model's cache cannot be rewound (recurrent or convolution state, a ring): the prefix cache serves a
+    later prompt from snapshots only, so a chat prompt carries the positions worth one (its checkpoints)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +147,39 @@ class _GatewayCollector(Collector):
             yield family
 
 
+class _PrefixCacheCollector(Collector):
+    """The prefix cache's figures (``/v1/cache/stats``), read at scrape time from the last published ones."""
+
+    def __init__(self, observability: Observability) -> None:
+        self._observability = observability
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self._observability.cache
+        for name, help_text, value in (
+                ("mlxcel_prefix_cache_lookups", "Prompts looked up in the prefix cache", stats.lookups),
+                ("mlxcel_prefix_cache_hits", "Prompts that resumed from a cached prefix", stats.hits),
+                ("mlxcel_prefix_cache_reused_tokens", "Prompt tokens not prefilled, read from the prefix cache",
+                 stats.reused_tokens),
+                ("mlxcel_prefix_cache_snapshots", "Snapshots kept of caches that cannot be rewound",
+                 stats.snapshots),
+                ("mlxcel_prefix_cache_evictions", "Prefix cache entries evicted to keep within its bounds",
+                 stats.evictions),
+                ("mlxcel_prefix_cache_disk_hits", "Prompts that resumed from an entry read back from disk",
+                 stats.disk_hits)):
+            counter = CounterMetricFamily(name, help_text)
+            counter.add_metric([], float(value))
+            yield counter
+        for name, help_text, value in (
+                ("mlxcel_prefix_cache_entries", "Entries in the prefix cache", stats.entries),
+                ("mlxcel_prefix_cache_bytes", "Bytes of caches the prefix cache holds", stats.bytes),
+                ("mlxcel_prefix_cache_max_bytes", "The prefix cache's bound in bytes", stats.max_bytes),
+                ("mlxcel_prefix_cache_disk_entries", "Entries in the prefix cache's disk tier", stats.disk_entries),
+                ("mlxcel_prefix_cache_disk_bytes", "Bytes of the prefix cache's disk tier", stats.disk_bytes)):
+            gauge = GaugeMetricFamily(name, help_text)
+            gauge.add_metric([], float(value))
+            yield gauge
+
+
 class Observability:
     """The last published state of the engine, and the server's metrics."""
 
@@ -161,6 +212,7 @@ class Observability:
                                          registry=r)
         r.register(_PolicyStateCollector(self))
         r.register(_GatewayCollector(self))
+        r.register(_PrefixCacheCollector(self))
 
     def publish_load(self, sequences: list[tuple[int, int]], parallel: int) -> None:
         """Slots, batch size and queue depth from the (prompt tokens, decoded) of every sequence held,

@@ -11,6 +11,7 @@ import argparse
 import logging
 import math
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -58,7 +59,8 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 def _byte_size(value: str) -> int:
-    """``--prompt-cache-bytes``: a number of bytes, or of KiB, MiB, GiB, TiB with K, M, G, T (B optional)."""
+    """``--prompt-cache-bytes`` and ``--prompt-cache-disk-bytes``: a number of bytes, or of KiB, MiB, GiB, TiB
+    with K, M, G, T (B optional)."""
     text = value.strip().lower().removesuffix("ib").removesuffix("b")
     unit = text[-1] if text and text[-1] in "kmgt" else ""
     try:
@@ -66,7 +68,7 @@ def _byte_size(value: str) -> int:
     except ValueError:
         number = math.nan
     if not (0 <= number < 1 << 50):
-        raise argparse.ArgumentTypeError(f"--prompt-cache-bytes must be a size such as 512M or 8G, not {value!r}")
+        raise argparse.ArgumentTypeError(f"a size such as 512M or 8G, not {value!r}")
     return int(number * _UNITS[unit])
 
 
@@ -76,6 +78,17 @@ def default_prompt_cache_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
     except (ValueError, OSError, AttributeError):
         return 1 << 30
+
+
+def default_prompt_cache_disk_bytes(cache_root: Path) -> int:
+    """A tenth of the free space where the cache directory is (or would be), at most 64 GiB."""
+    place = cache_root
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        return min(64 << 30, shutil.disk_usage(place).free // 10)
+    except OSError:
+        return 0
 
 
 def _seconds(name: str) -> Callable[[str], float]:
@@ -117,11 +130,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "and answers name (default: the model directory's name, which stays accepted)")
     parser.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512,
                         help="completion length when a request names none (default: %(default)s)")
-    parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=8,
-                        help="prompt prefix caches kept (default: %(default)s)")
+    parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=None,
+                        help="also bound the prompt prefix cache in entries; 0 turns it off (default: no bound "
+                             "but --prompt-cache-bytes)")
     parser.add_argument("--prompt-cache-bytes", type=_byte_size, default=None, metavar="SIZE",
                         help="bytes of KV caches the prefix cache may hold, e.g. 512M or 8G (default: an eighth "
                              "of physical memory)")
+    parser.add_argument("--prompt-cache-disk-bytes", type=_byte_size, default=None, metavar="SIZE",
+                        help="bytes of prompt caches kept on disk, under the cache directory, across restarts; 0 "
+                             "turns the disk tier off (default: a tenth of the disk's free space, at most 64G)")
     parser.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=4 * 1024 * 1024,
                         help="largest request body accepted (default: %(default)s)")
     parser.add_argument("--max-connections", type=_positive("--max-connections"), default=1024,
@@ -216,7 +233,10 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
                             prefix_cache_entries=0 if sharding else args.prompt_cache_size,
                             prefix_cache_bytes=default_prompt_cache_bytes() if args.prompt_cache_bytes is None
-                            else args.prompt_cache_bytes, policy=env.policy,
+                            else args.prompt_cache_bytes,
+                            prefix_cache_disk_bytes=default_prompt_cache_disk_bytes(env.cache_root)
+                            if args.prompt_cache_disk_bytes is None else args.prompt_cache_disk_bytes,
+                            policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding)
     # The first served name is the model's; the others and the directory's name are accepted too.

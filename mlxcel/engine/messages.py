@@ -21,9 +21,12 @@ class WorkerSettings:
     """Sequences that decode together (1 with ``--no-batch``)."""
     batch: bool = True
     """False (``--no-batch``): one slot, sequences decode one at a time, and no MTP drafter is loaded."""
-    prefix_cache_entries: int = 8
+    prefix_cache_entries: int | None = None
+    """The prefix cache's bound in entries (``--prompt-cache-size``): None, bytes only; 0, no prefix cache."""
     prefix_cache_bytes: int = 1 << 30
-    """The prefix cache's bound in bytes of KV caches (``--prompt-cache-bytes``), as well as in entries."""
+    """The prefix cache's bound in bytes of KV caches (``--prompt-cache-bytes``)."""
+    prefix_cache_disk_bytes: int = 0
+    """Its disk tier's bound (``--prompt-cache-disk-bytes``), under *cache_root*; 0: no disk tier."""
     prefill_step_size: int = 512
     policy: PolicySettings = field(default_factory=PolicySettings)
     cache_root: Path | None = None

@@ -67,6 +67,10 @@ class GenerationRequest:
     group: str = ""
     """The client request it is one choice of (``n``, ``best_of``), which the scheduler shares places among
     fairly; empty: a request of its own."""
+    checkpoints: tuple[int, ...] = ()
+    """Prompt positions a later prompt is likely to share the tokens before (the end of a chat's system
+    prompt, the end of its conversation before the generation prompt): a cache that cannot be rewound is
+    kept there (:meth:`~.prefix_cache.PrefixCache.snapshot`), as it is at the end of the prompt."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,8 @@ class Sequence:
     """Prompt tokens reused from the prefix cache."""
     solo: SoloDecoder | None = None
     prompt_state: tuple[Any, list[int], list[int]] | None = None
+    drafter_state: Any = None
+    """The MTP drafter's state the prefix cache kept with the cache it resumes from, if any."""
     """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
     ever_batched: bool = False
     """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from .requests import Event
+from .requests import Event, GenerationRequest
 from .scheduler import burst_allowed
 from .sequence import Sequence
 
@@ -21,6 +21,14 @@ if TYPE_CHECKING:
 
 #: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
 CANCEL_CHECK_TOKENS = 16
+
+
+def snapshot_marks(request: GenerationRequest) -> list[int]:
+    """Where a solo prefill keeps snapshots of a cache that cannot be rewound, in order: the request's
+    checkpoints, and the end of its prompt but the last token (which the first step feeds), what a later
+    prompt extending this one, or the same prompt again, resumes from."""
+    end = len(request.prompt_tokens) - 1
+    return sorted({m for m in request.checkpoints if 0 < m < end} | ({end} if end > 0 else set()))
 
 
 class SoloTurns:
@@ -38,10 +46,18 @@ class SoloTurns:
         if sequence.solo is None:
             sequence.solo = self._start(sequence)
         solo = sequence.solo
+        marks = snapshot_marks(sequence.request)
         while not solo.prefilled:
             if worker.instrument is not None:
                 worker.instrument.at("prefill", sequence.request)
-            solo.prefill_chunk(worker.settings.prefill_step_size)
+            done = len(solo.tokens_in_cache)
+            mark = next((m for m in marks if m > done), None)  # a chunk ends at the next mark
+            solo.prefill_chunk(min(worker.settings.prefill_step_size, mark - done if mark else 1 << 62))
+            done = len(solo.tokens_in_cache)
+            if done in marks:
+                drafter = solo.burst.drafter if solo.burst is not None else None
+                worker.snapshot(solo.tokens_in_cache, solo.cache,
+                                (sequence.request.prompt_tokens[done], drafter) if drafter is not None else None)
             if self._mail():
                 return  # a cancel, a stop or a new request is seen within one chunk
         if solo.burst is not None:
@@ -73,7 +89,10 @@ class SoloTurns:
             from .sampling import SpeculativeSampler
 
             chain = sequence.chain
-            burst = Burst(speculation.target, speculation.drafter.new_sequence(cache), speculation.split,
+            drafter = speculation.drafter.new_sequence(cache)
+            if sequence.drafter_state is not None:  # caught up on the resumed prefix, as after a prefill
+                drafter.restore(sequence.drafter_state)
+            burst = Burst(speculation.target, drafter, speculation.split,
                           SpeculativeSampler(chain) if chain is not None else None, probe=probe,
                           processors=sequence.processors)
             sequence.burst = burst.stats

@@ -86,18 +86,29 @@ class Worker:
         try:
             self._loop()
         finally:
+            self._persist()
             self.policy.on_worker_lost()
             if self.batch is not None:
                 self.batch.close()
             self._release()
+
+    def _persist(self) -> None:
+        """What the prefix cache holds, to its disk tier; a failure loses only the reuse after a restart."""
+        try:
+            self.prefix.persist()
+        except Exception:
+            logger.exception("could not write the prompt cache to disk")
 
     def _check_stopping(self) -> None:
         if self._stopping():
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
         from .loading import load
-        from .prefix_cache import PrefixCache
+        from .prefix_cache import rewindable
+        from .prompt_disk import open_prefix_cache
 
         if self.instrument is not None:
             self.instrument.before_load()
@@ -109,8 +120,7 @@ class Worker:
         if capabilities.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream)
-        self.prefix = PrefixCache(str(self.checkpoint.path), self.settings.prefix_cache_entries,
-                                  self.checkpoint.model_type, max_bytes=self.settings.prefix_cache_bytes)
+        self.prefix = open_prefix_cache(self.settings, self.checkpoint, self.model)
         self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
@@ -121,7 +131,8 @@ class Worker:
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
                            self.policy.state, speculation.decline)
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
-                                                context_length=self.checkpoint.context_length)
+                                                context_length=self.checkpoint.context_length,
+                                                snapshots=not rewindable(make_prompt_cache(self.model)))
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _loop(self) -> None:
@@ -181,11 +192,12 @@ class Worker:
         """Start serving *request*: its record, its prompt's prefix from the cache, its prompt's scores."""
         tokens = list(request.prompt_tokens)
         try:
-            cache, rest = self.prefix.fetch(tokens)
+            cache, rest, drafter = self.prefix.fetch(tokens)
             cached = len(tokens) - len(rest)
             probe = self.instrument.probe(request) if self.instrument is not None else None
             sequence = new_sequence(request, self.tokenizer, self.eos_tokens, cached, probe)
             sequence.prompt_state = (cache, tokens[:cached], rest)  # prefilled on its turn
+            sequence.drafter_state = drafter
             if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
                 from .prompt_scoring import score_prompt
 
@@ -311,6 +323,14 @@ class Worker:
                                                             "invalid_request_error" if grammar else "server_error")))
         self.publish_load()
         self.deliver(events)
+
+    def snapshot(self, tokens: list[int], cache: Any, drafter: tuple[int, Any] | None) -> None:
+        """Offer a live sequence's cache at a prompt position (and its drafter, see ``PrefixCache.snapshot``) to
+        the prefix cache; a failure loses only the reuse."""
+        try:
+            self.prefix.snapshot(list(tokens), cache, drafter)
+        except Exception:
+            logger.exception("could not keep a snapshot of a prompt cache")
 
     def keep(self, tokens: list[int], cache: Any) -> None:
         """Offer a finished sequence's cache to the prefix cache; a failure loses only the reuse."""

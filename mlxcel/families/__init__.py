@@ -69,6 +69,11 @@ class Family:
         """*cache* (a sequence's, from mlx-lm's batch or the prefix cache) in the family's own cache classes."""
         return cache
 
+    def cache_classes(self) -> tuple[type, ...]:
+        """The family's own cache classes (beside mlx-lm's), which a prompt cache file may name: each
+        rebuilds itself with ``from_state``."""
+        return ()
+
     def model_classes(self, config: dict[str, Any]) -> tuple[Any, Any]:
         """(Model, ModelArgs) of an own model file: mlx-lm's ``load_model(get_model_classes=...)``."""
         raise NotImplementedError(f"model_type {config.get('model_type')!r} is mlx-lm's own")

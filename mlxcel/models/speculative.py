@@ -120,6 +120,15 @@ class SequenceDrafter(Protocol):
         """After a round that drafted *drafted* tokens: forget the chain, catch up on what was kept."""
         ...
 
+    def snapshot(self) -> Any:
+        """What it holds, settled, as a value a later :meth:`restore` (of another sequence's drafter on a copy
+        of the same target cache) takes: the prefix cache keeps it beside a snapshot of the target's cache."""
+        ...
+
+    def restore(self, state: Any) -> None:
+        """Hold *state* (from :meth:`snapshot`) instead of what it holds."""
+        ...
+
 
 class DraftHead(Protocol):
     """A loaded drafter: shared weights, and a fresh state per sequence."""

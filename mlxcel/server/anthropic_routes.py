@@ -233,5 +233,5 @@ def register(app: Quart, ctx: ServerContext) -> None:
         # The tools as the template renders them (tool_choice "none" renders none, as /v1/messages does).
         rendered = [tool.model_dump(exclude_none=True) for tool in chat.tools or []]
         tools = ToolSetup("auto", rendered) if rendered and chat.tool_choice != "none" else None
-        tokens = await prompt_tokens(ctx, chat, limits, 1, tools)
-        return {"input_tokens": len(tokens)}
+        prompt = await prompt_tokens(ctx, chat, limits, 1, tools, checkpoints=False)
+        return {"input_tokens": len(prompt.tokens)}

@@ -3,7 +3,8 @@ refused with a 400 when it cannot fit the context (by its length alone where it 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from ..http.errors import ApiError, bad_request
 from ..observability import ModelLimits
@@ -33,29 +34,19 @@ async def _encode(ctx: ServerContext, chat: bool, text: str, completion: int, **
     return await tokens.encode(tokenizer, text, **kwargs)
 
 
+class Prompt(NamedTuple):
+    tokens: list[int]
+    checkpoints: tuple[int, ...] = ()
+    """Positions worth a snapshot of the cache (see ``GenerationRequest.checkpoints``): a chat's, for a model
+    whose cache cannot be rewound."""
+
+
 async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
-                        completion: int, tools: ToolSetup | None) -> list[int]:
-    """The request's prompt tokens; *tools* (from ``structured.constraints``) are rendered into a chat."""
-    tokenizer = ctx.engine.tokenizer
+                        completion: int, tools: ToolSetup | None, checkpoints: bool = True) -> Prompt:
+    """The request's prompt; *tools* (from ``structured.constraints``) are rendered into a chat; *checkpoints*:
+    find them, where the model needs them (not for a prompt only counted)."""
     if isinstance(params, ChatCompletionRequest):
-        messages = template_messages(params.messages)
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
-        # tool_choice "none" renders no tools: the model is not told of calls it may not make.
-        rendered_tools = tools.tools if tools is not None else None
-        kwargs = params.template_kwargs()
-
-        def render() -> str:
-            return str(tokenizer.apply_chat_template(messages, tools=rendered_tools, add_generation_prompt=True,
-                                                     tokenize=False, **kwargs))
-
-        try:
-            text = await ctx.tokens.run(render)
-        except Exception as exc:  # a template that rejects these messages
-            raise bad_request(f"the chat template cannot render these messages: {exc}",
-                              param="messages") from exc
-        # What apply_chat_template(tokenize=True) does, in two steps so the length bound comes first.
-        return await _encode(ctx, True, text, completion, add_special_tokens=False)
+        return await _chat_prompt(ctx, params, limits, completion, tools, checkpoints)
     prompt: str | list[int] | list[str] = params.prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         if len(prompt) != 1:
@@ -63,18 +54,69 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
                               code="unsupported_parameter")
         prompt = str(prompt[0])
     if params.suffix:
-        return await _encode(ctx, False, _fill_in_the_middle(ctx, params, prompt), completion)
+        return Prompt(await _encode(ctx, False, _fill_in_the_middle(ctx, params, prompt), completion))
     if isinstance(prompt, str):
         if not prompt:
             raise bad_request("the prompt is empty", param="prompt")
-        return await _encode(ctx, False, prompt, completion)
+        return Prompt(await _encode(ctx, False, prompt, completion))
     if len(prompt) + completion > ctx.options.context_length:  # before looking at every id
         raise too_long(ctx, False, f"{len(prompt)}", completion)
     rows = limits.embedding_size
     if not prompt or any(not isinstance(t, int) or not 0 <= t < rows for t in prompt):
         raise bad_request(f"prompt token ids must be a non-empty list of integers from 0 to {rows - 1}",
                           param="prompt")
-    return list(prompt)  # type: ignore[arg-type]
+    return Prompt(list(prompt))  # type: ignore[arg-type]
+
+
+async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits: ModelLimits, completion: int,
+                       tools: ToolSetup | None, checkpoints: bool) -> Prompt:
+    tokenizer = ctx.engine.tokenizer
+    messages = template_messages(params.messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+    # tool_choice "none" renders no tools: the model is not told of calls it may not make.
+    rendered_tools = tools.tools if tools is not None else None
+    kwargs = params.template_kwargs()
+
+    def render(turns: list[dict[str, Any]], generation: bool = True) -> str:
+        return str(tokenizer.apply_chat_template(turns, tools=rendered_tools, add_generation_prompt=generation,
+                                                 tokenize=False, **kwargs))
+
+    try:
+        text = await ctx.tokens.run(render, messages)
+    except Exception as exc:  # a template that rejects these messages
+        raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+    # What apply_chat_template(tokenize=True) does, in two steps so the length bound comes first.
+    tokens = await _encode(ctx, True, text, completion, add_special_tokens=False)
+    if not (checkpoints and limits.snapshots):
+        return Prompt(tokens)
+    return Prompt(tokens, await _checkpoints(ctx, render, messages, text, tokens))
+
+
+async def _checkpoints(ctx: ServerContext, render: Callable[..., str], messages: list[dict[str, Any]], text: str,
+                       tokens: list[int]) -> tuple[int, ...]:
+    """Where a later prompt of the same conversation, or of another sharing its system prompt, is likely to
+    share this one's tokens up to: the end of the system prompt (tools included), and the end of the
+    conversation before the generation prompt (which the next turn replaces with the reply: with a thinking
+    template's open ``<think>``, the end of the prompt itself is not shared). A position is kept only where the
+    text's tokens there are the prompt's own (tokenizing the part alone gives the same ids)."""
+    tokenizer, marks = ctx.engine.tokenizer, set()
+    try:
+        bare = await ctx.tokens.run(render, messages, False)
+        if text.startswith(bare) and len(bare) < len(text):
+            tail = await ctx.tokens.encode(tokenizer, text[len(bare):], add_special_tokens=False)
+            if 0 < len(tail) < len(tokens) and tokens[-len(tail):] == tail:
+                marks.add(len(tokens) - len(tail))
+        system = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), 0)
+        if system:
+            head = await ctx.tokens.run(render, messages[:system], False)
+            if text.startswith(head):
+                ids = await ctx.tokens.encode_remembered(tokenizer, head, add_special_tokens=False)
+                if 0 < len(ids) < len(tokens) and tokens[:len(ids)] == ids:
+                    marks.add(len(ids))
+    except Exception:  # a template that cannot render part of a chat: no snapshot there, nothing else lost
+        pass
+    return tuple(sorted(marks))
 
 
 def _fill_in_the_middle(ctx: ServerContext, params: CompletionRequest, prompt: str | list[int] | list[str]) -> str:

@@ -101,6 +101,10 @@ LONG_TEXT = 65_536
 """Characters from which a text is encoded in the long lane, by its own copy of the tokenizer."""
 
 
+REMEMBERED = 16
+"""Texts whose tokens :meth:`Tokens.encode_remembered` keeps."""
+
+
 class Tokens:
     """Every tokenizer call from the HTTP layer, one at a time per lane; the length bound, computed once.
 
@@ -118,6 +122,7 @@ class Tokens:
         self._long_copy: Any = None
         self._bound: tuple[int | None] | None = None  # (chars_per_token,) once computed
         self._pieces: dict[int, str] = {}
+        self._remembered: dict[str, list[int]] = {}  # oldest first
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread, never beside another call on the shared tokenizer."""
@@ -134,6 +139,18 @@ class Tokens:
             return list(self._long_copy.encode(text, **kwargs))
 
         return await trio.to_thread.run_sync(encode_long, limiter=self._long_limiter)
+
+    async def encode_remembered(self, tokenizer: Any, text: str, **kwargs: Any) -> list[int]:
+        """:meth:`encode`, remembered for the last :data:`REMEMBERED` texts: for a text every request of a
+        conversation repeats (a chat's system prompt), encoded once; a text is always encoded with the same
+        *kwargs* by its one caller."""
+        ids = self._remembered.pop(text, None)
+        if ids is None:
+            ids = await self.encode(tokenizer, text, **kwargs)
+        self._remembered[text] = ids
+        while len(self._remembered) > REMEMBERED:
+            del self._remembered[next(iter(self._remembered))]
+        return ids
 
     async def min_tokens(self, tokenizer: Any, text: str) -> int:
         """A lower bound on ``len(tokenizer.encode(text))``, from the length of *text* alone (0 if none)."""

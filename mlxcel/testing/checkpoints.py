@@ -105,14 +105,16 @@ def _corpus() -> list[str]:
     return [(stdlib / name).read_text(encoding="utf-8") for name in ("textwrap.py", "string.py", "glob.py")]
 
 
-def write_tokenizer(directory: Path, chat_template: str = CHATML, added: tuple[str, ...] = ()) -> None:
-    """A byte-level BPE tokenizer; *added*: extra tokens (not special: they decode as their text)."""
+def write_tokenizer(directory: Path, chat_template: str = CHATML, added: tuple[str, ...] = (),
+                    vocab_size: int = VOCAB_SIZE) -> None:
+    """A byte-level BPE tokenizer of *vocab_size* tokens, then *added*: extra tokens (not special: they decode
+    as their text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
     if added:
@@ -162,12 +164,13 @@ _TO_HF: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {"qwen3_5": _to_
 
 
 def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float = 1.0,
-                     chat_template: str = CHATML, **overrides: Any) -> Path:
+                     chat_template: str = CHATML, markers: tuple[str, ...] = (), **overrides: Any) -> Path:
     """Write a tiny *family* checkpoint into *directory* (created) and return it.
 
     *scale* multiplies the random weights: larger values give peakier output
-    distributions, so greedy decoding has no near-ties. *overrides*: config values
-    on top of the family's (a bigger model for a benchmark).
+    distributions, so greedy decoding has no near-ties. *markers*: tokens of the
+    vocabulary mlx-lm reads a model's formats from (``<think>``, ...), within its
+    size. *overrides*: config values on top of the family's (a bigger model for a benchmark).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -176,7 +179,7 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
     directory.mkdir(parents=True, exist_ok=True)
     config = {**CONFIGS[family], **overrides}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(directory, chat_template)
+    write_tokenizer(directory, chat_template, added=markers, vocab_size=VOCAB_SIZE - len(markers))
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

@@ -195,3 +195,16 @@ def caller_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return build_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "caller")
 
+
+
+@pytest.fixture(scope="session")
+def cache_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A model of each kind of per-sequence state: a llama's KV cache, which rewinds; Qwen 3.5's gated-delta
+    recurrence, Gemma 4's sliding-window ring and Inkling's convolutions, which do not."""
+    from mlxcel.testing import gemma4, inkling
+
+    root = tmp_path_factory.mktemp("prompt-cache")
+    return {"llama": build_checkpoint(root / "llama", "llama", scale=2.0),
+            "qwen3_5": build_checkpoint(root / "qwen3_5", "qwen3_5", scale=2.0),
+            "gemma4": gemma4.build_target(root / "gemma4"),
+            "inkling": inkling.build_target(root / "inkling", seed=1)}

@@ -159,11 +159,11 @@ async def test_stop_strings_seed_and_prefix_cache(llama: Path) -> None:
 
 async def test_the_prefix_cache_is_bounded_in_bytes(llama: Path) -> None:
     """Each finished sequence's cache is kept until the entries' bytes pass --prompt-cache-bytes: with a bound
-    of about two entries, six distinct prompts leave two, however many entries would be allowed."""
+    of about two entries, six distinct prompts leave two, the four others evicted (no bound in entries)."""
     prompts = [f"def function_{i}(x):" + " y = x" * 40 for i in range(6)]
 
     async def fill(argv: list[str]) -> dict[str, int]:
-        async with running_server(["--model", str(llama), "--prompt-cache-size", "100", *argv]) as url, \
+        async with running_server(["--model", str(llama), *argv]) as url, \
                 httpx.AsyncClient(timeout=60) as client:
             for prompt in prompts:
                 answer = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 4,
@@ -173,11 +173,12 @@ async def test_the_prefix_cache_is_bounded_in_bytes(llama: Path) -> None:
             return stats
 
     unbounded = await fill([])
-    assert unbounded["entries"] == 6
+    assert (unbounded["entries"], unbounded["evictions"], unbounded["max_entries"]) == (6, 0, None)
     per_entry = unbounded["bytes"] // 6
     bounded = await fill(["--prompt-cache-bytes", str(per_entry * 5 // 2)])
     assert bounded["max_bytes"] == per_entry * 5 // 2
     assert bounded["entries"] == 2 and 0 < bounded["bytes"] <= bounded["max_bytes"], bounded
+    assert bounded["evictions"] == 4 and bounded["snapshots"] == 0  # a llama's KV cache rewinds: no snapshots
 
 
 async def test_disconnect_frees_the_slot(llama: Path) -> None:

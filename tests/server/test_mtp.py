@@ -96,6 +96,9 @@ async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path]
                         {k: v for k, v in tensors.items() if k.startswith("mtp.")})  # type: ignore[union-attr]
     in_checkpoint = await _texts(source, monkeypatch, "1", 3)
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    # A cache of its own: resumed from the first server's prompt caches on disk, a prompt would draft from its
+    # second step (a drafter's state is kept in memory only), and draft less.
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path / "second-cache"))
     async with running_server(["--model", str(source), "--draft-model", str(drafter)]) as url, \
             httpx.AsyncClient(timeout=60) as client:
         policy = await _policy(client, url)

@@ -29,7 +29,10 @@ def _split(raw: Path, out: Path, *extra: str, tensors: int = 15) -> None:
 
 
 async def _run(argv: list[str]) -> tuple[list[dict[str, object]], dict[str, object]]:
-    async with running_server(argv) as url, httpx.AsyncClient(timeout=60) as client:
+    # Every run starts cold: the prompt cache's disk tier would resume one run's prompts from the last's,
+    # and a prompt resumed after a restart drafts from its second step (the drafter's state stays in memory).
+    async with running_server([*argv, "--prompt-cache-disk-bytes", "0"]) as url, \
+            httpx.AsyncClient(timeout=60) as client:
         bodies = [(await client.post(f"{url}/v1/completions", json={
             "prompt": p, "max_tokens": 40, "temperature": 0})).json() for p in PROMPTS]
         policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()

@@ -38,6 +38,11 @@ class Gemma4(Family):
 
         return adopt_cache(cache)
 
+    def cache_classes(self) -> tuple[type, ...]:
+        from .target import SlidingWindowCache
+
+        return (SlidingWindowCache,)
+
     def target(self, model: Any) -> Any:
         from .target import Gemma4Target
 

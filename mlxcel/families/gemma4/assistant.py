@@ -221,6 +221,12 @@ class _SequenceDrafter:
         del drafted  # no cache of its own to trim
         self.catch_up(hidden, tokens)
 
+    def snapshot(self) -> Any:
+        return self._hidden, self._token  # arrays are values: the pair as it is
+
+    def restore(self, state: Any) -> None:
+        self._hidden, self._token = state
+
 
 def load(directory: Path, target: Any) -> Gemma4AssistantDrafter:
     """The drafter in *directory* for the loaded target (tests and benchmarks; the server loads through

@@ -91,6 +91,14 @@ class SlidingWindowCache(RotatingKVCache):
         self.window = window
 
     @classmethod
+    def from_state(cls, state: Any) -> SlidingWindowCache:
+        """The cache whose ``state`` (mlx-lm's rotating cache's) is *state*: a prompt cache file's."""
+        cache = cls(0)
+        cache.state = state
+        cache.window = cache.max_size - SLACK
+        return cache
+
+    @classmethod
     def adopt(cls, rotating: RotatingKVCache) -> SlidingWindowCache:
         """The same positions as mlx-lm's *rotating* cache (made with ``max_size = window + SLACK``)."""
         cache = cls(rotating.max_size - SLACK)

@@ -28,6 +28,11 @@ class Inkling(Family):
 
         return Model, ModelArgs
 
+    def cache_classes(self) -> tuple[type, ...]:
+        from .model import InklingCache
+
+        return (InklingCache,)
+
     def target(self, model: Any) -> Any:
         from .target import InklingTarget
 

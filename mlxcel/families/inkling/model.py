@@ -129,8 +129,16 @@ class InklingCache(_BaseCache):
 
     @state.setter
     def state(self, value: list[Any]) -> None:
-        self.kv.state = value[:2]
-        self.conv = dict(zip(self.CONVS, value[2:], strict=True))
+        split = len(value) - len(self.CONVS)  # the key/value cache's state is mlx-lm's to shape
+        self.kv.state = value[:split]
+        self.conv = dict(zip(self.CONVS, value[split:], strict=True))
+
+    @classmethod
+    def from_state(cls, state: list[Any]) -> InklingCache:
+        """The cache whose ``state`` is *state* (a prompt cache file's)."""
+        cache = cls()
+        cache.state = state
+        return cache
 
     def live_state(self) -> list[Any]:
         """What a later step reads: the keys/values so far and the convolution states."""

@@ -17,6 +17,7 @@ put back), which single steps then extend with what the target kept.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -140,3 +141,11 @@ class InklingSequence:
                 cache.conv = conv
             self._saved = None
         self.catch_up(hidden, tokens)
+
+    def snapshot(self) -> Any:
+        self.settle()
+        return copy.deepcopy((self._caches, self._last))
+
+    def restore(self, state: Any) -> None:
+        self._caches, self._last = copy.deepcopy(state)
+        self._pending, self._saved = [], None

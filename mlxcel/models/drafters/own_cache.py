@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import mlx.core as mx
@@ -55,3 +56,11 @@ class OwnCacheSequence:
             for c in self._cache:
                 c.trim(drafted - 1)
         self.catch_up(hidden, tokens)
+
+    def snapshot(self) -> Any:
+        self.settle()
+        return copy.deepcopy((self._cache, self._last))
+
+    def restore(self, state: Any) -> None:
+        self._cache, self._last = copy.deepcopy(state)
+        self._pending = []

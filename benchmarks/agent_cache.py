@@ -1,0 +1,143 @@
+"""An agent's trace replayed: time to first token per turn with the prefix cache, without it, and after a restart.
+
+    python -m benchmarks.agent_cache [--families llama qwen3_5] [--head 2000] [--turns 6] [--sessions 2]
+
+Each session is an agent loop: a fixed head (system prompt and tools, shared by
+every session), a first user message of its own, then per turn the assistant's
+reply (about --reply tokens) and a tool result (about --tool tokens), the whole
+conversation resent each time; the sessions' turns interleave. Every request
+asks for one token (``max_tokens: 1``), so its time is its time to first token.
+The same trace runs against a server with its prefix cache, against one
+without (``--prompt-cache-size 0``), and against a server restarted on the first
+one's cache directory (the disk tier), which is sent the next turn of each known
+conversation; for a hybrid model (Qwen 3.5's recurrent layers) and a llama of
+the same size. Prints, per turn, the milliseconds each way and the ratio
+cached / uncached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import httpx  # noqa: E402
+
+from benchmarks._common import BENCH_DIR, median, server  # noqa: E402
+
+WORDS = ("file", "def", "return", "value", "error", "test", "line", "the", "path", "import", "class", "self",
+         "config", "result", "None", "check", "buffer", "index", "module", "patch", "diff", "output", "read")
+
+
+def model(family: str, hidden: int, layers: int, context: int) -> Path:
+    from mlxcel.testing.checkpoints import CONFIGS, build_checkpoint
+
+    directory = BENCH_DIR / f"agent-{family}-h{hidden}-l{layers}-c{context}"
+    if (directory / "model.safetensors").exists():
+        return directory
+    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 3,
+             "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
+             "max_position_embeddings": context}
+    if family == "qwen3_5":  # the shape lives in its text_config; every fourth layer full attention
+        text = {**CONFIGS["qwen3_5"]["text_config"], **shape, "full_attention_interval": 4,
+                "linear_num_value_heads": hidden // 64, "linear_num_key_heads": hidden // 128,
+                "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+        return build_checkpoint(directory, family, scale=2.0, text_config=text)
+    return build_checkpoint(directory, family, scale=2.0, **shape)
+
+
+def text(tokenizer: Any, rng: random.Random, tokens: int) -> str:
+    """Words until the tokenizer counts *tokens* tokens (within a word's)."""
+    words: list[str] = []
+    while (count := len(tokenizer.encode(" ".join(words), add_special_tokens=False))) < tokens:
+        per_word = count / len(words) if words else 3.0
+        words += [rng.choice(WORDS) for _ in range(max(1, int((tokens - count) / per_word / 2)))]
+    return " ".join(words)
+
+
+def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str, str]]]]:
+    """Per session, the conversation as sent at each turn (turns + 1: the last is for after the restart)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    rng = random.Random(0)
+    head = {"role": "system", "content": text(tokenizer, rng, args.head)}
+    sessions = []
+    for session in range(args.sessions):
+        messages = [head, {"role": "user", "content": f"Task {session}: " + text(tokenizer, rng, 40)}]
+        turns = [list(messages)]
+        for _ in range(args.turns):
+            messages += [{"role": "assistant", "content": text(tokenizer, rng, args.reply)},
+                         {"role": "user", "content": "Tool result: " + text(tokenizer, rng, args.tool)}]
+            turns.append(list(messages))
+        sessions.append(turns)
+    return sessions
+
+
+def ask(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> tuple[float, dict[str, Any]]:
+    start = time.perf_counter()
+    response = client.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
+                                                                "temperature": 0})
+    response.raise_for_status()
+    return (time.perf_counter() - start) * 1000, response.json()
+
+
+def replay(checkpoint: Path, sessions: list[list[list[dict[str, str]]]], turns: range, *argv: str
+           ) -> dict[tuple[int, int], tuple[float, dict[str, Any]]]:
+    """(session, turn) -> (milliseconds, body), the sessions' turns interleaved."""
+    out = {}
+    with server(checkpoint, *argv) as url, httpx.Client(timeout=3600) as client:
+        for turn in turns:
+            for index, conversation in enumerate(sessions):
+                out[index, turn] = ask(client, url, conversation[turn])
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--families", nargs="+", default=["llama", "qwen3_5"])
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--head", type=int, default=2000)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--sessions", type=int, default=2)
+    parser.add_argument("--reply", type=int, default=200)
+    parser.add_argument("--tool", type=int, default=500)
+    args = parser.parse_args()
+    context = 1 << (args.head + args.turns * (args.reply + args.tool) + 2048).bit_length()
+    for family in args.families:
+        checkpoint = model(family, args.hidden, args.layers, context)
+        weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 1e6
+        sessions = trace(checkpoint, args)
+        turns = range(args.turns)
+        with tempfile.TemporaryDirectory() as cache:
+            os.environ["MLXCEL_CACHE_DIR"] = cache  # the restart reads what the first server wrote
+            cached = replay(checkpoint, sessions, turns)
+            restarted = replay(checkpoint, sessions, range(args.turns, args.turns + 1))
+        cold = replay(checkpoint, sessions, range(args.turns + 1), "--prompt-cache-size", "0")
+        print(f"\n{family}: {weights:.0f} MB of weights, head {args.head} tokens, {args.sessions} sessions "
+              f"x {args.turns} turns (+{args.reply} reply, +{args.tool} tool result each)")
+        print("session turn  prompt  cached   with cache   without   ratio")
+        ratios = []
+        for (session, turn), (ms, body) in sorted({**cached, **restarted}.items(), key=lambda kv: kv[0][::-1]):
+            cold_ms = cold[session, turn][0]
+            mark = " (after restart)" if turn == args.turns else ""
+            print(f"{session:7d} {turn:4d} {body['usage']['prompt_tokens']:7d} {body['timings']['cached_n']:7d} "
+                  f"{ms:10.0f} ms {cold_ms:7.0f} ms  {ms / cold_ms:5.2f}{mark}")
+            if 0 < turn < args.turns:
+                ratios.append(ms / cold_ms)
+        after = [restarted[s, args.turns][0] / cold[s, args.turns][0] for s in range(args.sessions)]
+        print(f"{family}: turns 2+ median ratio {median(ratios):.3f} (target <= 0.15); after a restart "
+              f"median ratio {median(after):.3f} (target <= 0.25)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+"""The prefix cache's disk tier: prompt caches that outlive the server, read back on a hit.
+
+One file per entry, ``<sha256 of its tokens>.safetensors`` under a directory of
+its own per model (the model's identity: its config and its weight files'
+names, sizes and times), written by mlx-lm's ``save_prompt_cache`` with the
+tokens it holds in its metadata, to a temporary name first and then renamed
+(atomic, as the policy hints are). At start the files' headers are read (not
+their arrays) to know what is there. The tier is bounded by
+``--prompt-cache-disk-bytes``: the least recently used files go first.
+
+A file that is not ours, is foreign to this model, truncated, corrupt or
+unreadable is a warning and a miss, never a crash or a wrong answer: a damaged
+file of ours is removed, a foreign one left alone. A directory that cannot be
+written turns the tier off, with a warning. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..models.loader import CheckpointInfo
+from .messages import WorkerSettings
+from .prefix_cache import PrefixCache, rewindable, usable
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "1"
+MAX_HEADER = 64 << 20
+"""Bytes of a safetensors header read at most (a file claiming more is not one of ours)."""
+
+
+def model_identity(checkpoint: CheckpointInfo) -> str:
+    """What a cache file must have been made by: the model's config and its weight files, as they are now."""
+    digest = hashlib.sha256(json.dumps(checkpoint.config, sort_keys=True).encode())
+    for weights in sorted(checkpoint.weight_files):
+        stat = weights.stat()
+        digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def open_prefix_cache(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any) -> PrefixCache:
+    """The worker's prefix cache, with its disk tier where the settings give it room and a directory."""
+    from mlx_lm.models import cache as mlx_cache
+
+    from ..families import family
+
+    disk = None
+    layers = mlx_cache.make_prompt_cache(model)
+    if settings.cache_root is not None and settings.prefix_cache_disk_bytes > 0 and \
+            settings.prefix_cache_entries != 0:
+        identity = model_identity(checkpoint)
+        classes = {name: c for name, c in vars(mlx_cache).items()
+                   if isinstance(c, type) and issubclass(c, mlx_cache._BaseCache)}
+        classes.update({c.__name__: c for c in family(checkpoint.model_type).cache_classes()})
+        disk = DiskTier(settings.cache_root / "prompt-cache" / f"{checkpoint.name}-{identity[:16]}",
+                        settings.prefix_cache_disk_bytes, identity, classes, layers)
+    return PrefixCache(settings.prefix_cache_entries, checkpoint.model_type, settings.prefix_cache_bytes, disk)
+
+
+def _name(tokens: np.ndarray) -> str:
+    return hashlib.sha256(tokens.astype("<i8").tobytes()).hexdigest() + ".safetensors"
+
+
+@dataclass
+class _Record:
+    path: Path
+    tokens: np.ndarray
+    rewinds: bool
+    size: int
+    used: float
+
+
+class DiskTier:
+    """Entries on disk under *directory*, within *max_bytes*; *classes*: the cache classes a file may name,
+    *layers*: a fresh cache of the model (what a file's layers must match)."""
+
+    def __init__(self, directory: Path, max_bytes: int, identity: str, classes: dict[str, type],
+                 layers: list[Any]) -> None:
+        self.directory, self.max_bytes, self.identity = directory, max_bytes, identity
+        self._classes: dict[str, Any] = classes
+        self._layers = [type(layer) for layer in layers]
+        self._records: dict[str, _Record] = {}
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            logger.warning("prompt cache: no disk tier, %s cannot be made: %s", directory, exc)
+            self.max_bytes = 0
+            return
+        for path in directory.iterdir():
+            if path.name.startswith(".") and path.name.endswith(".tmp.safetensors"):
+                path.unlink(missing_ok=True)  # a write a stop cut short
+            elif path.suffix == ".safetensors":
+                self._index(path)
+        self._prune()
+        if self._records:
+            logger.info("prompt cache: %d entries (%.1f MB) on disk in %s", self.entries, self.bytes / 1e6,
+                        directory)
+
+    @property
+    def entries(self) -> int:
+        return len(self._records)
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.size for r in self._records.values())
+
+    def _index(self, path: Path) -> None:
+        try:
+            with path.open("rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                if length > MAX_HEADER:
+                    raise ValueError(f"a header of {length} bytes")
+                metadata = json.loads(file.read(length)).get("__metadata__") or {}
+            if metadata.get("0.mlxcel_format") != FORMAT or metadata.get("0.mlxcel_model") != self.identity:
+                return  # another model's, or not a prompt cache: left alone
+            tokens = np.asarray(json.loads(metadata["0.mlxcel_tokens"]), dtype=np.int64)
+            if tokens.ndim != 1 or not tokens.size or path.name != _name(tokens):
+                raise ValueError("its tokens do not match its name")
+            stat = path.stat()
+            self._records[path.name] = _Record(path, tokens, metadata.get("0.mlxcel_rewinds") == "1",
+                                               stat.st_size, stat.st_mtime)
+        except (OSError, ValueError, KeyError, struct.error) as exc:
+            self._damaged(path, exc)
+
+    def _damaged(self, path: Path, exc: BaseException) -> None:
+        logger.warning("prompt cache: ignoring and removing %s: %s: %s", path, type(exc).__name__, exc)
+        self._records.pop(path.name, None)
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+
+    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any]] | None:
+        """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
+        cache); None when there is none, or it cannot be read."""
+        best, length = None, better_than
+        for record in self._records.values():
+            n = usable(record.tokens, record.rewinds, prompt)
+            if n > length:
+                best, length = record, n
+        if best is None:
+            return None
+        try:
+            cache = self._load(best)
+        except Exception as exc:  # a truncated or corrupt file: whatever mlx or the classes raise
+            self._damaged(best.path, exc)
+            return None
+        best.used = time.time()
+        with contextlib.suppress(OSError):
+            os.utime(best.path)
+        return best.tokens, cache
+
+    def _load(self, record: _Record) -> list[Any]:
+        """The cache in *record*'s file: mlx-lm's ``load_prompt_cache``, with the classes this model's family
+        uses (mlx-lm's looks classes up among its own only), checked against the model's layers."""
+        import mlx.core as mx
+        from mlx.utils import tree_unflatten
+
+        loaded: Any = mx.load(str(record.path), return_metadata=True)
+        arrays, flat = loaded
+        _, classes, scalars = tree_unflatten(list(flat.items()))
+        values: dict[str, Any] = dict(arrays)
+        for position, kind in scalars[1:]:
+            array = arrays[position]
+            values[position] = array.item() if kind == "scalar" else None if kind == "none" else \
+                "".join(chr(c) for c in array.tolist())
+        states = tree_unflatten(list(values.items()))
+        if len(classes) != len(self._layers) or len(states) != len(classes):
+            raise ValueError(f"{len(classes)} layers, where the model has {len(self._layers)}")
+        cache = [self._classes[name].from_state(state) for name, state in zip(classes, states, strict=True)]
+        for layer, fresh in zip(cache, self._layers, strict=True):
+            if not isinstance(layer, fresh):  # a family's own class is a kind of mlx-lm's, or the same class
+                raise ValueError(f"a {type(layer).__name__} layer where the model has a {fresh.__name__}")
+            if getattr(layer, "offset", len(record.tokens)) != len(record.tokens):
+                raise ValueError(f"a layer holding {layer.offset} positions for {len(record.tokens)} tokens")
+        if rewindable(cache) != record.rewinds:
+            raise ValueError("its layers do not match its header")
+        mx.eval([layer.state for layer in cache])
+        return cache
+
+    def save(self, tokens: np.ndarray, cache: list[Any]) -> None:
+        """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off."""
+        from mlx_lm.models.cache import save_prompt_cache
+
+        name = _name(tokens)
+        if self.max_bytes <= 0 or name in self._records:
+            return
+        path, temporary = self.directory / name, self.directory / f".{name[:-12]}.tmp.safetensors"
+        rewinds = rewindable(cache)
+        try:
+            save_prompt_cache(str(temporary), cache, {
+                "mlxcel_format": FORMAT, "mlxcel_model": self.identity,
+                "mlxcel_tokens": json.dumps(tokens.tolist(), separators=(",", ":")),
+                "mlxcel_rewinds": "1" if rewinds else "0"})
+            os.replace(temporary, path)
+        except Exception as exc:  # a full disk, a directory gone, state mlx-lm cannot serialise
+            logger.warning("prompt cache: could not write %s: %s: %s", path, type(exc).__name__, exc)
+            temporary.unlink(missing_ok=True)
+            return
+        self._records[name] = _Record(path, tokens, rewinds, path.stat().st_size, time.time())
+        self._prune()
+
+    def _prune(self) -> None:
+        """Remove the least recently used files until the tier is within its bound."""
+        while self._records and self.bytes > self.max_bytes:
+            oldest = min(self._records.values(), key=lambda r: r.used)
+            del self._records[oldest.path.name]
+            try:
+                oldest.path.unlink(missing_ok=True)
+            except OSError as exc:
+                logger.warning("prompt cache: could not remove %s: %s", oldest.path, exc)

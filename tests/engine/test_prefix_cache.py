@@ -1,0 +1,75 @@
+"""The prefix cache on its own: which kept cache serves a prompt, its byte bound, and its snapshots."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mlxcel.engine.prefix_cache import PrefixCache, usable
+
+
+def _a(*tokens: int) -> np.ndarray:
+    return np.asarray(tokens, dtype=np.int64)
+
+
+@pytest.mark.parametrize(("held", "rewinds", "prompt", "serves"), [
+    ((1, 2, 3), False, (1, 2, 3, 4), 3),  # a prefix: all of it, as it is
+    ((1, 2, 3), True, (1, 2, 3, 4), 3),
+    ((1, 2, 3), False, (1, 2, 3), 0),  # the whole prompt: the last token must be fed, and it cannot rewind
+    ((1, 2, 3), True, (1, 2, 3), 2),  # ... so a rewindable one steps back one
+    ((1, 2, 3, 4, 5), True, (1, 2, 3, 9), 3),  # longer, diverging: trimmed to the common prefix
+    ((1, 2, 3, 4, 5), False, (1, 2, 3, 9), 0),
+    ((1, 2, 3, 4, 5), True, (1, 2, 3), 2),
+    ((7, 2, 3), True, (1, 2, 3), 0),
+])
+def test_which_cache_serves_how_much_of_a_prompt(held: tuple[int, ...], rewinds: bool, prompt: tuple[int, ...],
+                                                 serves: int) -> None:
+    assert usable(_a(*held), rewinds, _a(*prompt)) == serves
+
+
+def _kv(tokens: int) -> list[object]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    layer = KVCache()
+    layer.update_and_fetch(mx.zeros((1, 2, tokens, 8)), mx.zeros((1, 2, tokens, 8)))
+    return [layer]
+
+
+def _ring(tokens: int) -> list[object]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import RotatingKVCache
+
+    layer = RotatingKVCache(max_size=4)
+    for _ in range(tokens):
+        layer.update_and_fetch(mx.zeros((1, 2, 1, 8)), mx.zeros((1, 2, 1, 8)))
+    return [layer]
+
+
+def test_memory_is_bounded_in_bytes_least_recently_used_first() -> None:
+    one = sum(c.nbytes for c in _kv(10))  # type: ignore[attr-defined]
+    cache = PrefixCache(None, max_bytes=2 * one)
+    for first in (1, 2, 3):
+        cache.store([first, *range(100, 109)], _kv(10))
+    assert cache.fetch([1, *range(100, 109), 5])[0] is None  # the oldest went
+    assert cache.fetch([2, *range(100, 109), 5])[1] == [5]
+    cache.store([4, *range(100, 109)], _kv(10))  # evicts 3, not 2: 2 was used since
+    assert cache.fetch([3, *range(100, 109), 5])[0] is None
+    assert cache.fetch([2, *range(100, 109), 5])[1] == [5]
+    stats = cache.stats()
+    assert (stats.entries, stats.evictions, stats.hits, stats.reused_tokens) == (2, 2, 2, 20)
+
+
+def test_snapshots_only_of_caches_that_cannot_rewind() -> None:
+    import mlx.core as mx
+
+    cache = PrefixCache(None)
+    assert not cache.snapshot([1, 2, 3], _kv(3))  # a KV cache serves its prefixes itself
+    ring = _ring(6)  # wrapped: the positions before the last four are gone
+    assert cache.snapshot(list(range(6)), ring)
+    ring[0].update_and_fetch(mx.ones((1, 2, 1, 8)), mx.ones((1, 2, 1, 8)))  # type: ignore[attr-defined]
+    got, rest, _ = cache.fetch([*range(6), 9, 9])  # the live cache went on; the snapshot kept its position
+    assert rest == [9, 9] and got is not None and got[0].offset == 6
+    assert mx.all(got[0].keys == 0).item()  # none of the live cache's later writes
+    assert cache.stats().snapshots == 1
+    assert PrefixCache(0).fetch([1, 2])[0] is None  # size 0: off

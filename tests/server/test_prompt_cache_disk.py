@@ -1,0 +1,97 @@
+"""The prefix cache's disk tier: an agent's conversation resumes after a restart, and damaged files cost a miss.
+
+Each test has a cache directory of its own (``MLXCEL_CACHE_DIR``, tests/conftest.py); a server that stops
+writes what its prefix cache holds there, and the next server on the same model reads it back on a hit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import running_server
+from tests.server.test_prompt_cache import SYSTEM, _length
+
+CONVERSATION = [SYSTEM, {"role": "user", "content": "Fix the bug in main.py"}]
+NEXT = [*CONVERSATION, {"role": "assistant", "content": "Looking at it."},
+        {"role": "user", "content": "Tool result: " + "ok " * 15}]
+
+
+async def _ask(url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        answer: dict[str, Any] = (await client.post("/v1/chat/completions", json={
+            "messages": messages, "max_tokens": 8, "temperature": 0})).json()
+        answer["stats"] = (await client.get("/v1/cache/stats")).json()
+    return answer
+
+
+def _files() -> list[Path]:
+    return sorted((Path(os.environ["MLXCEL_CACHE_DIR"]) / "prompt-cache").glob("*/*.safetensors"))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4", "inkling"])
+async def test_a_conversation_resumes_after_a_restart_as_it_would_have_without_one(
+        cache_models: dict[str, Path], family: str) -> None:
+    model = cache_models[family]
+    async with running_server(["--model", str(model)]) as url:
+        await _ask(url, CONVERSATION)
+    assert _files(), "the stopping server wrote its prompt caches"
+    async with running_server(["--model", str(model)]) as url:
+        resumed = await _ask(url, NEXT)
+    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
+        cold = await _ask(url, NEXT)
+    assert resumed["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert resumed["timings"]["cached_n"] >= _length(model, CONVERSATION) - 1
+    assert resumed["stats"]["disk"]["hits"] == 1 and cold["timings"]["cached_n"] == 0
+
+
+async def test_damaged_and_foreign_files_are_a_warning_and_a_miss(
+        cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    model = cache_models["qwen3_5"]
+    async with running_server(["--model", str(model)]) as url:
+        await _ask(url, CONVERSATION)
+    files = _files()
+    directory = files[0].parent
+    for path in files:  # every file of ours cut short, as a crash mid-copy would leave it
+        path.write_bytes(path.read_bytes()[:200])
+    (directory / ("0" * 64 + ".safetensors")).write_bytes(b"not a safetensors file")
+    foreign = directory.parent / "another-model" / "f.safetensors"
+    foreign.parent.mkdir()
+    foreign.write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"):
+        async with running_server(["--model", str(model)]) as url:
+            answer = await _ask(url, NEXT)
+    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
+        cold = await _ask(url, NEXT)
+    assert answer["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert answer["timings"]["cached_n"] == 0 and answer["stats"]["disk"]["hits"] == 0
+    assert sum("ignoring and removing" in r.getMessage() for r in caplog.records) == len(files) + 1
+    assert foreign.exists()  # another model's directory is not this server's to clean
+
+
+async def test_the_disk_tier_is_bounded_and_an_unwritable_directory_turns_it_off(
+        cache_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = cache_models["qwen3_5"]
+    async with running_server(["--model", str(model)]) as url:
+        await _ask(url, CONVERSATION)
+    largest = max(path.stat().st_size for path in _files())
+    for path in _files():
+        path.unlink()
+    async with running_server(["--model", str(model), "--prompt-cache-disk-bytes", str(largest)]) as url:
+        answer = await _ask(url, CONVERSATION)
+    assert answer["stats"]["disk"]["max_bytes"] == largest
+    assert len(_files()) >= 1 and sum(path.stat().st_size for path in _files()) <= largest
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would be")
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(blocked))
+    with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"):
+        async with running_server(["--model", str(model)]) as url:
+            answer = await _ask(url, CONVERSATION)
+    assert answer["choices"][0]["message"]["content"] is not None
+    assert any("no disk tier" in r.getMessage() for r in caplog.records)
