@@ -171,7 +171,8 @@ class PrefixCache:
             self._bytes -= old.nbytes
         entry = Entry(key, np.asarray(key, dtype=np.int64), cache, rewindable(cache), sum(c.nbytes for c in cache))
         if entry.rewinds:  # a rewindable entry stands for every rewindable one it extends: they only take room
-            for other in [k for k, e in self._held.items() if e.rewinds and len(k) < len(key) and key[:len(k)] == k]:
+            for other in [k for k, e in self._held.items() if e.rewinds and len(k) < len(key)
+                          and np.array_equal(entry.tokens[:len(k)], e.tokens)]:
                 self._bytes -= self._held.pop(other).nbytes
         self._held[key] = entry
         self._bytes += entry.nbytes

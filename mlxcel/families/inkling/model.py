@@ -129,16 +129,10 @@ class InklingCache(_BaseCache):
 
     @state.setter
     def state(self, value: list[Any]) -> None:
-        split = len(value) - len(self.CONVS)  # the key/value cache's state is mlx-lm's to shape
-        self.kv.state = value[:split]
+        # Whole: mlx-lm's ``from_state`` (a prompt cache file's) sets it on an instance never initialised.
+        self.kv, self.windows, split = KVCache(), None, len(value) - len(self.CONVS)
+        self.kv.state = value[:split]  # the key/value cache's state is mlx-lm's to shape
         self.conv = dict(zip(self.CONVS, value[split:], strict=True))
-
-    @classmethod
-    def from_state(cls, state: list[Any]) -> InklingCache:
-        """The cache whose ``state`` is *state* (a prompt cache file's)."""
-        cache = cls()
-        cache.state = state
-        return cache
 
     def live_state(self) -> list[Any]:
         """What a later step reads: the keys/values so far and the convolution states."""
@@ -147,7 +141,7 @@ class InklingCache(_BaseCache):
         return live + [c for c in self.conv.values() if c is not None]
 
     def size(self) -> int:
-        return self.kv.offset
+        return self.offset
 
     def empty(self) -> bool:
         return self.kv.keys is None
