@@ -49,14 +49,14 @@ def model_identity(checkpoint: CheckpointInfo) -> str:
     return digest.hexdigest()
 
 
-def open_prefix_cache(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any) -> PrefixCache:
-    """The worker's prefix cache, with its disk tier where the settings give it room and a directory."""
+def open_prefix_cache(settings: WorkerSettings, checkpoint: CheckpointInfo, layers: list[Any]) -> PrefixCache:
+    """The worker's prefix cache, with its disk tier where the settings give it room and a directory;
+    *layers*: a fresh cache of the model (what a file's layers must match)."""
     from mlx_lm.models import cache as mlx_cache
 
     from ..families import family
 
     disk = None
-    layers = mlx_cache.make_prompt_cache(model)
     if settings.cache_root is not None and settings.prefix_cache_disk_bytes > 0 and \
             settings.prefix_cache_entries != 0:
         identity = model_identity(checkpoint)

@@ -120,7 +120,8 @@ class Worker:
         if capabilities.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream)
-        self.prefix = open_prefix_cache(self.settings, self.checkpoint, self.model)
+        layers = make_prompt_cache(self.model)
+        self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
         self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
@@ -132,7 +133,7 @@ class Worker:
                            self.policy.state, speculation.decline)
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length,
-                                                snapshots=not rewindable(make_prompt_cache(self.model)))
+                                                snapshots=not rewindable(layers))
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _loop(self) -> None:
