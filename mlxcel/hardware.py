@@ -89,3 +89,25 @@ def detect_host() -> HostInfo:
         label=hardware_label(f"cpu-{blas_kind()}", architecture=architecture or platform.machine() or None),
         gpu_vendor="Unknown", gpu_device=None, gpu_architecture=None, static_mtp_gate=False,
     )
+
+
+#: The libraries whose kernels a measured verdict depends on.
+_KERNEL_LIBRARIES = ("mlx", "mlx-lm")
+
+
+def kernel_versions() -> dict[str, str]:
+    """The installed versions of the libraries a verdict measured (``mlx``, ``mlx-lm``).
+
+    A verify's cost changes between their releases (quantized products of a
+    few rows, the attention kernels), so the persisted hint records them and a
+    hint measured under others is profiled again.
+    """
+    import importlib.metadata
+
+    versions = {}
+    for name in _KERNEL_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions

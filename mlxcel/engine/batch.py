@@ -7,13 +7,23 @@ whatever the worker tracks, and rebuilds the generator when a step failed.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Generic, NamedTuple, TypeVar
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class Stepped(NamedTuple, Generic[T]):
+    """What one :meth:`ContinuousBatch.step` did."""
+
+    tokens: list[tuple[T, Any]]
+    """(sequence, mlx-lm's response) for every sequence that produced a token."""
+    snapshots: list[tuple[list[int], list[Any]]]
+    """(the tokens it holds, a copy of the cache) for every sequence whose prefill reached one of its marks."""
 
 
 class ContinuousBatch(Generic[T]):
@@ -25,6 +35,7 @@ class ContinuousBatch(Generic[T]):
         self._generator = self._make()
         self._by_uid: dict[int, T] = {}
         self._uids: dict[int, int] = {}  # id(sequence) -> uid
+        self._marks: dict[int, set[int]] = {}  # uid -> marks still to pass, counted in the tokens it feeds
 
     def __contains__(self, sequence: T) -> bool:
         return id(sequence) in self._uids
@@ -34,21 +45,40 @@ class ContinuousBatch(Generic[T]):
         return list(self._by_uid.values())
 
     def insert(self, sequence: T, tokens: list[int], cache: list[Any] | None, cached: list[int],
-               max_tokens: int, sampler: Any, processors: list[Any]) -> None:
+               max_tokens: int, sampler: Any, processors: list[Any], marks: Iterable[int] = ()) -> None:
         """Add *sequence*: *tokens* still to feed on top of *cache* (holding *cached*), or a fresh prompt.
 
         *processors* (mlx-lm's logits processors) see every token of the sequence, *cached* included.
+        *marks*: prompt positions (counted from the start, *cached* included) at which :meth:`step`
+        hands back a copy of the sequence's cache, for the prefix cache's snapshots; its prefill
+        stops at each (mlx-lm's prompt segments).
         """
-        (uid,) = self._generator.insert([tokens], max_tokens=[max_tokens],
-                                        caches=[cache] if cache is not None else None,
-                                        all_tokens=[cached], samplers=[sampler], logits_processors=[processors])
+        cuts = sorted({m - len(cached) for m in marks if 0 < m - len(cached) < len(tokens)})
+        segments = [tokens[a:b] for a, b in itertools.pairwise([0, *cuts, len(tokens)])]
+        (uid,) = self._generator.insert_segments([segments], max_tokens=[max_tokens],
+                                                 caches=[cache] if cache is not None else None,
+                                                 all_tokens=[cached], samplers=[sampler],
+                                                 logits_processors=[processors])
         self._by_uid[uid] = sequence
         self._uids[id(sequence)] = uid
+        if cuts:
+            self._marks[uid] = set(cuts)
 
-    def step(self) -> list[tuple[T, Any]]:
-        """One decode step: (sequence, mlx-lm's response) for every sequence that produced a token."""
-        _, responses = self._generator.next()
-        return [(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid]
+    def step(self) -> Stepped[T]:
+        """One step: a token for every decoding sequence, a prefill chunk for the others."""
+        import mlx.core as mx
+
+        prompts, responses = self._generator.next()
+        snapshots = []
+        for response in prompts:
+            marks = self._marks.get(response.uid)
+            fed = response.progress[0]  # of the tokens the sequence came in with, not counting its cache's
+            if marks and response.end_of_segment and fed in marks:
+                marks.discard(fed)
+                cache, held = self._generator.extract_cache([response.uid])[response.uid]
+                mx.eval([layer.state for layer in cache])  # its own arrays, not views of the batch's
+                snapshots.append((list(held), cache))
+        return Stepped([(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid], snapshots)
 
     def take_out(self, finished: list[tuple[T, Any]]) -> dict[int, tuple[Any, list[int]]]:
         """Remove *finished* sequences; the (cache, tokens) of each, by ``id(sequence)``, to keep.
@@ -63,6 +93,7 @@ class ContinuousBatch(Generic[T]):
         for sequence, response in finished:
             uid = self._uids.pop(id(sequence))
             self._by_uid.pop(uid, None)
+            self._marks.pop(uid, None)
             kept[id(sequence)] = removed.get(uid, (response.prompt_cache, response.all_tokens))
         return kept
 
@@ -72,6 +103,7 @@ class ContinuousBatch(Generic[T]):
         if uid is None:
             return
         self._by_uid.pop(uid, None)
+        self._marks.pop(uid, None)
         try:
             self._generator.remove([uid])
         except Exception:  # a broken generator is rebuilt by the worker anyway
@@ -82,6 +114,7 @@ class ContinuousBatch(Generic[T]):
         self.close()
         self._by_uid.clear()
         self._uids.clear()
+        self._marks.clear()
         self._generator = self._make()
 
     def close(self) -> None:

@@ -178,12 +178,26 @@ class PrefixCache:
         self._bytes += entry.nbytes
         while self._held and (self._bytes > self._max_bytes or
                               (self._entries is not None and len(self._held) > self._entries)):
-            _, evicted = self._held.popitem(last=False)
+            evicted = self._held.pop(self._victim())
             self._bytes -= evicted.nbytes
             self._evictions += 1
             if self.disk is not None:
                 self.disk.save(evicted.tokens, evicted.cache)
         return self._held.get(key)
+
+    def _victim(self) -> tuple[int, ...]:
+        """The entry to evict: the least recently used that is not a shared head, else the least recently
+        used.
+
+        A shared head (a system prompt and tool schemas every session of an agent sends) is the prefix of
+        held entries that diverge after it: sessions each resume from their own deepest entry and so use
+        the head only when a new one starts, which plain LRU would take for disuse while one long session
+        fills memory."""
+        held = [entry.tokens for entry in self._held.values()]
+        for key, entry in self._held.items():
+            if not _branches_at(entry.tokens, held):
+                return key
+        return next(iter(self._held))
 
     def persist(self) -> None:
         """Write what memory holds to the disk tier, most recently used first (the server is stopping)."""
@@ -200,3 +214,13 @@ class PrefixCache:
                           snapshots=self._snapshots, evictions=self._evictions, disk_hits=self._disk_hits,
                           disk_entries=disk.entries if disk else 0, disk_bytes=disk.bytes if disk else 0,
                           max_disk_bytes=disk.max_bytes if disk else 0)
+
+
+def _branches_at(head: np.ndarray, held: list[np.ndarray]) -> bool:
+    """Whether entries of *held* extend *head* and then part: it is a prefix shared by diverging prompts."""
+    n = len(head)
+    extending = [tokens for tokens in held if len(tokens) > n and np.array_equal(tokens[:n], head)]
+    if len(extending) < 2:
+        return False
+    longest = max(extending, key=len)  # they part unless every one is a prefix of the longest
+    return any(not np.array_equal(longest[:len(tokens)], tokens) for tokens in extending)

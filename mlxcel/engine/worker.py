@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ..hardware import kernel_versions
 from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
@@ -32,7 +33,7 @@ from .messages import LoadCancelled, Message, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, SoloTurn
 from .sequence import Sequence, new_sequence
-from .solo_turn import SoloTurns
+from .solo_turn import SoloTurns, snapshot_marks
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
     from .speculation import Speculation
@@ -60,7 +61,8 @@ class Worker:
         self.instrument = instrument
         self._on_ready = on_ready
         self._stopping = stopping
-        hints = HintStore(settings.cache_root) if settings.cache_root is not None else None
+        hints = (HintStore(settings.cache_root, kernel_versions())
+                 if settings.cache_root is not None else None)
         self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
         self.scheduler = Scheduler(Capabilities())
         self.model: Any = None
@@ -70,6 +72,7 @@ class Worker:
         self.speculation: Speculation | None = None
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
+        self._snapshots = False  # whether prefills keep snapshots (decided at load)
         self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
 
@@ -131,9 +134,11 @@ class Worker:
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
                            self.policy.state, speculation.decline)
+        # Only a cache that cannot be rewound needs snapshots: a KV cache is trimmed back instead.
+        self._snapshots = not rewindable(layers) and not self.prefix.off
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length,
-                                                snapshots=not rewindable(layers))
+                                                snapshots=self._snapshots)
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _loop(self) -> None:
@@ -232,8 +237,9 @@ class Worker:
         for processor in sequence.processors:
             if isinstance(processor, GrammarProcessor):
                 processor.deferring = True  # a grammar failing in the batch ends its own sequence only
+        marks = snapshot_marks(sequence.request) if self._snapshots else ()
         self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
-                          sequence.processors)
+                          sequence.processors, marks)
         sequence.ever_batched = True
 
     def _into_batch_each(self, request_ids: Iterable[str]) -> None:
@@ -262,11 +268,13 @@ class Worker:
         if self.instrument is not None:
             for sequence in batch.sequences:
                 self.instrument.at("batch_step", sequence.request)
-        responses = batch.step()
+        stepped = batch.step()
+        for tokens, cache in stepped.snapshots:
+            self.snapshot(tokens, cache, None)
         events: Events = []
         finished: list[tuple[Sequence, Any]] = []
         failed: list[tuple[Sequence, Exception]] = []
-        for sequence, response in responses:
+        for sequence, response in stepped.tokens:
             if (grammar := sequence.grammar_failure()) is not None:
                 failed.append((sequence, grammar))  # its token came from unmasked logits: never delivered
                 continue

@@ -15,6 +15,7 @@ import math
 import os
 import stat
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 #: On-disk format and verdict semantics. Bump it whenever stored verdicts must
 #: be discarded and re-profiled. Unrelated to the wire ``schema_version``.
 #: 2: rounds pipelined and the enable line moved from 1.5 to 1.1.
-HINT_VERSION = 2
+#: 3: the kernels' versions (``kernels``) stored beside the verdict.
+HINT_VERSION = 3
 
 #: Subdirectory of the cache root that holds the hints.
 HINT_DIR = "mtp-policy"
@@ -36,7 +38,7 @@ HINT_DIR = "mtp-policy"
 _MAX_HINT_BYTES = 64 * 1024
 
 _FIELDS = ("version", "target", "drafter", "hardware", "block_size",
-           "verdict", "acceptance_rate", "samples", "estimated_speedup")
+           "verdict", "acceptance_rate", "samples", "estimated_speedup", "kernels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,7 @@ class Hint:
     samples: int
     estimated_speedup: float | None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, kernels: Mapping[str, str]) -> dict[str, Any]:
         return {
             "version": HINT_VERSION,
             "target": self.key.target,
@@ -75,14 +77,23 @@ class Hint:
             "acceptance_rate": self.acceptance_rate,
             "samples": self.samples,
             "estimated_speedup": self.estimated_speedup,
+            "kernels": dict(kernels),
         }
 
 
 class HintStore:
-    """Hints under ``<cache root>/mtp-policy/<key digest>.json``."""
+    """Hints under ``<cache root>/mtp-policy/<key digest>.json``.
 
-    def __init__(self, cache_root: Path) -> None:
+    *kernels* names the libraries whose kernels the verdict measured, with
+    their versions (``{"mlx": "0.32.4", "mlx-lm": "0.32.2"}``): a verify's cost
+    moves between releases, so a hint stored under other versions is not
+    restored and the pairing profiles again. The pairing key, which is the
+    contract's, does not change with them.
+    """
+
+    def __init__(self, cache_root: Path, kernels: Mapping[str, str] | None = None) -> None:
         self.directory = Path(cache_root) / HINT_DIR
+        self.kernels: dict[str, str] = dict(kernels or {})
         self._warned: set[str] = set()
 
     def path_for(self, key: PairingKey) -> Path:
@@ -109,7 +120,7 @@ class HintStore:
         except (UnicodeDecodeError, json.JSONDecodeError):
             self._warn(path, "it is not valid JSON (corrupt or truncated)")
             return None
-        problem = _validate(body, key)
+        problem = _validate(body, key) or _other_kernels(body["kernels"], self.kernels)
         if problem:
             self._warn(path, problem)
             return None
@@ -125,7 +136,7 @@ class HintStore:
         file, never a torn one.
         """
         path = self.path_for(hint.key)
-        data = (json.dumps(hint.to_json(), indent=2) + "\n").encode("utf-8")
+        data = (json.dumps(hint.to_json(self.kernels), indent=2) + "\n").encode("utf-8")
         tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -207,4 +218,20 @@ def _validate(body: Any, key: PairingKey) -> str | None:
     speedup = body["estimated_speedup"]
     if not (speedup is None or (_is_number(speedup) and speedup >= 0)):
         return "its estimated_speedup is not a non-negative number"
+    kernels = body["kernels"]
+    if not (isinstance(kernels, dict) and len(kernels) <= 16
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items())):
+        return "its kernels is not an object of library versions"
     return None
+
+
+def _other_kernels(stored: dict[str, str], running: dict[str, str]) -> str | None:
+    """Why a hint measured under *stored* kernels is stale here, or None."""
+    if stored == running:
+        return None
+    return (f"it was measured under {_spell(stored)} and this server runs {_spell(running)}; "
+            "profiling the pairing again")
+
+
+def _spell(kernels: dict[str, str]) -> str:
+    return ", ".join(f"{name} {version}" for name, version in sorted(kernels.items())) or "unknown kernels"

@@ -73,3 +73,22 @@ def test_snapshots_only_of_caches_that_cannot_rewind() -> None:
     assert mx.all(got[0].keys == 0).item()  # none of the live cache's later writes
     assert cache.stats().snapshots == 1
     assert PrefixCache(0).fetch([1, 2])[0] is None  # size 0: off
+
+
+def test_a_head_that_sessions_share_outlives_one_session_filling_memory() -> None:
+    """Two sessions resumed from one head; then one long session fills memory. LRU alone would evict the head
+    (used only when a session starts); it goes last, after the sessions' own older entries."""
+    one = sum(c.nbytes for c in _ring(6))  # type: ignore[attr-defined]
+    cache = PrefixCache(None, max_bytes=4 * one)
+    head = list(range(10, 16))
+    cache.snapshot(head, _ring(6))
+    for session in (1, 2):
+        cache.snapshot([*head, session, 0], _ring(6))
+    for turn in range(1, 4):  # session 1 goes on alone: each turn a deeper snapshot
+        cache.snapshot([*head, 1, 0, *range(turn)], _ring(6))
+    # The two least recently used entries that are not the head went: session 1's first and session 2's.
+    assert cache.stats().evictions == 2
+    got, rest, _ = cache.fetch([*head, 3, 3])  # a third session starts: the head serves it
+    assert got is not None and rest == [3, 3]
+    assert cache.fetch([*head, 2, 0, 9])[1] == [2, 0, 9]  # and session 2, whose own entry went
+    assert cache.fetch([*head, 1, 0, 0, 1, 2, 7])[1] == [7]  # session 1 keeps its deepest

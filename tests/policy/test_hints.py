@@ -35,7 +35,7 @@ def test_round_trip(hints: HintStore, pairing: PairingKey) -> None:
 
 
 def _corrupt_cases(key: PairingKey) -> dict[str, bytes]:
-    good = _hint(key).to_json()
+    good = _hint(key).to_json({})
     return {
         "truncated": json.dumps(good).encode()[:40],
         "not json": b"\x00\xff garbage",
@@ -52,6 +52,10 @@ def _corrupt_cases(key: PairingKey) -> dict[str, bytes]:
         "samples zero": json.dumps({**good, "samples": 0}).encode(),
         "samples bool": json.dumps({**good, "samples": True}).encode(),
         "extra field": json.dumps({**good, "prompt": "secret"}).encode(),
+        "no kernels": json.dumps({k: v for k, v in good.items() if k != "kernels"}).encode(),
+        "kernels a list": json.dumps({**good, "kernels": ["mlx"]}).encode(),
+        "kernel version a number": json.dumps({**good, "kernels": {"mlx": 0.3}}).encode(),
+        "other kernels": json.dumps({**good, "kernels": {"mlx": "0.1.0"}}).encode(),
         "huge": b" " * (1024 * 1024),
     }
 
@@ -71,6 +75,24 @@ def test_bad_files_are_ignored_with_one_warning(hints: HintStore, case: str,
     # Re-profiling then overwrites the bad file with a good one.
     hints.save(_hint(key))
     assert hints.load(key) == _hint(key)
+
+
+def test_a_verdict_measured_under_other_kernels_is_profiled_again(
+        cache_root: Path, pairing: PairingKey, caplog: pytest.LogCaptureFixture) -> None:
+    old = HintStore(cache_root, {"mlx": "0.31.0", "mlx-lm": "0.31.1"})
+    old.save(_hint(pairing))
+    assert old.load(pairing) == _hint(pairing)
+    assert json.loads(old.path_for(pairing).read_text())["kernels"] == {"mlx": "0.31.0", "mlx-lm": "0.31.1"}
+    new = HintStore(cache_root, {"mlx": "0.32.4", "mlx-lm": "0.31.1"})
+    with caplog.at_level(logging.WARNING):
+        assert new.load(pairing) is None
+    assert caplog.records[0].getMessage() == (
+        f"ignoring the MTP policy hint {new.path_for(pairing)}: it was measured under mlx 0.31.0, "
+        "mlx-lm 0.31.1 and this server runs mlx 0.32.4, mlx-lm 0.31.1; profiling the pairing again")
+    # The new verdict replaces it, under the running kernels.
+    new.save(_hint(pairing, verdict="decline"))
+    assert new.load(pairing) == _hint(pairing, verdict="decline")
+    assert old.load(pairing) is None
 
 
 def test_foreign_key_in_our_file_name_is_ignored(hints: HintStore, pairing: PairingKey) -> None:

@@ -45,7 +45,8 @@ def test_profiling_counts_down_and_settles_on_the_last_sample(cache_root: Path, 
     stored = json.loads(HintStore(cache_root).path_for(pairing).read_text())
     assert stored == {"version": HINT_VERSION, "target": "Gemma4-12B", "drafter": "Gemma4-12B-MTP",
                       "hardware": "M5-16c", "block_size": 4, "verdict": "enable",
-                      "acceptance_rate": 0.67, "samples": 4, "estimated_speedup": 2.0}
+                      "acceptance_rate": 0.67, "samples": 4, "estimated_speedup": 2.0,
+                      "kernels": {}}
 
 
 def test_restart_restores_settled_without_profiling(cache_root: Path, pairing: PairingKey) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
 import os
@@ -168,11 +169,21 @@ async def test_profiling_counts_down_settles_persists_and_restores(
     assert settled["verdict"] in ("enable", "decline")
     assert settled["acceptance_rate"] == round(settled["acceptance_rate"], 2)  # type: ignore[arg-type]
     hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))
-    assert len(hints) == 1 and json.loads(hints[0].read_text())["verdict"] == settled["verdict"]
+    assert len(hints) == 1
+    stored = json.loads(hints[0].read_text())
+    assert stored["verdict"] == settled["verdict"]
+    # The kernels it measured: the installed distributions, as pip sees them.
+    assert stored["kernels"] == {name: importlib.metadata.version(name) for name in ("mlx", "mlx-lm")}
 
     async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:
         restored = await _policy(client, url)
     assert restored == settled
+
+    # A verdict measured under another mlx is not restored: the pairing profiles again.
+    hints[0].write_text(json.dumps({**stored, "kernels": {**stored["kernels"], "mlx": "0.1.0"}}))
+    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:
+        stale = await _policy(client, url)
+    assert (stale["state"], stale["block_size"], stale["samples_remaining"]) == ("profiling", 4, 4)
 
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
     async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:

@@ -70,6 +70,42 @@ async def test_each_turn_resumes_from_the_last_prompt_and_answers_as_without_the
     assert stats["snapshots"] == (0 if family == "llama" else 1 + 2 * 4), stats
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+async def test_agents_at_once_each_resume_from_their_own_last_prompt(
+        cache_models: dict[str, Path], family: str) -> None:
+    """Three agents interleaved on one server: their prompts are prefilled together in the continuous batch,
+    which keeps the snapshots a solo prefill keeps, so every session resumes from its own last prompt."""
+    import trio
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = cache_models[family]
+    firsts = ["Fix the bug in main.py", "Write the tests for util.py", "Explain the build"]
+    together: dict[str, list[dict[str, Any]]] = {}
+
+    async def session(url: str, first: str) -> None:
+        together[first] = await _agent(url, 4, first)
+
+    async with running_server(["--model", str(model), "--metrics"]) as url:
+        async with trio.open_nursery() as nursery:
+            for first in firsts:
+                nursery.start_soon(session, url, first)
+        async with httpx.AsyncClient(base_url=url) as client:
+            stats = (await client.get("/v1/cache/stats")).json()
+            metrics = {s.name: s.value for f in text_string_to_metric_families((await client.get("/metrics")).text)
+                       for s in f.samples}
+    assert metrics["mlxcel_solo_handoffs_total"] > 0  # the sessions met in the batch
+    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
+        alone = {first: await _agent(url, 4, first) for first in firsts}
+    for first in firsts:
+        assert [a["choices"][0]["message"]["content"] for a in together[first]] == \
+            [a["choices"][0]["message"]["content"] for a in alone[first]]
+        for earlier, answer in itertools.pairwise(together[first]):
+            assert answer["timings"]["cached_n"] >= earlier["usage"]["prompt_tokens"] - 1, (first, answer["timings"])
+    # Every turn keeps two of its own; a first turn also keeps the end of the system prompt unless another
+    # session's snapshot served it.
+    assert 2 * 4 * len(firsts) < stats["snapshots"] <= (1 + 2 * 4) * len(firsts), stats
+
+
 async def test_a_thinking_template_resumes_from_before_its_open_think_block(tmp_path: Path) -> None:
     """The prompt ends in an open <think> block that the next turn renders otherwise: the snapshot that serves
     it is the one at the end of the conversation before the generation prompt."""
