@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -87,6 +89,26 @@ def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterat
     # Benchmark models are big: loading and the exactness probe at boot take minutes on a slow BLAS.
     with serve_subprocess(["--model", str(model), *args], env or {}, log, start_timeout=900) as url:
         yield url
+
+
+@contextmanager
+def mlx_lm_server(path: Path, *args: str) -> Iterator[str]:
+    """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
+    from mlxcel.testing.serving import free_port, wait_healthy
+
+    port = free_port()
+    code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
+            "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; runpy.run_module('mlx_lm.server', run_name='__main__')")
+    log = BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log"
+    with log.open("w") as out, subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port",
+                                                 str(port), *args], stdout=out, stderr=subprocess.STDOUT) as process:
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_healthy(url, process, 900, log)  # big models load for minutes
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=60)
 
 
 def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:

@@ -1,6 +1,6 @@
 """An agent's trace replayed: time to first token per turn with the prefix cache, without it, and after a restart.
 
-    python -m benchmarks.agent_cache [--families llama qwen3_5] [--head 2000] [--turns 6] [--sessions 2]
+    python -m benchmarks.agent_cache [--families llama qwen3_5] [--head 2000] [--turns 6] [--sessions 2] [--mlx-lm]
 
 Each session is an agent loop: a fixed head (system prompt and tools, shared by
 every session), a first user message of its own, then per turn the assistant's
@@ -11,8 +11,9 @@ The same trace runs against a server with its prefix cache, against one
 without (``--prompt-cache-size 0``), and against a server restarted on the first
 one's cache directory (the disk tier), which is sent the next turn of each known
 conversation; for a hybrid model (Qwen 3.5's recurrent layers) and a llama of
-the same size. Prints, per turn, the milliseconds each way and the ratio
-cached / uncached.
+the same size. With ``--mlx-lm``, the same turns also go to ``mlx_lm.server``
+with its own prompt cache (same BLAS, loaded first). Prints, per turn, the
+milliseconds each way and the ratio cached / uncached.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import BENCH_DIR, median, server  # noqa: E402
+from benchmarks._common import BENCH_DIR, median, mlx_lm_server, server  # noqa: E402
 
 WORDS = ("file", "def", "return", "value", "error", "test", "line", "the", "path", "import", "class", "self",
          "config", "result", "None", "check", "buffer", "index", "module", "patch", "diff", "output", "read")
@@ -84,17 +85,17 @@ def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str
 
 def ask(client: httpx.Client, url: str, messages: list[dict[str, str]]) -> tuple[float, dict[str, Any]]:
     start = time.perf_counter()
-    response = client.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1,
-                                                                "temperature": 0})
+    response = client.post(f"{url}/v1/chat/completions", json={"messages": messages,
+                                                                "max_tokens": 1, "temperature": 0})
     response.raise_for_status()
     return (time.perf_counter() - start) * 1000, response.json()
 
 
-def replay(checkpoint: Path, sessions: list[list[list[dict[str, str]]]], turns: range, *argv: str
-           ) -> dict[tuple[int, int], tuple[float, dict[str, Any]]]:
-    """(session, turn) -> (milliseconds, body), the sessions' turns interleaved."""
+def replay(checkpoint: Path, sessions: list[list[list[dict[str, str]]]], turns: range, *argv: str,
+           theirs: bool = False) -> dict[tuple[int, int], tuple[float, dict[str, Any]]]:
+    """(session, turn) -> (milliseconds, body), the sessions' turns interleaved; *theirs*: mlx_lm.server."""
     out = {}
-    with server(checkpoint, *argv) as url, httpx.Client(timeout=3600) as client:
+    with (mlx_lm_server if theirs else server)(checkpoint, *argv) as url, httpx.Client(timeout=3600) as client:
         for turn in turns:
             for index, conversation in enumerate(sessions):
                 out[index, turn] = ask(client, url, conversation[turn])
@@ -111,6 +112,7 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=2)
     parser.add_argument("--reply", type=int, default=200)
     parser.add_argument("--tool", type=int, default=500)
+    parser.add_argument("--mlx-lm", action="store_true", help="also replay the turns against mlx_lm.server")
     args = parser.parse_args()
     context = 1 << (args.head + args.turns * (args.reply + args.tool) + 2048).bit_length()
     for family in args.families:
@@ -123,20 +125,31 @@ def main() -> None:
             cached = replay(checkpoint, sessions, turns)
             restarted = replay(checkpoint, sessions, range(args.turns, args.turns + 1))
         cold = replay(checkpoint, sessions, range(args.turns + 1), "--prompt-cache-size", "0")
+        mlx_lm = replay(checkpoint, sessions, turns, theirs=True) if args.mlx_lm else {}
         print(f"\n{family}: {weights:.0f} MB of weights, head {args.head} tokens, {args.sessions} sessions "
               f"x {args.turns} turns (+{args.reply} reply, +{args.tool} tool result each)")
-        print("session turn  prompt  cached   with cache   without   ratio")
-        ratios = []
+        print("session turn  prompt  cached   with cache   without   ratio" +
+              ("   mlx_lm.server (cached)  ratio" if mlx_lm else ""))
+        ratios, theirs = [], []
         for (session, turn), (ms, body) in sorted({**cached, **restarted}.items(), key=lambda kv: kv[0][::-1]):
             cold_ms = cold[session, turn][0]
             mark = " (after restart)" if turn == args.turns else ""
+            other = ""
+            if (session, turn) in mlx_lm:
+                their_ms, their_body = mlx_lm[session, turn]
+                their_cached = their_body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+                other = f" {their_ms:10.0f} ms ({their_cached:6d})  {their_ms / cold_ms:5.2f}"
+                if turn > 0:
+                    theirs.append(their_ms / cold_ms)
             print(f"{session:7d} {turn:4d} {body['usage']['prompt_tokens']:7d} {body['timings']['cached_n']:7d} "
-                  f"{ms:10.0f} ms {cold_ms:7.0f} ms  {ms / cold_ms:5.2f}{mark}")
+                  f"{ms:10.0f} ms {cold_ms:7.0f} ms  {ms / cold_ms:5.2f}{other}{mark}")
             if 0 < turn < args.turns:
                 ratios.append(ms / cold_ms)
         after = [restarted[s, args.turns][0] / cold[s, args.turns][0] for s in range(args.sessions)]
         print(f"{family}: turns 2+ median ratio {median(ratios):.3f} (target <= 0.15); after a restart "
               f"median ratio {median(after):.3f} (target <= 0.25)")
+        if theirs:
+            print(f"{family}: mlx_lm.server turns 2+ median ratio {median(theirs):.3f} (to mlxcel without a cache)")
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 PROMPT = "def wrap(text, width=70, **kwargs):"
@@ -137,35 +135,13 @@ def stream_rate(client: object, url: str, tokens: int) -> float:
     return (full[0] - short[0]) / (full[1] - short[1])
 
 
-@contextmanager
-def mlx_lm_server(path: Path) -> Iterator[str]:
-    """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
-
-    from benchmarks._common import BENCH_DIR
-    from mlxcel.testing.serving import free_port, wait_healthy
-
-    port = free_port()
-    code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
-            "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; runpy.run_module('mlx_lm.server', run_name='__main__')")
-    log = BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log"
-    with log.open("w") as out, subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port",
-                                                 str(port)], stdout=out, stderr=subprocess.STDOUT) as process:
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, process, 900, log)  # big models load for minutes
-            yield url
-        finally:
-            process.terminate()
-            process.wait(timeout=60)
-
-
 def measure(paths: list[Path], tokens: int, rounds: int) -> list[dict[str, object]]:
     """This process's BLAS: one row per model (run as the child of :func:`main`)."""
     import httpx
     import numpy as np
     from mlx_lm import load
 
-    from benchmarks._common import median, server
+    from benchmarks._common import median, mlx_lm_server, server
 
     buffer = np.ones(1 << 28, dtype=np.float32)
     rows = []

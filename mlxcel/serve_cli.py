@@ -128,6 +128,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", action="append", type=_model_name, default=[], metavar="NAME",
                         help="a name a request's model may use (repeatable); the first is the one /v1/models lists "
                              "and answers name (default: the model directory's name, which stays accepted)")
+    parser.add_argument("--prefill-step-size", type=_positive("--prefill-step-size", 16, 1 << 16), default=512,
+                        metavar="TOKENS", help="prompt tokens prefilled per forward; a cancel or a new request is "
+                                               "seen between chunks (default: %(default)s)")
     parser.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512,
                         help="completion length when a request names none (default: %(default)s)")
     parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=None,
@@ -238,7 +241,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
                             if args.prompt_cache_disk_bytes is None else args.prompt_cache_disk_bytes,
                             policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
-                            draft_quantize=args.draft_quantize, sharding=sharding)
+                            draft_quantize=args.draft_quantize, sharding=sharding,
+                            prefill_step_size=args.prefill_step_size)
     # The first served name is the model's; the others and the directory's name are accepted too.
     name, *aliases = dict.fromkeys([*args.served_model_name, checkpoint.name])
     options = ServerOptions(

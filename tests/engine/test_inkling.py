@@ -79,3 +79,18 @@ def test_the_cache_reports_what_a_later_step_reads(loaded: tuple[Any, Any]) -> N
     assert [a.shape[-2] for a in live[:2]] == [5, 5] and len(live) == 6  # keys, values, four conv states
     assert all(a.shape[1] == 3 for a in live[2:])  # kernel 4: the last three inputs
     assert not hasattr(layer, "merge")  # so the engine serves Inkling one sequence at a time
+
+
+def test_attention_in_blocks_of_queries_is_the_same_attention(loaded: tuple[Any, Any],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """At a long context a chunk's queries attend in blocks (bounded bias and scores); with a budget of a few
+    rows, a prefill crosses block edges in every layer and still gives transformers' logits."""
+    from mlxcel.families.inkling import model as inkling
+
+    model, hf = loaded
+    with torch.no_grad():
+        full = hf(input_ids=torch.tensor([PROMPT]), use_cache=False).logits[0].numpy()
+    heads = max(layer.self_attn.heads for layer in model.layers)
+    monkeypatch.setattr(inkling, "SCORE_BUDGET", 3 * heads * len(PROMPT))  # 3 to 5 query rows a block
+    ours = np.array(model(mx.array([PROMPT]))[0])
+    np.testing.assert_allclose(ours, full, rtol=0, atol=1e-5 * np.abs(full).max())

@@ -95,7 +95,7 @@ def test_bad_api_key_file_exits_2(llama: Path, tmp_path: Path, kind: str, expect
 @pytest.mark.parametrize(("option", "value"), [
     ("--port", "70000"), ("--port", "-1"), ("--max-connections", "0"),
     ("--keep-alive-timeout", "0"), ("--keep-alive-timeout", "soon"), ("--send-timeout", "-1"),
-    ("--prompt-cache-bytes", "lots"), ("--prompt-cache-bytes", "5Q"),
+    ("--prompt-cache-bytes", "lots"), ("--prompt-cache-bytes", "5Q"), ("--prefill-step-size", "8"),
 ])
 def test_out_of_range_options_are_refused_at_parse(option: str, value: str) -> None:
     line = _one_error_line(mlxcel("serve", "--model", "/nonexistent", option, value, timeout=60))

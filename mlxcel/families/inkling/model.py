@@ -29,6 +29,12 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, _BaseCache
 from mlx_lm.models.switch_layers import SwitchGLU
 
+from .weights import remap_layer_weights
+
+#: Elements of one attention block's bias and scores (b x heads x queries x keys): 2^24 float32, 64 MiB.
+#: At 64 heads and 32k keys a 512-token chunk's would be 1 Gi elements, in each of several tensors.
+SCORE_BUDGET = 1 << 24
+
 TYPES = frozenset({"inkling_mm_model", "inkling_text"})
 
 #: config.json names transformers reads as others (its ``InklingTextConfig.attribute_map``).
@@ -219,9 +225,22 @@ class Attention(nn.Module):
             # A sliding layer's queries see only the last window keys each: O(window), not O(context).
             first = k.shape[2] - (self.window + length - 1)
             k, v = k[..., first:, :], v[..., first:, :]
+        r = self.r_proj(x).reshape(b, length, self.heads, -1)
+        # The bias and the scores are (b, heads, queries, keys): in blocks of queries, so that at a long
+        # context a chunk's tensors stay within SCORE_BUDGET elements, however many heads and keys.
+        rows = max(1, SCORE_BUDGET // (b * self.heads * k.shape[2]))
+        out = mx.concatenate([self._attend(q[:, :, i:i + rows], r[:, i:i + rows], k, v, start + i, first)
+                              for i in range(0, length, rows)], axis=2) if length > rows else \
+            self._attend(q, r, k, v, start, first)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def _attend(self, q: mx.array, r: mx.array, k: mx.array, v: mx.array, start: int, first: int) -> mx.array:
+        """Attention of the queries at positions ``start...`` (their ``r_proj`` states *r*) to the keys at
+        positions ``first...``, with the relative bias and the causal (and window) mask."""
+        b, _, length, _ = q.shape
         keys = k.shape[2]
         # Bias (b, heads, L, S): query i's profile read at distance (start + i) - j, zero past the extent.
-        profiles = (self.r_proj(x).reshape(b, length, self.heads, -1) @ self.rel_proj).transpose(0, 2, 1, 3)
+        profiles = (r @ self.rel_proj).transpose(0, 2, 1, 3)
         distance = (mx.arange(start, start + length)[:, None] - mx.arange(first, first + keys)[None, :])
         extent = self.rel_proj.shape[1]
         index = mx.broadcast_to(mx.clip(distance, 0, extent - 1), (b, self.heads, length, keys))
@@ -236,8 +255,7 @@ class Attention(nn.Module):
             q = (q.astype(mx.float32) * tau).astype(q.dtype)
             bias = (bias.astype(mx.float32) * tau).astype(bias.dtype)
         mask = mx.where(allowed, bias, mx.array(-mx.inf, bias.dtype)).astype(q.dtype)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0 / self.head_dim, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=1.0 / self.head_dim, mask=mask)
 
 
 class DenseMLP(nn.Module):
@@ -351,49 +369,3 @@ class Model(nn.Module):
             elif not key.startswith(("model.visual.", "model.audio.", "model.mtp.")):
                 out[key] = value  # already in this module's names (a converted copy)
         return out
-
-
-_RENAMES = (("attn.wq_du.", "self_attn.q_proj."), ("attn.wk_dv.", "self_attn.k_proj."),
-            ("attn.wv_dv.", "self_attn.v_proj."), ("attn.wr_du.", "self_attn.r_proj."),
-            ("attn.wo_ud.", "self_attn.o_proj."), ("attn.q_norm.", "self_attn.q_norm."),
-            ("attn.k_norm.", "self_attn.k_norm."), ("attn.k_sconv.", "self_attn.k_sconv."),
-            ("attn.v_sconv.", "self_attn.v_sconv."), ("attn.rel_logits_proj.proj", "self_attn.rel_proj"),
-            ("attn_norm.", "input_layernorm."), ("mlp_norm.", "post_attention_layernorm."),
-            ("mlp.w2_md.", "mlp.down_proj."), ("mlp.experts.w2_weight", "mlp.switch_mlp.down_proj.weight"))
-
-
-def _deinterleave(w: mx.array, axis: int) -> tuple[mx.array, mx.array]:
-    """Rows stored gate, up, gate, up, ... along *axis* -> (gate, up)."""
-    shape = list(w.shape)
-    pairs = w.reshape(*shape[:axis], shape[axis] // 2, 2, *shape[axis + 1:])
-    return mx.take(pairs, 0, axis=axis + 1), mx.take(pairs, 1, axis=axis + 1)
-
-
-def remap_layer_weights(key: str, value: mx.array, prefix: str) -> dict[str, mx.array]:
-    """One raw tensor under ``model.llm.`` (or an MTP block's ``transformer_block.``) in this file's names.
-
-    Interleaved gate/up pairs are split, a convolution's (channels, 1, kernel) becomes (kernel, channels).
-    """
-    if key in ("embed.weight", "unembed.weight"):
-        return {("model.embed_tokens.weight" if key.startswith("embed") else "lm_head.weight"): value}
-    for old, new in _RENAMES:
-        key = key.replace(old, new)
-    if key.endswith("sconv.weight") and value.ndim == 3:
-        return {prefix + key: value[:, 0, :].T}
-    if key.endswith("mlp.w13_dn.weight"):
-        gate, up = _deinterleave(value, 0)
-        base = prefix + key.removesuffix("w13_dn.weight")
-        return {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
-    if key.endswith("mlp.experts.w13_weight"):
-        gate, up = _deinterleave(value, 1)
-        base = prefix + key.removesuffix("experts.w13_weight") + "switch_mlp."
-        return {base + "gate_proj.weight": gate, base + "up_proj.weight": up}
-    if key.endswith("shared_experts.shared_w13_weight"):
-        gate, up = _deinterleave(value, 1)
-        base = prefix + key.removesuffix("shared_w13_weight")
-        return {f"{base}{n}.{name}_proj.weight": w[n] for n in range(value.shape[0])
-                for name, w in (("gate", gate), ("up", up))}
-    if key.endswith("shared_experts.shared_w2_weight"):
-        base = prefix + key.removesuffix("shared_w2_weight")
-        return {f"{base}{n}.down_proj.weight": value[n] for n in range(value.shape[0])}
-    return {prefix + key: value}

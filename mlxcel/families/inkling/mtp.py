@@ -2,7 +2,7 @@
 
 Block i holds ``embed_norm``, ``hidden_norm``, ``input_proj`` (2H -> H) and a ``transformer_block``: an
 Inkling decoder layer with a dense MLP, in the raw names (remapped as the target's are,
-:func:`mlxcel.families.inkling.model.remap_layer_weights`). One step, hidden state first in the concat::
+:func:`mlxcel.families.inkling.weights.remap_layer_weights`). One step, hidden state first in the concat::
 
     x = block(input_proj([hidden_norm(h) ; embed_norm(embed(token))]))
     logits = target.logits(x)      # the target's final norm, mu-P divide, head, vocabulary slice
@@ -23,7 +23,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .model import DecoderLayer, InklingCache, ModelArgs, remap_layer_weights
+from .model import DecoderLayer, InklingCache, ModelArgs
+from .weights import remap_layer_weights
 
 FILE = "mtp.safetensors"
 PREFIX = "model.mtp.layers."
