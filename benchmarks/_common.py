@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -50,14 +51,51 @@ def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name:
                             num_key_value_heads=max(1, hidden // 256), head_dim=64)
 
 
-def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256) -> Path:
-    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/testing/checkpoints.py)."""
+def context_model(family: str, hidden: int, layers: int, context: int) -> Path:
+    """A random-weight fp32 *family* checkpoint (``llama``, or ``qwen3_5`` with every fourth layer full attention)
+    whose context window is *context* positions: the long-prompt benchmarks' model."""
+    from mlxcel.testing.checkpoints import CONFIGS, build_checkpoint
+
+    directory = BENCH_DIR / f"context-{family}-h{hidden}-l{layers}-c{context}"
+    if (directory / "model.safetensors").exists():
+        return directory
+    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 3,
+             "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
+             "max_position_embeddings": context}
+    if family == "qwen3_5":  # the shape lives in its text_config
+        text = {**CONFIGS["qwen3_5"]["text_config"], **shape, "full_attention_interval": 4,
+                "linear_num_value_heads": hidden // 64, "linear_num_key_heads": hidden // 128,
+                "linear_key_head_dim": 64, "linear_value_head_dim": 64}
+        return build_checkpoint(directory, family, scale=2.0, text_config=text)
+    return build_checkpoint(directory, family, scale=2.0, **shape)
+
+
+def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256, positions: int = 4096
+              ) -> Path:
+    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/testing/checkpoints.py),
+    whose context window is *positions*."""
     from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
-    directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}"
+    window = "" if positions == 4096 else f"-c{positions}"
+    directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}{window}"
     if not (directory / "model.safetensors").exists():
-        build_mtp_checkpoint(directory, drafter=drafter, context_scale=context_scale, layers=layers, hidden=hidden)
+        build_mtp_checkpoint(directory, drafter=drafter, context_scale=context_scale, layers=layers, hidden=hidden,
+                             positions=positions)
     return directory
+
+
+WORDS = ("file", "def", "return", "value", "error", "test", "line", "the", "path", "import", "class", "self",
+         "config", "result", "None", "check", "buffer", "index", "module", "patch", "diff", "output", "read")
+
+
+def words(tokenizer: Any, tokens: int, rng: random.Random) -> str:
+    """Random code-ish words that *tokenizer* (a transformers tokenizer) reads as *tokens* tokens, within a
+    word's."""
+    text: list[str] = []
+    while (count := len(tokenizer.encode(" ".join(text), add_special_tokens=False))) < tokens:
+        per_word = count / len(text) if text else 3.0
+        text += [rng.choice(WORDS) for _ in range(max(1, int((tokens - count) / per_word / 2)))]
+    return " ".join(text)
 
 
 def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:

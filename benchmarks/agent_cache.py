@@ -32,36 +32,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import BENCH_DIR, median, mlx_lm_server, server  # noqa: E402
-
-WORDS = ("file", "def", "return", "value", "error", "test", "line", "the", "path", "import", "class", "self",
-         "config", "result", "None", "check", "buffer", "index", "module", "patch", "diff", "output", "read")
-
-
-def model(family: str, hidden: int, layers: int, context: int) -> Path:
-    from mlxcel.testing.checkpoints import CONFIGS, build_checkpoint
-
-    directory = BENCH_DIR / f"agent-{family}-h{hidden}-l{layers}-c{context}"
-    if (directory / "model.safetensors").exists():
-        return directory
-    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 3,
-             "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
-             "max_position_embeddings": context}
-    if family == "qwen3_5":  # the shape lives in its text_config; every fourth layer full attention
-        text = {**CONFIGS["qwen3_5"]["text_config"], **shape, "full_attention_interval": 4,
-                "linear_num_value_heads": hidden // 64, "linear_num_key_heads": hidden // 128,
-                "linear_key_head_dim": 64, "linear_value_head_dim": 64}
-        return build_checkpoint(directory, family, scale=2.0, text_config=text)
-    return build_checkpoint(directory, family, scale=2.0, **shape)
-
-
-def text(tokenizer: Any, rng: random.Random, tokens: int) -> str:
-    """Words until the tokenizer counts *tokens* tokens (within a word's)."""
-    words: list[str] = []
-    while (count := len(tokenizer.encode(" ".join(words), add_special_tokens=False))) < tokens:
-        per_word = count / len(words) if words else 3.0
-        words += [rng.choice(WORDS) for _ in range(max(1, int((tokens - count) / per_word / 2)))]
-    return " ".join(words)
+from benchmarks._common import context_model, median, mlx_lm_server, server, words  # noqa: E402
 
 
 def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str, str]]]]:
@@ -70,14 +41,14 @@ def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     rng = random.Random(0)
-    head = {"role": "system", "content": text(tokenizer, rng, args.head)}
+    head = {"role": "system", "content": words(tokenizer, args.head, rng)}
     sessions = []
     for session in range(args.sessions):
-        messages = [head, {"role": "user", "content": f"Task {session}: " + text(tokenizer, rng, 40)}]
+        messages = [head, {"role": "user", "content": f"Task {session}: " + words(tokenizer, 40, rng)}]
         turns = [list(messages)]
         for _ in range(args.turns):
-            messages += [{"role": "assistant", "content": text(tokenizer, rng, args.reply)},
-                         {"role": "user", "content": "Tool result: " + text(tokenizer, rng, args.tool)}]
+            messages += [{"role": "assistant", "content": words(tokenizer, args.reply, rng)},
+                         {"role": "user", "content": "Tool result: " + words(tokenizer, args.tool, rng)}]
             turns.append(list(messages))
         sessions.append(turns)
     return sessions
@@ -116,7 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     context = 1 << (args.head + args.turns * (args.reply + args.tool) + 2048).bit_length()
     for family in args.families:
-        checkpoint = model(family, args.hidden, args.layers, context)
+        checkpoint = context_model(family, args.hidden, args.layers, context)
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 1e6
         sessions = trace(checkpoint, args)
         turns = range(args.turns)

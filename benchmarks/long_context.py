@@ -35,10 +35,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import BENCH_DIR, mlx_lm_server, server  # noqa: E402
-
-WORDS = ("file", "def", "return", "value", "error", "test", "line", "the", "path", "import", "class", "self",
-         "config", "result", "None", "check", "buffer", "index", "module", "patch", "diff", "output", "read")
+from benchmarks._common import context_model, mlx_lm_server, server, words  # noqa: E402
 
 #: What the mlx-lm side runs in its own process: the same BLAS first, then one warm-up and one measured run.
 _MLX_LM = """
@@ -59,23 +56,6 @@ print(json.dumps({"prompt_tps": last.prompt_tps, "generation_tps": last.generati
 """
 
 
-def model(family: str, hidden: int, layers: int, context: int) -> Path:
-    from mlxcel.testing.checkpoints import CONFIGS, build_checkpoint
-
-    directory = BENCH_DIR / f"long-{family}-h{hidden}-l{layers}-c{context}"
-    if (directory / "model.safetensors").exists():
-        return directory
-    shape = {"hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": hidden * 3,
-             "num_attention_heads": hidden // 64, "num_key_value_heads": max(1, hidden // 256), "head_dim": 64,
-             "max_position_embeddings": context}
-    if family == "qwen3_5":  # the shape lives in its text_config; every fourth layer full attention
-        text = {**CONFIGS["qwen3_5"]["text_config"], **shape, "full_attention_interval": 4,
-                "linear_num_value_heads": hidden // 64, "linear_num_key_heads": hidden // 128,
-                "linear_key_head_dim": 64, "linear_value_head_dim": 64}
-        return build_checkpoint(directory, family, scale=2.0, text_config=text)
-    return build_checkpoint(directory, family, scale=2.0, **shape)
-
-
 def prompt_ids(checkpoint: Path, depth: int) -> list[int]:
     """*depth* tokens of words (at least a short line's), as the model's tokenizer reads them."""
     import random
@@ -83,9 +63,7 @@ def prompt_ids(checkpoint: Path, depth: int) -> list[int]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    rng = random.Random(depth)
-    words = " ".join(rng.choice(WORDS) for _ in range(max(depth, 8)))
-    ids: list[int] = tokenizer.encode(words, add_special_tokens=False)
+    ids: list[int] = tokenizer.encode(words(tokenizer, max(depth, 8), random.Random(depth)), add_special_tokens=False)
     return ids[:max(depth, 8)]
 
 
@@ -151,7 +129,7 @@ def main() -> None:
     print("family   depth chunk | prefill tok/s: mlxcel  mlx-lm  ratio | decode tok/s: mlxcel  mlx-lm  ratio "
           "| peak MB: mlxcel mlx-lm" + (" | mlx_lm.server prefill decode" if args.mlx_lm_server else ""))
     for family in args.families:
-        checkpoint = model(family, args.hidden, args.layers, context)
+        checkpoint = context_model(family, args.hidden, args.layers, context)
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 1e6
         print(f"{family}: {weights:.0f} MB of weights, context window {context}", flush=True)
         for depth in args.depths:

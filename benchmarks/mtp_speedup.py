@@ -1,6 +1,7 @@
 """B=1 decode with the MTP burst pinned on vs off: same prompts, same run, two servers side by side.
 
     python -m benchmarks.mtp_speedup [--drafter aligned --context 0.05] [--k 2 3 4] [--schema | --zero-bias]
+        [--depth TOKENS]
 
 For each K: acceptance, mean accepted drafts per round, tokens per round, both
 decode rates (the server's own timings, median over the prompts, requests
@@ -10,7 +11,11 @@ the constrained-decoding benchmarks' JSON schema: the burst with the grammar
 at every verified position against classic decode with the grammar. With
 ``--zero-bias`` every request carries ``logit_bias: {"0": 0}``: the logits
 processors' path, position by position, with the tokens (and so the
-acceptance) of a plain run, i.e. its overhead alone.
+acceptance) of a plain run, i.e. its overhead alone. With ``--depth N`` every
+prompt starts with the same N tokens of words (the model's context window made
+to fit): decode at depth. Each prompt is then prefilled once per server; the
+servers share the cache directory, so the servers of later K read it from the
+prefix cache's disk tier instead of prefilling it again.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import NOTES_SCHEMA, complete, decode_rate, median, mtp_model, server
+from benchmarks._common import NOTES_SCHEMA, complete, decode_rate, median, mtp_model, server, words
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':"]
@@ -40,6 +45,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=0, help="tokens of context before every prompt")
     processors = parser.add_mutually_exclusive_group()
     processors.add_argument("--schema", action="store_true", help="every request under a JSON schema")
     processors.add_argument("--zero-bias", action="store_true", help="every request with a logit bias of 0")
@@ -49,10 +55,19 @@ def main() -> None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES_SCHEMA}}
     if args.zero_bias:
         fields["logit_bias"] = {"0": 0}
-    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden)
+    positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
+    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions)
     prompts = args.prompts.read_text().split("\n\n") if args.prompts else PROMPTS
+    if args.depth:
+        import random
+
+        from transformers import AutoTokenizer
+
+        filler = words(AutoTokenizer.from_pretrained(model), args.depth, random.Random(0))
+        prompts = [filler + "\n" + prompt for prompt in prompts]
     extra = dict(item.split("=", 1) for item in args.server_env)
     print(f"model: {model.name}, {args.tokens} tokens, {len(prompts)} prompts"
+          f"{f' after {args.depth} tokens of context' if args.depth else ''}"
           f"{', under a JSON schema' if args.schema else ''}{', logit_bias 0' if args.zero_bias else ''}")
     print(f"{'K':>2} {'accept':>7} {'drafts/round':>12} {'tok/round':>9} {'off tok/s':>9} {'on tok/s':>9} {'ratio':>6}")
     for k in args.k:
