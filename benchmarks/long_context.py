@@ -84,7 +84,7 @@ def ours(checkpoint: Path, ids: list[int], tokens: int, chunk: int) -> dict[str,
                                                            "temperature": 0}).json()
         timings = body["timings"]
         return {"prefill": timings["prompt_n"] / timings["prompt_ms"] * 1000,
-                "decode": timings["predicted_per_second"], "generated": timings["predicted_n"],
+                "decode": timings["predicted_n"] / timings["predicted_ms"] * 1000, "generated": timings["predicted_n"],
                 "peak_mb": peak_mb(url)}
 
 

@@ -78,6 +78,7 @@ class Engine:
             self.observability.state = "failed"
             self.observability.error = str(exc)
             logger.error("the engine stopped: %s", exc)
+            logger.debug("where the engine stopped", exc_info=True)  # --log-level debug: the traceback
             raise
         finally:
             self._closing = True
