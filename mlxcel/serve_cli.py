@@ -131,6 +131,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-step-size", type=_positive("--prefill-step-size", 16, 1 << 16), default=512,
                         metavar="TOKENS", help="prompt tokens prefilled per forward; a cancel or a new request is "
                                                "seen between chunks (default: %(default)s)")
+    parser.add_argument("--kv-bits", type=int, choices=[4, 8], default=None, metavar="BITS",
+                        help="quantize the KV cache to 4 or 8 bits (mlx-lm's quantized cache, group 64): less "
+                             "memory per token of context; requests then decode one at a time (default: full "
+                             "precision)")
     parser.add_argument("--max-tokens", type=_positive("--max-tokens"), default=512,
                         help="completion length when a request names none (default: %(default)s)")
     parser.add_argument("--prompt-cache-size", type=_positive("--prompt-cache-size", 0), default=None,
@@ -230,6 +234,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(str(exc)) from exc
     if (args.api_key or args.api_key_file) and not keys:
         raise UsageError("--api-key/--api-key-file given, but no key in them")
+    if args.kv_bits is not None and args.distributed:
+        raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
     sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
     parallel = 1 if args.no_batch or sharding else args.parallel
@@ -242,7 +248,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
                             policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding,
-                            prefill_step_size=args.prefill_step_size)
+                            prefill_step_size=args.prefill_step_size, kv_bits=args.kv_bits)
     # The first served name is the model's; the others and the directory's name are accepted too.
     name, *aliases = dict.fromkeys([*args.served_model_name, checkpoint.name])
     options = ServerOptions(

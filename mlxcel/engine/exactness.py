@@ -20,7 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from ..models.speculative import DESCRIBE, SPLITS, SpeculativeTarget, Split
 
@@ -46,9 +46,14 @@ def _arrays(cache: list[Any]) -> list[mx.array]:
     """Every cache's state arrays: keys and values up to the offset (a KV buffer holds stale rows
     past it, which a later token overwrites), conv and recurrent states; a cache that knows which of
     its slots a later step can still read says so (``live_state()``, e.g. a sliding-window ring)."""
-    states = [c.live_state() if hasattr(c, "live_state") else
-              (c.keys[..., :c.offset, :], c.values[..., :c.offset, :])
-              if getattr(c, "keys", None) is not None and c.is_trimmable() else c.state for c in cache]
+    def live(c: Any) -> Any:
+        if hasattr(c, "live_state"):
+            return c.live_state()
+        if getattr(c, "keys", None) is not None and c.is_trimmable():  # a quantized cache's are tuples
+            return tree_map(lambda x: x[..., :c.offset, :], (c.keys, c.values))
+        return c.state
+
+    states = [live(c) for c in cache]
     leaves: list[tuple[str, Any]] = tree_flatten(states)  # type: ignore[assignment]
     return [a for _, a in leaves if isinstance(a, mx.array)]
 

@@ -42,6 +42,26 @@ class Loaded:
     grammar_tokenizer: Any = None
     """llguidance's tokenizer for constrained decoding (``engine.grammar``), or a sentence saying why there
     is none."""
+    new_cache: Callable[[], list[Any]] = field(default=list)
+    """A fresh prompt cache for the model: every sequence's, the probe's, the prefix cache's reference."""
+
+
+def cache_maker(model: Any, kv_bits: int | None) -> Callable[[], list[Any]]:
+    """What makes a fresh prompt cache for *model*: mlx-lm's, its plain KV layers quantized under
+    ``--kv-bits`` (mlx-lm's ``QuantizedKVCache``: trimmable, read by mlx-lm's quantized attention)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+    if kv_bits is None:
+        return lambda: make_prompt_cache(model)
+
+    def make() -> list[Any]:
+        return [QuantizedKVCache(KV_GROUP_SIZE, kv_bits) if type(layer) is KVCache else layer
+                for layer in make_prompt_cache(model)]
+    return make
+
+
+#: The quantized KV cache's group (mlx-lm's default): one scale and bias per 64 values of a head's vector.
+KV_GROUP_SIZE = 64
 
 
 def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:
@@ -78,6 +98,9 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):  # one token through the model: the width of its logits
         vocab = int(model(mx.array([[0]])).shape[-1])
+    new_cache = cache_maker(model, settings.kv_bits)
+    if settings.kv_bits is not None:
+        _check_quantized_cache(model, new_cache, stream, checkpoint.name, settings.kv_bits)
     speculation = None
     pairing = None
     no_burst: str | None = "no drafter configured (--mtp, --draft-model)"
@@ -93,7 +116,8 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         from .speculation import set_up
 
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
-                             settings.policy.allow_inexact, settings.draft_quantize, check=check)
+                             settings.policy.allow_inexact, settings.draft_quantize, check=check,
+                             new_cache=new_cache)
         pairing = speculation.pairing
         no_burst = None if speculation.split is not None else speculation.decline or "the exactness probe vetoed it"
     check()
@@ -104,6 +128,8 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     if sharding is not None:
         broken = f"--distributed {sharding.mode}: the other ranks follow one sequence at a time"
     no_batch = "--no-batch" if not settings.batch else "--parallel 1" if settings.parallel < 2 else broken
+    if no_batch is None and settings.kv_bits is not None:  # as mlx_lm.server's --kv-bits
+        no_batch = f"--kv-bits {settings.kv_bits}: quantized KV caches do not merge into mlx-lm's batch"
     if no_batch is None and not batchable(model):
         no_batch = "its caches cannot be merged into a batch"
     if settings.batch and settings.parallel > 1 and no_batch is not None:
@@ -117,7 +143,30 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
 
     eos = frozenset(tokenizer.eos_token_ids)
     return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab), host, speculation,
-                  capabilities, pairing, sharding is not None, release, grammar_tokenizer(tokenizer, vocab, eos))
+                  capabilities, pairing, sharding is not None, release, grammar_tokenizer(tokenizer, vocab, eos),
+                  new_cache)
+
+
+def _check_quantized_cache(model: Any, new_cache: Callable[[], list[Any]], stream: Any, name: str, bits: int
+                           ) -> None:
+    """Three tokens through a quantized cache (a block, then a step), or a clear error: not every model runs
+    on one (multi-head latent attention multiplies the cached keys itself; a head dimension must be a
+    multiple of the group). A model that keeps no plain KV layer (its own cache classes) is served as it
+    is, with a warning."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    cache = new_cache()
+    if not any(isinstance(layer, QuantizedKVCache) for layer in cache):
+        logger.warning("--kv-bits %d has no effect on %s: it keeps no plain KV cache to quantize", bits, name)
+        return
+    try:
+        with mx.stream(stream):
+            mx.eval(model(mx.array([[0, 1]]), cache=cache))
+            mx.eval(model(mx.array([[2]]), cache=cache))
+    except Exception as exc:
+        raise ValueError(f"--kv-bits {bits}: {name} cannot run on a quantized KV cache "
+                         f"({type(exc).__name__}: {exc}); serve it without --kv-bits") from exc
 
 
 def _embedding_rows(model: Any, vocab: int) -> int:

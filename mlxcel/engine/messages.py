@@ -28,6 +28,9 @@ class WorkerSettings:
     prefix_cache_disk_bytes: int = 0
     """Its disk tier's bound (``--prompt-cache-disk-bytes``), under *cache_root*; 0: no disk tier."""
     prefill_step_size: int = 512
+    kv_bits: int | None = None
+    """``--kv-bits``: the model's plain KV cache layers quantized to this many bits (mlx-lm's
+    ``QuantizedKVCache``, group 64); None, full precision."""
     policy: PolicySettings = field(default_factory=PolicySettings)
     cache_root: Path | None = None
     """Where persisted policy hints live, or None to keep verdicts in memory."""

@@ -40,9 +40,12 @@ MAX_HEADER = 64 << 20
 """Bytes of a safetensors header read at most (a file claiming more is not one of ours)."""
 
 
-def model_identity(checkpoint: CheckpointInfo) -> str:
-    """What a cache file must have been made by: the model's config and its weight files, as they are now."""
+def model_identity(checkpoint: CheckpointInfo, kv_bits: int | None = None) -> str:
+    """What a cache file must have been made by: the model's config and its weight files, as they are now,
+    and the KV cache's precision (``--kv-bits``)."""
     digest = hashlib.sha256(json.dumps(checkpoint.config, sort_keys=True).encode())
+    if kv_bits is not None:
+        digest.update(f"kv_bits:{kv_bits}".encode())
     for weights in sorted(checkpoint.weight_files):
         stat = weights.stat()
         digest.update(f"{weights.name}:{stat.st_size}:{stat.st_mtime_ns}".encode())
@@ -59,7 +62,7 @@ def open_prefix_cache(settings: WorkerSettings, checkpoint: CheckpointInfo, laye
     disk = None
     if settings.cache_root is not None and settings.prefix_cache_disk_bytes > 0 and \
             settings.prefix_cache_entries != 0:
-        identity = model_identity(checkpoint)
+        identity = model_identity(checkpoint, settings.kv_bits)
         classes = {name: c for name, c in vars(mlx_cache).items()
                    if isinstance(c, type) and issubclass(c, mlx_cache._BaseCache)}
         classes.update({c.__name__: c for c in family(checkpoint.model_type).cache_classes()})

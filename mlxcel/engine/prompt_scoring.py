@@ -21,12 +21,9 @@ ROWS_PER_FORWARD = 128
 """Prompt tokens per forward: 128 rows of float32 logits over a 256k vocabulary are 128 MiB."""
 
 
-def score_prompt(model: Any, stream: Any, tokens: list[int], top: int) -> PromptLogprobs:
+def score_prompt(model: Any, stream: Any, tokens: list[int], top: int, cache: list[Any]) -> PromptLogprobs:
     """The log-probability of ``tokens[1:]``, each after the tokens before it, with the *top* most likely
-    (id, log-probability) per position, most likely first."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
+    (id, log-probability) per position, most likely first; *cache*: a fresh one of the model's."""
     values: list[float] = []
     tops: list[tuple[tuple[int, float], ...]] = []
     inputs = tokens[:-1]  # the last token predicts nothing of the prompt

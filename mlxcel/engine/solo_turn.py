@@ -69,8 +69,6 @@ class SoloTurns:
             self._run_classic(sequence, solo)
 
     def _start(self, sequence: Sequence) -> SoloDecoder:
-        from mlx_lm.models.cache import make_prompt_cache
-
         from .solo import SoloDecoder
 
         worker = self.worker
@@ -78,7 +76,7 @@ class SoloTurns:
         cache, cached_tokens, rest = sequence.prompt_state
         sequence.prompt_state = None
         if cache is None:
-            cache = make_prompt_cache(worker.model)
+            cache = worker.new_cache()
         request = sequence.request
         probe = sequence.probe
         burst = None

@@ -35,11 +35,13 @@ class Speculation:
 
 def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: Any, hardware: str,
            block_size: int, vocab: int, allow_inexact: bool, draft_quantize: int | None = None,
-           check: Callable[[], None] | None = None) -> Speculation:
+           check: Callable[[], None] | None = None, new_cache: Callable[[], list[Any]] | None = None
+           ) -> Speculation:
     """Load the drafter for *model*, probe the verify's exactness, and log what the probe found.
 
     *check* runs between the probe's steps and raises to abandon it (a server stopped while starting);
-    that exception passes through, while any other failure of the probe is a veto.
+    that exception passes through, while any other failure of the probe is a veto. *new_cache*: the
+    model's fresh cache as sequences get it (``--kv-bits``), mlx-lm's by default.
     """
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -64,7 +66,7 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
 
     try:
         with mx.stream(stream):
-            probe = probe_exactness(target, model, lambda: make_prompt_cache(model), block_size, vocab,
+            probe = probe_exactness(target, model, new_cache or (lambda: make_prompt_cache(model)), block_size, vocab,
                                     checkpoint.context_length, check=checked)
     except Exception as exc:  # a probe that cannot run proves nothing: no burst, and the server serves on
         if stopped:

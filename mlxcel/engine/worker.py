@@ -72,6 +72,7 @@ class Worker:
         self.speculation: Speculation | None = None
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
+        self.new_cache: Callable[[], list[Any]] = list  # the model's fresh cache (decided at load)
         self._snapshots = False  # whether prefills keep snapshots (decided at load)
         self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
@@ -107,8 +108,6 @@ class Worker:
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
-        from mlx_lm.models.cache import make_prompt_cache
-
         from .loading import load
         from .prefix_cache import rewindable
         from .prompt_disk import open_prefix_cache
@@ -118,12 +117,13 @@ class Worker:
         loaded = load(self.settings, self.checkpoint, self._check_stopping)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation, self._release = loaded.eos_tokens, loaded.speculation, loaded.release
+        self.new_cache = loaded.new_cache
         capabilities = loaded.capabilities
         self.scheduler = Scheduler(capabilities)
         if capabilities.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream)
-        layers = make_prompt_cache(self.model)
+        layers = self.new_cache()
         self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
         self.publish_load()
         speculation = self.speculation
@@ -207,7 +207,8 @@ class Worker:
             if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
                 from .prompt_scoring import score_prompt
 
-                events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs)))
+                events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs,
+                                                        self.new_cache())))
         except Exception as exc:  # a request the model cannot take must not stop the worker
             logger.error("request %s could not be admitted: %s: %s", request.id, type(exc).__name__, exc)
             self.scheduler.ended(request.id)

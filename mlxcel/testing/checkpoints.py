@@ -193,7 +193,7 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
 
 def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: int = 4, hidden: int = 64,
                          context_scale: float = 1.0, raw: bool = True, seed: int = 0, moe: bool = False,
-                         positions: int = 4096) -> Path:
+                         positions: int = 4096, head_dim: int | None = None) -> Path:
     """A tiny Qwen 3.5 target with an in-checkpoint ``mtp.*`` head.
 
     *drafter* ``random``: a random head, whose drafts the target rarely accepts.
@@ -205,7 +205,8 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     a target that mostly, not always, agrees with it.
 
     *raw*: the Hugging Face layout (zero-centred norms, conv1d as (C, 1, K));
-    otherwise the layout mlx-lm's converter writes. *positions*: its context window.
+    otherwise the layout mlx-lm's converter writes. *positions*: its context window. *head_dim*: its full
+    attention's (16 by default; a quantized KV cache needs a multiple of 64).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -219,6 +220,8 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
     text.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
                 num_attention_heads=max(1, hidden // 16), num_key_value_heads=max(1, hidden // 32),
                 max_position_embeddings=positions)
+    if head_dim is not None:
+        text["head_dim"] = head_dim
     config["mtp_num_hidden_layers"] = 1
     if moe:  # Qwen 3.6: every MLP (the head's included) a mixture of experts with a shared expert
         config["model_type"], text["model_type"] = "qwen3_5_moe", "qwen3_5_moe_text"
