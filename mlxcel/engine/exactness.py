@@ -26,7 +26,12 @@ from ..models.speculative import DESCRIBE, SPLITS, SpeculativeTarget, Split
 
 #: Cache offsets the probe verifies at: a short prompt, and a long one (bounded by the context).
 OFFSETS = (12, 1024)
+#: And, for a split whose attention runs the K queries together (``wide``, ``half``), a deep one: how such
+#: an attention groups its sums depends on the cache's length, so exactness at 1,024 does not carry to
+#: an agent's 10-30k-token prompts. ``rows`` attends a query at a time, as each step does, at any length.
+DEEP_OFFSET = 4096
 PREFILL_CHUNK = 512
+_BATCHED_ATTENTION: tuple[Split, ...] = ("wide", "half")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,28 +153,37 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
     """The first verify split under which the burst is byte-identical to classic decode, if any.
 
     *model* is the served mlx-lm model (``model(tokens, cache=...)`` is classic
-    decode); *target* its speculative adapter. The splits are tried cheapest first (:func:`_splits`);
+    decode); *target* its speculative adapter. Every split is checked at :data:`OFFSETS` (and the target's
+    own ``probe_offsets``), one that batches the attention also at :data:`DEEP_OFFSET` (all bounded by the
+    context). The splits are tried cheapest first (:func:`_splits`);
     at K = 2 ``half`` is the chain itself, so it is left out. *check* runs
     before each starting state is built and each split is tried, and may raise to abandon the probe.
     """
     check = check or (lambda: None)
     rng = np.random.default_rng(seed)
+    deepest = max(1, context_length - block_size - 1)
+
+    def case(offset: int) -> _Case:
+        check()
+        return _Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
+                     rng.integers(0, vocab, size=block_size).tolist())
+
     # A target may name offsets where its caches change regime (a sliding window filling up).
     wanted = (*OFFSETS, *getattr(target, "probe_offsets", ()))
-    offsets = sorted({min(offset, max(1, context_length - block_size - 1)) for offset in wanted})
-    cases = []
-    for offset in offsets:
-        check()
-        cases.append(_Case(model, make_cache, rng.integers(0, vocab, size=offset).tolist(),
-                           rng.integers(0, vocab, size=block_size).tolist()))
+    cases = [case(offset) for offset in sorted({min(offset, deepest) for offset in wanted})]
+    deep: list[_Case] = []  # built when a split that batches the attention first needs it
     splits = _splits(model, block_size)
     failures = []
     for split in splits:
         found = None
-        for case in cases:
+        for each in cases:
             check()
-            if (found := case.difference(target, split)) is not None:
+            if (found := each.difference(target, split)) is not None:
                 break
+        if found is None and split in _BATCHED_ATTENTION and min(DEEP_OFFSET, deepest) > cases[-1].offset:
+            deep = deep or [case(min(DEEP_OFFSET, deepest))]
+            check()
+            found = deep[0].difference(target, split)
         if found is None:
             return ProbeResult(split, None)
         failures.append(f"with {DESCRIBE[split]}, {found}")

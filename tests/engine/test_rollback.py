@@ -111,6 +111,39 @@ class _WidthTwoDrift:
         return type(verify)(bumped.view(logits.dtype), verify.hidden, verify.width, verify.states)
 
 
+class _DeepDrift:
+    """A target whose verify is off in the last bit of one logit: under the *deep* splits past 2,048 cached
+    positions (as an attention that groups its sums by the cache's length could be), under the *shallow*
+    ones at any length."""
+
+    def __init__(self, inner: Qwen35Target, deep: tuple[str, ...], shallow: tuple[str, ...] = ()) -> None:
+        self.inner, self.deep, self.shallow = inner, deep, shallow
+        self.forward = inner.forward
+        self.rollback = inner.rollback
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> Any:
+        depth = next(c.offset for c in cache if hasattr(c, "offset"))
+        verify = self.inner.verify(tokens, cache, split)
+        if not (split in self.shallow or (depth >= 2048 and split in self.deep)):
+            return verify
+        logits = verify.logits
+        bumped = logits.view(mx.int32) + (mx.arange(logits.shape[-1]) == 0).astype(mx.int32)
+        return type(verify)(bumped.view(logits.dtype), verify.hidden, verify.width, verify.states)
+
+
+def test_a_split_that_batches_the_attention_is_also_probed_deep(hybrid: tuple[Qwen35Target, Any]) -> None:
+    target, model = hybrid
+    fresh = lambda: make_prompt_cache(model)  # noqa: E731
+    # half (the K queries attend together) exact at 12 and 1,024, off at depth: refused there.
+    vetoed = probe_exactness(_DeepDrift(target, ("half",), shallow=("wide", "rows")), model, fresh, 3, 512, 4096)
+    assert vetoed.split is None and vetoed.detail is not None
+    assert "with half-width verify (the K-wide block in two forwards of at most ceil(K/2) tokens), a width-2 " \
+           "verify at offset 4092: position 0 differs" in vetoed.detail
+    # rows attends a query at a time, as each step does, at any length: it is not probed deep.
+    chosen = probe_exactness(_DeepDrift(target, ("rows",), shallow=("wide", "half")), model, fresh, 3, 512, 4096)
+    assert chosen.split == "rows"
+
+
 def test_the_probe_checks_every_rollback_prefix_and_every_width(hybrid: tuple[Qwen35Target, Any]) -> None:
     target, model = hybrid
     wrong = probe_exactness(_OffByOneRollback(target), model, lambda: make_prompt_cache(model), 4, 512, 4096)

@@ -229,9 +229,14 @@ class Attention(nn.Module):
         # The bias and the scores are (b, heads, queries, keys): in blocks of queries, so that at a long
         # context a chunk's tensors stay within SCORE_BUDGET elements, however many heads and keys.
         rows = max(1, SCORE_BUDGET // (b * self.heads * k.shape[2]))
-        out = mx.concatenate([self._attend(q[:, :, i:i + rows], r[:, i:i + rows], k, v, start + i, first)
-                              for i in range(0, length, rows)], axis=2) if length > rows else \
-            self._attend(q, r, k, v, start, first)
+        if length <= rows:
+            out = self._attend(q, r, k, v, start, first)
+        else:  # each block evaluated before the next: one graph would hold every block's tensors at once
+            blocks = []
+            for i in range(0, length, rows):
+                blocks.append(self._attend(q[:, :, i:i + rows], r[:, i:i + rows], k, v, start + i, first))
+                mx.eval(blocks[-1])
+            out = mx.concatenate(blocks, axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
 
     def _attend(self, q: mx.array, r: mx.array, k: mx.array, v: mx.array, start: int, first: int) -> mx.array:
