@@ -74,7 +74,7 @@ class Entry:
     rewinds: bool
     nbytes: int
     drafter: tuple[int, Any] | None = None
-    """The MTP drafter's state beside a snapshot (memory only), and the token after *tokens* it has read:
+    """The MTP drafter's state beside a snapshot (on disk too), and the token after *tokens* it has read:
     it serves a prompt that goes on with that token."""
 
 
@@ -122,8 +122,10 @@ class PrefixCache:
         if self.disk is not None:
             loaded = self.disk.fetch(prompt, better_than=length)
             if loaded is not None:
-                held, cache = loaded
+                held, cache, drafter = loaded
                 best = self._insert(held.tolist(), cache)
+                if best is not None:
+                    best.drafter = drafter
                 self._disk_hits += 1
                 length = usable(held, best.rewinds, prompt) if best is not None else 0
         if best is None or length == 0:
@@ -182,7 +184,7 @@ class PrefixCache:
             self._bytes -= evicted.nbytes
             self._evictions += 1
             if self.disk is not None:
-                self.disk.save(evicted.tokens, evicted.cache)
+                self.disk.save(evicted.tokens, evicted.cache, evicted.drafter)
         return self._held.get(key)
 
     def _victim(self) -> tuple[int, ...]:
@@ -204,7 +206,7 @@ class PrefixCache:
         if self.disk is None:
             return
         for entry in reversed(self._held.values()):
-            self.disk.save(entry.tokens, entry.cache)
+            self.disk.save(entry.tokens, entry.cache, entry.drafter)
 
     def stats(self) -> CacheStats:
         disk = self.disk

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..models.loader import CheckpointInfo
+from . import drafter_disk
 from .messages import WorkerSettings
 from .prefix_cache import PrefixCache, rewindable, usable
 
@@ -66,8 +67,9 @@ def open_prefix_cache(settings: WorkerSettings, checkpoint: CheckpointInfo, laye
         classes = {name: c for name, c in vars(mlx_cache).items()
                    if isinstance(c, type) and issubclass(c, mlx_cache._BaseCache)}
         classes.update({c.__name__: c for c in family(checkpoint.model_type).cache_classes()})
+        drafter = None if settings.drafter is None else f"{settings.drafter.name}|q{settings.draft_quantize}"
         disk = DiskTier(settings.cache_root / "prompt-cache" / f"{checkpoint.name}-{identity[:16]}",
-                        settings.prefix_cache_disk_bytes, identity, classes, layers)
+                        settings.prefix_cache_disk_bytes, identity, classes, layers, drafter)
     return PrefixCache(settings.prefix_cache_entries, checkpoint.model_type, settings.prefix_cache_bytes, disk)
 
 
@@ -89,8 +91,10 @@ class DiskTier:
     *layers*: a fresh cache of the model (what a file's layers must match)."""
 
     def __init__(self, directory: Path, max_bytes: int, identity: str, classes: dict[str, type],
-                 layers: list[Any]) -> None:
+                 layers: list[Any], drafter: str | None = None) -> None:
         self.directory, self.max_bytes, self.identity = directory, max_bytes, identity
+        self.drafter = drafter
+        """The MTP drafter's identity (its name and quantization), whose state is kept beside an entry."""
         self._classes: dict[str, Any] = classes
         self._layers = [type(layer) for layer in layers]
         self._records: dict[str, _Record] = {}
@@ -103,7 +107,7 @@ class DiskTier:
         for path in directory.iterdir():
             if path.name.startswith(".") and path.name.endswith(".tmp.safetensors"):
                 path.unlink(missing_ok=True)  # a write a stop cut short
-            elif path.suffix == ".safetensors":
+            elif path.suffix == ".safetensors" and not path.name.endswith(drafter_disk.SUFFIX):
                 self._index(path)
         self._prune()
         if self._records:
@@ -132,7 +136,7 @@ class DiskTier:
                 raise ValueError("its tokens do not match its name")
             stat = path.stat()
             self._records[path.name] = _Record(path, tokens, metadata.get("0.mlxcel_rewinds") == "1",
-                                               stat.st_size, stat.st_mtime)
+                                               stat.st_size + _size(_drafter_path(path)), stat.st_mtime)
         except (OSError, ValueError, KeyError, struct.error) as exc:
             self._damaged(path, exc)
 
@@ -141,10 +145,12 @@ class DiskTier:
         self._records.pop(path.name, None)
         with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
+            _drafter_path(path).unlink(missing_ok=True)
 
-    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any]] | None:
+    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any], Any] | None:
         """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
-        cache); None when there is none, or it cannot be read."""
+        cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
+        read."""
         best, length = None, better_than
         for record in self._records.values():
             n = usable(record.tokens, record.rewinds, prompt)
@@ -160,7 +166,18 @@ class DiskTier:
         best.used = time.time()
         with contextlib.suppress(OSError):
             os.utime(best.path)
-        return best.tokens, cache
+        return best.tokens, cache, self._drafter_state(best.path)
+
+    def _drafter_state(self, path: Path) -> Any:
+        """The drafter's (token, state) beside the entry at *path*, if it is this drafter's and readable."""
+        if self.drafter is None:
+            return None
+        try:
+            return drafter_disk.load(_drafter_path(path), self.drafter, self._classes)
+        except Exception as exc:  # damaged: the prompt resumes with a fresh drafter, as without the file
+            logger.warning("prompt cache: ignoring the drafter's state beside %s: %s: %s", path.name,
+                           type(exc).__name__, exc)
+            return None
 
     def _load(self, record: _Record) -> list[Any]:
         """The cache in *record*'s file: mlx-lm's ``load_prompt_cache``, with the classes this model's family
@@ -190,8 +207,9 @@ class DiskTier:
         mx.eval([layer.state for layer in cache])
         return cache
 
-    def save(self, tokens: np.ndarray, cache: list[Any]) -> None:
-        """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off."""
+    def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None:
+        """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off; and
+        *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any."""
         from mlx_lm.models.cache import save_prompt_cache
 
         name = _name(tokens)
@@ -209,7 +227,14 @@ class DiskTier:
             logger.warning("prompt cache: could not write %s: %s: %s", path, type(exc).__name__, exc)
             temporary.unlink(missing_ok=True)
             return
-        self._records[name] = _Record(path, tokens, rewinds, path.stat().st_size, time.time())
+        if drafter is not None and self.drafter is not None:
+            try:
+                drafter_disk.save(_drafter_path(path), self.drafter, *drafter)
+            except Exception as exc:  # only the drafter's head start is lost
+                logger.warning("prompt cache: could not write the drafter's state beside %s: %s: %s", path.name,
+                               type(exc).__name__, exc)
+        self._records[name] = _Record(path, tokens, rewinds, path.stat().st_size + _size(_drafter_path(path)),
+                                      time.time())
         self._prune()
 
     def _prune(self) -> None:
@@ -219,5 +244,18 @@ class DiskTier:
             del self._records[oldest.path.name]
             try:
                 oldest.path.unlink(missing_ok=True)
+                _drafter_path(oldest.path).unlink(missing_ok=True)
             except OSError as exc:
                 logger.warning("prompt cache: could not remove %s: %s", oldest.path, exc)
+
+
+def _drafter_path(path: Path) -> Path:
+    """Where the drafter's state beside the entry at *path* lives."""
+    return path.with_name(path.name.removesuffix(".safetensors") + drafter_disk.SUFFIX)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,37 @@ def test_a_head_that_sessions_share_outlives_one_session_filling_memory() -> Non
     assert got is not None and rest == [3, 3]
     assert cache.fetch([*head, 2, 0, 9])[1] == [2, 0, 9]  # and session 2, whose own entry went
     assert cache.fetch([*head, 1, 0, 0, 1, 2, 7])[1] == [7]  # session 1 keeps its deepest
+
+
+def test_a_drafters_state_goes_to_disk_with_its_snapshot_and_comes_back_byte_for_byte(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A drafter's snapshot as the own-cache heads make it (their KV caches, the last hidden state read, a
+    count), through the disk tier and back; of another drafter, or damaged, it is no state, never an error."""
+    import mlx.core as mx
+    from mlx_lm.models import cache as mlx_cache
+
+    from mlxcel.engine.prompt_disk import DiskTier
+
+    root = tmp_path
+    classes = {name: c for name, c in vars(mlx_cache).items() if isinstance(c, type)}
+    layers = _ring(6)
+    head = _kv(5)
+    state = ([head[0]], mx.arange(12, dtype=mx.float32).reshape(1, 1, 12), 3)
+    tokens = np.arange(6, dtype=np.int64)
+
+    def tier(drafter: str) -> DiskTier:
+        return DiskTier(root, 1 << 30, "model", classes, layers, drafter)
+
+    tier("head|qNone").save(tokens, layers, (42, state))
+    _, _, back = tier("head|qNone").fetch(np.arange(8, dtype=np.int64), better_than=0)  # type: ignore[misc]
+    token, (caches, hidden, count) = back
+    assert (token, count, type(caches[0])) == (42, 3, mlx_cache.KVCache)
+    assert caches[0].offset == 5 and mx.array_equal(caches[0].keys[..., :5, :], head[0].keys[..., :5, :]).item()
+    assert mx.array_equal(hidden, state[1]).item()
+    assert tier("other-head|q4").fetch(np.arange(8, dtype=np.int64), better_than=0)[2] is None  # type: ignore[index]
+    (drafter_file,) = root.glob("*.drafter.safetensors")
+    drafter_file.write_bytes(b"not a safetensors file")
+    with caplog.at_level("WARNING"):
+        got = tier("head|qNone").fetch(np.arange(8, dtype=np.int64), better_than=0)
+    assert got is not None and got[2] is None  # the snapshot itself still serves
+    assert "ignoring the drafter's state" in caplog.text

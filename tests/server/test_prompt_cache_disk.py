@@ -95,3 +95,32 @@ async def test_the_disk_tier_is_bounded_and_an_unwritable_directory_turns_it_off
             answer = await _ask(url, CONVERSATION)
     assert answer["choices"][0]["message"]["content"] is not None
     assert any("no disk tier" in r.getMessage() for r in caplog.records)
+
+
+async def test_after_a_restart_the_drafter_resumes_where_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """The MTP drafter's state is written beside the snapshot it went with: a prompt resumed from disk drafts
+    as a prefilled one does (the same drafts as without a cache), and the text is classic decode's. (The
+    state's round trip itself, byte for byte: tests/engine/test_prefix_cache.py.)"""
+    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+
+    model = build_mtp_checkpoint(tmp_path / "qwen35-partial", drafter="aligned", context_scale=0.05)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+
+    async def ask(*argv: str) -> dict[str, Any]:
+        async with running_server(["--model", str(model), "--mtp", *argv]) as url, \
+                httpx.AsyncClient(base_url=url, timeout=120) as client:
+            answer: dict[str, Any] = (await client.post("/v1/chat/completions", json={
+                "messages": NEXT, "max_tokens": 24, "temperature": 0})).json()
+        return answer
+
+    async with running_server(["--model", str(model), "--mtp"]) as url:
+        await _ask(url, CONVERSATION)
+    root = Path(os.environ["MLXCEL_CACHE_DIR"])
+    assert list(root.glob("prompt-cache/*/*.drafter.safetensors")), "the stopping server wrote the drafter's states"
+    resumed = await ask()
+    cold = await ask("--prompt-cache-size", "0")
+    assert resumed["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
+    assert resumed["timings"]["cached_n"] > 0
+    assert (resumed["timings"]["draft_n"], resumed["timings"]["draft_n_accepted"]) == \
+        (cold["timings"]["draft_n"], cold["timings"]["draft_n_accepted"])

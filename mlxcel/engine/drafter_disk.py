@@ -1,0 +1,85 @@
+"""An MTP drafter's state beside a prompt cache on disk, so that a prompt resumed after a restart drafts at once.
+
+A drafter's ``snapshot()`` is its own shape (a head's KV caches and the last hidden state it read; Gemma 4's
+assistant's hidden state and token): a tree of MLX arrays, numbers, ``None``, lists and tuples, and caches that
+rebuild themselves with ``from_state`` (mlx-lm's, or a family's). It is written as one safetensors file,
+the tree's shape in its metadata, next to the entry's file (``<sha256 of the tokens>.drafter.safetensors``),
+with the drafter's identity (its name and quantization) and the token after the entry's tokens that it
+has read. It is optional: a file missing, damaged, or of another drafter means the prompt resumes with a
+fresh drafter, as it would without it. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT = "1"
+SUFFIX = ".drafter.safetensors"
+
+
+def _encode(node: Any, arrays: dict[str, Any]) -> Any:
+    """*node* as JSON, its arrays moved into *arrays* under the names the JSON gives."""
+    import mlx.core as mx
+
+    if node is None:
+        return None
+    if isinstance(node, bool | int | float | str):
+        return {"value": node}
+    if isinstance(node, mx.array):
+        name = f"a{len(arrays)}"
+        arrays[name] = node
+        return {"array": name}
+    if isinstance(node, list | tuple):
+        return {type(node).__name__: [_encode(item, arrays) for item in node]}
+    if hasattr(node, "state") and hasattr(type(node), "from_state"):
+        return {"cache": type(node).__name__, "state": _encode(list(node.state), arrays)}
+    raise TypeError(f"a drafter's state holds a {type(node).__name__}, which is not kept on disk")
+
+
+def _decode(node: Any, arrays: dict[str, Any], classes: dict[str, Any]) -> Any:
+    if node is None:
+        return None
+    if "value" in node:
+        return node["value"]
+    if "array" in node:
+        return arrays[node["array"]]
+    if "list" in node:
+        return [_decode(item, arrays, classes) for item in node["list"]]
+    if "tuple" in node:
+        return tuple(_decode(item, arrays, classes) for item in node["tuple"])
+    return classes[node["cache"]].from_state(_decode(node["state"], arrays, classes))
+
+
+def save(path: Path, drafter: str, token: int, state: Any) -> None:
+    """Write *state* (a drafter's ``snapshot()``, which has read *token* after the entry's tokens) to *path*,
+    through a temporary file; raises what the encoding or the write raises."""
+    import mlx.core as mx
+
+    arrays: dict[str, Any] = {}
+    shape = _encode(state, arrays)
+    temporary = path.with_name(f".{path.name.removesuffix('.safetensors')}.tmp.safetensors")
+    try:
+        mx.save_safetensors(str(temporary), arrays, {"mlxcel_drafter_format": FORMAT, "mlxcel_drafter": drafter,
+                                                     "mlxcel_token": str(token), "mlxcel_shape": json.dumps(shape)})
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def load(path: Path, drafter: str, classes: dict[str, Any]) -> tuple[int, Any] | None:
+    """(the token it has read, the state) in *path*, or None when there is no file or it is *drafter*'s
+    no longer; raises when the file is damaged."""
+    import mlx.core as mx
+
+    if not path.exists():
+        return None
+    loaded: Any = mx.load(str(path), return_metadata=True)
+    arrays, metadata = loaded
+    if metadata.get("mlxcel_drafter_format") != FORMAT or metadata.get("mlxcel_drafter") != drafter:
+        return None
+    state = _decode(json.loads(metadata["mlxcel_shape"]), arrays, classes)
+    mx.eval([a for a in arrays.values()])
+    return int(metadata["mlxcel_token"]), state
