@@ -149,6 +149,15 @@ def mlx_lm_server(path: Path, *args: str) -> Iterator[str]:
             process.wait(timeout=60)
 
 
+def peak_mb(url: str) -> float:
+    """The server's peak resident memory (VmHWM), from the pid its /props reports."""
+    pid = httpx.get(f"{url}/props").json()["pid"]
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:
     """Decode tokens/s of one streamed greedy completion, as its client sees it.
 

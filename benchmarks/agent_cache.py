@@ -32,7 +32,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import context_model, median, mlx_lm_server, server, words  # noqa: E402
+from benchmarks._common import context_model, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
 
 
 def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str, str]]]]:
@@ -66,10 +66,17 @@ def replay(checkpoint: Path, sessions: list[list[list[dict[str, str]]]], turns: 
            theirs: bool = False) -> dict[tuple[int, int], tuple[float, dict[str, Any]]]:
     """(session, turn) -> (milliseconds, body), the sessions' turns interleaved; *theirs*: mlx_lm.server."""
     out = {}
-    with (mlx_lm_server if theirs else server)(checkpoint, *argv) as url, httpx.Client(timeout=3600) as client:
+    ours = not theirs
+    with (server(checkpoint, *argv, "--props") if ours else mlx_lm_server(checkpoint, *argv)) as url, \
+            httpx.Client(timeout=3600) as client:
         for turn in turns:
             for index, conversation in enumerate(sessions):
                 out[index, turn] = ask(client, url, conversation[turn])
+        if ours:
+            stats = client.get(f"{url}/v1/cache/stats").json()
+            name = " ".join(argv) or "(prefix cache on)"
+            print(f"  mlxcel serve {name}: peak resident {peak_mb(url):.0f} MB, prefix cache "
+                  f"{stats['bytes'] / 2**20:.0f} of {stats['max_bytes'] / 2**20:.0f} MB", flush=True)
     return out
 
 

@@ -35,7 +35,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import context_model, mlx_lm_server, server, words  # noqa: E402
+from benchmarks._common import context_model, mlx_lm_server, peak_mb, server, words  # noqa: E402
 
 #: What the mlx-lm side runs in its own process: the same BLAS first, then one warm-up and one measured run.
 _MLX_LM = """
@@ -65,15 +65,6 @@ def prompt_ids(checkpoint: Path, depth: int) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     ids: list[int] = tokenizer.encode(words(tokenizer, max(depth, 8), random.Random(depth)), add_special_tokens=False)
     return ids[:max(depth, 8)]
-
-
-def peak_mb(url: str) -> float:
-    """The server's peak resident memory (VmHWM), from the pid its /props reports."""
-    pid = httpx.get(f"{url}/props").json()["pid"]
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def ours(checkpoint: Path, ids: list[int], tokens: int, chunk: int) -> dict[str, float]:
