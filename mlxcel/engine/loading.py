@@ -33,6 +33,8 @@ class Loaded:
     host: HostInfo
     speculation: Speculation | None
     capabilities: Capabilities
+    new_cache: Callable[[], list[Any]]
+    """A fresh prompt cache for the model: every sequence's, the probe's, the prefix cache's reference."""
     pairing: PairingKey | None = None
     """The MTP pairing configured (also when it cannot run), or None: no drafter."""
     sharded: bool = False
@@ -42,8 +44,6 @@ class Loaded:
     grammar_tokenizer: Any = None
     """llguidance's tokenizer for constrained decoding (``engine.grammar``), or a sentence saying why there
     is none."""
-    new_cache: Callable[[], list[Any]] = field(default=list)
-    """A fresh prompt cache for the model: every sequence's, the probe's, the prefix cache's reference."""
 
 
 def cache_maker(model: Any, kv_bits: int | None) -> Callable[[], list[Any]]:
@@ -143,8 +143,8 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
 
     eos = frozenset(tokenizer.eos_token_ids)
     return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab), host, speculation,
-                  capabilities, pairing, sharding is not None, release, grammar_tokenizer(tokenizer, vocab, eos),
-                  new_cache)
+                  capabilities, new_cache, pairing, sharding is not None, release,
+                  grammar_tokenizer(tokenizer, vocab, eos))
 
 
 def _check_quantized_cache(model: Any, new_cache: Callable[[], list[Any]], stream: Any, name: str, bits: int
