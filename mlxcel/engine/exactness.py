@@ -31,6 +31,8 @@ OFFSETS = (12, 1024)
 #: an agent's 10-30k-token prompts. ``rows`` attends a query at a time, as each step does, at any length.
 DEEP_OFFSET = 4096
 PREFILL_CHUNK = 512
+#: A longer prompt is prefilled for this many tokens, then its KV caches repeated to its length (:func:`_repeated_to`).
+PREFILLED_BEFORE_REPEATING = 64
 _BATCHED_ATTENTION: tuple[Split, ...] = ("wide", "half")
 
 
@@ -82,12 +84,47 @@ def _compare_logits(got: mx.array, chain: list[np.ndarray], what: str) -> str | 
     return None
 
 
+def _repeated_to(cache: list[Any], depth: int) -> bool:
+    """Grow every KV cache in *cache* to *depth* positions by repeating the rows it holds; True when done.
+
+    What the deep case checks is how attention groups its sums over *depth* keys, which the keys'
+    values do not change; repeating them spares a real prefill of *depth* tokens, which on a CPU takes
+    a hybrid model's recurrent layers token by token (45 s for the 24-layer test pairing). Only
+    mlx-lm's plain and quantized KV caches grow so; the fixed-size states of recurrent layers stay as
+    they are (no kernel's choice depends on them). Any other cache (a ring, a family's own): False,
+    untouched, and the caller prefills for real."""
+    from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache
+
+    growing = [c for c in cache if type(c) in (KVCache, QuantizedKVCache)]
+    if not growing or any(type(c) not in (KVCache, QuantizedKVCache, ArraysCache) for c in cache):
+        return False
+    for c in growing:
+        c.keys, c.values = tree_map(lambda x, held=c.offset: _repeat_rows(x, held, depth), (c.keys, c.values))
+        c.offset = depth
+    return True
+
+
+def _repeat_rows(x: mx.array, held: int, depth: int) -> mx.array:
+    """The first *held* rows of *x* (along its second-to-last axis) repeated to *depth* rows."""
+    return mx.concatenate([x[..., :held, :]] * -(-depth // held), axis=-2)[..., :depth, :]
+
+
 class _Case:
-    """One starting state (a prompt of *offset* tokens) and the chain's answers from it."""
+    """One starting state (a prompt of *offset* tokens) and the chain's answers from it.
+
+    A longer prompt than :data:`PREFILLED_BEFORE_REPEATING` is prefilled only that far when the KV caches
+    can be grown to its length by repeating their rows (:func:`_repeated_to`)."""
 
     def __init__(self, model: Any, make_cache: Any, prompt: list[int], block: list[int]) -> None:
         self.base = make_cache()
-        for start in range(0, len(prompt), PREFILL_CHUNK):
+        done = 0
+        if len(prompt) > PREFILLED_BEFORE_REPEATING:
+            done = PREFILLED_BEFORE_REPEATING
+            model(mx.array([prompt[:done]]), cache=self.base)
+            _evaluated(self.base)
+            if _repeated_to(self.base, len(prompt)):
+                done = len(prompt)
+        for start in range(done, len(prompt), PREFILL_CHUNK):
             model(mx.array([prompt[start:start + PREFILL_CHUNK]]), cache=self.base)
             _evaluated(self.base)
         chain = copy.deepcopy(self.base)

@@ -111,24 +111,50 @@ class _WidthTwoDrift:
         return type(verify)(bumped.view(logits.dtype), verify.hidden, verify.width, verify.states)
 
 
+class _Stepped:
+    """What a verify returns here: logits of one single-token step per token, and the cache after each."""
+
+    def __init__(self, logits: mx.array, after: list[list[Any]]) -> None:
+        self.logits, self.after = logits, after
+
+
+class _ChainTarget:
+    """A target whose verify is the single-token chain itself, under every split: exact by construction
+    on any machine's kernels (which shapes a real verify computes inexactly is the CPU's choice)."""
+
+    def __init__(self, inner: Qwen35Target) -> None:
+        self.forward = inner.forward
+
+    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> _Stepped:
+        logits, after = [], []
+        for i in range(tokens.shape[1]):
+            step, _ = self.forward(tokens[:, i:i + 1], cache)
+            logits.append(step)
+            after.append(copy.deepcopy(cache))
+        return _Stepped(mx.concatenate(logits, axis=1), after)
+
+    def rollback(self, cache: list[Any], verify: _Stepped, kept: int) -> None:
+        cache[:] = copy.deepcopy(verify.after[kept - 1])
+
+
 class _DeepDrift:
     """A target whose verify is off in the last bit of one logit: under the *deep* splits past 2,048 cached
     positions (as an attention that groups its sums by the cache's length could be), under the *shallow*
-    ones at any length."""
+    ones at any length; exact otherwise (:class:`_ChainTarget`)."""
 
     def __init__(self, inner: Qwen35Target, deep: tuple[str, ...], shallow: tuple[str, ...] = ()) -> None:
-        self.inner, self.deep, self.shallow = inner, deep, shallow
-        self.forward = inner.forward
-        self.rollback = inner.rollback
+        chain = _ChainTarget(inner)
+        self.chain, self.deep, self.shallow = chain, deep, shallow
+        self.forward, self.rollback = chain.forward, chain.rollback
 
-    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> Any:
+    def verify(self, tokens: mx.array, cache: list[Any], split: Any) -> _Stepped:
         depth = next(c.offset for c in cache if hasattr(c, "offset"))
-        verify = self.inner.verify(tokens, cache, split)
+        verify = self.chain.verify(tokens, cache, split)
         if not (split in self.shallow or (depth >= 2048 and split in self.deep)):
             return verify
         logits = verify.logits
         bumped = logits.view(mx.int32) + (mx.arange(logits.shape[-1]) == 0).astype(mx.int32)
-        return type(verify)(bumped.view(logits.dtype), verify.hidden, verify.width, verify.states)
+        return _Stepped(bumped.view(logits.dtype), verify.after)
 
 
 def test_a_split_that_batches_the_attention_is_also_probed_deep(hybrid: tuple[Qwen35Target, Any]) -> None:
@@ -142,6 +168,8 @@ def test_a_split_that_batches_the_attention_is_also_probed_deep(hybrid: tuple[Qw
     # rows attends a query at a time, as each step does, at any length: it is not probed deep.
     chosen = probe_exactness(_DeepDrift(target, ("rows",), shallow=("wide", "half")), model, fresh, 3, 512, 4096)
     assert chosen.split == "rows"
+    # and the chain itself is exact at every offset, the deep one included: the probe accepts it.
+    assert probe_exactness(_ChainTarget(target), model, fresh, 3, 512, 4096).split == "wide"
 
 
 def test_the_probe_checks_every_rollback_prefix_and_every_width(hybrid: tuple[Qwen35Target, Any]) -> None:
@@ -187,3 +215,36 @@ def test_the_probe_reads_bfloat16_logits(tmp_path_factory: pytest.TempPathFactor
     model.set_dtype(mx.bfloat16)
     result = probe_exactness(Qwen35Target(model), model, lambda: make_prompt_cache(model), 2, 512, 4096)
     assert result.split is not None and result.detail is None  # compared as bytes, not refused by numpy
+
+
+def test_a_deep_starting_state_repeats_the_kv_rows_and_keeps_the_recurrent_state(
+        hybrid: tuple[Qwen35Target, Any]) -> None:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from mlxcel.engine.exactness import _repeated_to
+
+    _, model = hybrid
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(3, 67))]), cache=cache)
+    def recurrent() -> list[np.ndarray]:
+        return [np.array(a) for _, a in tree_flatten([c.state for c in cache if isinstance(c, ArraysCache)])]
+
+    before = recurrent()
+    held = [(np.array(c.keys[..., :64, :]), np.array(c.values[..., :64, :])) for c in cache if type(c) is KVCache]
+    assert held and before  # the hybrid has both kinds
+    assert _repeated_to(cache, 300)
+    grown = [c for c in cache if type(c) is KVCache]
+    for c, (keys, values) in zip(grown, held, strict=True):
+        assert c.offset == 300 and c.keys.shape[2] == 300
+        np.testing.assert_array_equal(np.array(c.keys), np.concatenate([keys] * 5, axis=2)[..., :300, :])
+        np.testing.assert_array_equal(np.array(c.values), np.concatenate([values] * 5, axis=2)[..., :300, :])
+    assert all(np.array_equal(x, y) for x, y in zip(before, recurrent(), strict=True))
+    # A step after it writes its key at the offset, as after a real prefill of 300 tokens.
+    model(mx.array([[5]]), cache=cache)
+    assert all(c.offset == 301 for c in grown)
+    # A ring (a sliding window) is not grown: the caller prefills for real.
+    ring = [RotatingKVCache(max_size=32), *make_prompt_cache(model)]
+    model(mx.array([list(range(3, 67))]), cache=ring[1:])
+    assert not _repeated_to(ring, 300)
+    assert all(c.offset == 64 for c in ring[1:] if type(c) is KVCache)

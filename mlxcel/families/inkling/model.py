@@ -210,6 +210,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=args.rms_norm_eps)
         self.rel_proj = mx.zeros((args.d_rel, extent))
+        #: Set by the target for a row-split verify: each query attends over exactly the keys its own step
+        #: would see, so that no product's length (and with it a BLAS's grouping of sums) differs.
+        self.stepwise = False
 
     def __call__(self, x: mx.array, cache: InklingCache | None) -> mx.array:
         b, length, _ = x.shape
@@ -229,7 +232,9 @@ class Attention(nn.Module):
         # The bias and the scores are (b, heads, queries, keys): in blocks of queries, so that at a long
         # context a chunk's tensors stay within SCORE_BUDGET elements, however many heads and keys.
         rows = max(1, SCORE_BUDGET // (b * self.heads * k.shape[2]))
-        if length <= rows:
+        if self.stepwise and length > 1:
+            out = mx.concatenate([self._as_step(q, r, k, v, i, start, first) for i in range(length)], axis=2)
+        elif length <= rows:
             out = self._attend(q, r, k, v, start, first)
         else:  # each block evaluated before the next: one graph would hold every block's tensors at once
             blocks = []
@@ -238,6 +243,14 @@ class Attention(nn.Module):
                 mx.eval(blocks[-1])
             out = mx.concatenate(blocks, axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+
+    def _as_step(self, q: mx.array, r: mx.array, k: mx.array, v: mx.array, i: int, start: int,
+                 first: int) -> mx.array:
+        """Query *i* of a block at positions ``start...`` (keys from *first*) over the keys its step sees."""
+        at = start + i
+        lo = max(first, at + 1 - self.window) if self.window is not None else first
+        keys = slice(lo - first, at + 1 - first)
+        return self._attend(q[:, :, i:i + 1], r[:, i:i + 1], k[..., keys, :], v[..., keys, :], at, lo)
 
     def _attend(self, q: mx.array, r: mx.array, k: mx.array, v: mx.array, start: int, first: int) -> mx.array:
         """Attention of the queries at positions ``start...`` (their ``r_proj`` states *r*) to the keys at
@@ -291,9 +304,15 @@ class MoE(nn.Module):
                      "bias": mx.zeros((args.n_routed_experts,))}
         self.switch_mlp = SwitchGLU(h, i, args.n_routed_experts)
         self.shared_experts = [DenseMLP(h, i, scaled=False) for _ in range(self.shared)]
+        self.stepwise = False  # as Attention's
 
     def __call__(self, x: mx.array) -> mx.array:
-        logits = x.astype(mx.float32) @ self.gate["weight"].astype(mx.float32).T
+        gate = self.gate["weight"].astype(mx.float32).T
+        if self.stepwise and x.shape[-2] > 1:  # the router's product a row at a time, as each step's
+            logits = mx.concatenate([x[..., i:i + 1, :].astype(mx.float32) @ gate for i in range(x.shape[-2])],
+                                    axis=-2)
+        else:
+            logits = x.astype(mx.float32) @ gate
         routed, shared = logits[..., :self.n_routed], logits[..., self.n_routed:]  # (no shared: empty)
         choice = mx.sigmoid(routed) + self.gate["bias"].astype(mx.float32)
         chosen = mx.argpartition(-choice, kth=self.top_k - 1, axis=-1)[..., :self.top_k]

@@ -51,11 +51,21 @@ class InklingTarget:
             c.windows = {}
         try:
             width = tokens.shape[1]
+            self._stepwise(split == "rows")
             logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
             return InklingVerify(logits, hidden, width, [c.windows for c in cache])
         finally:
+            self._stepwise(False)
             for c in cache:
                 c.windows = None
+
+    def _stepwise(self, on: bool) -> None:
+        """A row-split verify's part in this family's own code: attention over each query's own keys and
+        the router a row at a time (what ``rows_apart`` does for mlx-lm's layers and fused attention)."""
+        for layer in self.model.model.layers:
+            layer.self_attn.stepwise = on
+            if hasattr(layer.mlp, "stepwise"):
+                layer.mlp.stepwise = on
 
     def rollback(self, cache: list[Any], verify: InklingVerify, kept: int) -> None:
         dropped = verify.width - kept
