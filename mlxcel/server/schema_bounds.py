@@ -29,6 +29,7 @@ them is followed. Pure Python; no I/O, no llguidance.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 from urllib.parse import unquote
 
@@ -53,6 +54,12 @@ def check_schema(schema: Any, text: str) -> None:
 class _TooDeep(Exception):
     pass
 
+
+MAX_PATTERN_REPEAT = 1000
+"""The most a ``pattern`` may repeat anything, nested counts multiplied (``(a{10}){20}`` is 200). llguidance's
+mask for a counted repetition of a literal grows with the count (1,024-token vocabulary, per token: 0.35 ms at
+``a{1000}``, 16 ms at ``a{16384}``, 56 ms at ``a{65535}``: ``benchmarks/grammar_mask.py``), and it is computed on
+the batch's critical path, so one such request slowed every stream decoding beside it several times."""
 
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON data, never read as schemas."""
@@ -91,6 +98,14 @@ class _Walk:
         if isinstance(node.get("$id"), str) and node is not self.root:
             raise SchemaTooLarge("$id is supported only at the schema's root (a nested $id moves the base "
                                  "its references resolve against)")
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for pattern in patterns:
+            if (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEAT:
+                raise SchemaTooLarge(f"a pattern repeats {repeats} times ({pattern[:40]!r}); at most "
+                                     f"{MAX_PATTERN_REPEAT} (nested counts multiplied): a string's length is "
+                                     "bounded with maxLength")
         reference = node.get("$ref")
         if isinstance(reference, str):
             below = max(below, self._target_height(reference, budget - 1))
@@ -125,3 +140,55 @@ class _Walk:
             else:
                 raise SchemaTooLarge(f"$ref {reference[:80]!r} does not resolve within the schema")
         return node
+
+
+_COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
+
+
+def pattern_repeats(pattern: str) -> int:
+    """How many times *pattern* at most repeats its innermost atom: the largest product of nested counts
+    (``{n}``, ``{n,}``, ``{n,m}``: m when given, else n; ``*``, ``+`` and ``?`` count 1). A scan of the
+    syntax, not a regex engine: escapes and character classes are skipped, a ``{`` that is not a count is
+    a literal (as in ECMA-262), and an unbalanced pattern is measured as far as it goes."""
+    levels = [0]  # the heaviest atom of each open group so far
+    last = 0  # the weight of the atom a count would apply to
+    i = 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            i, last = i + 2, 1
+            levels[-1] = max(levels[-1], 1)
+            continue
+        if char == "[":
+            i, last = _class_end(pattern, i), 1
+            levels[-1] = max(levels[-1], 1)
+            continue
+        if char == "(":
+            levels.append(0)
+            i, last = i + 1, 0
+            continue
+        elif char == ")" and len(levels) > 1:
+            last = max(levels.pop(), 1)
+        elif char == "{" and (count := _COUNT.match(pattern, i)):
+            low, _, high = count.groups()
+            last *= int(high) if high else int(low)
+            levels[-1] = max(levels[-1], last)
+            i = count.end()
+            continue
+        elif char not in "|*+?^$":
+            last = 1
+        levels[-1] = max(levels[-1], last)
+        i += 1
+    return max(levels)
+
+
+def _class_end(pattern: str, start: int) -> int:
+    """The index after the ``]`` closing the character class opened at *start*."""
+    i = start + 1
+    if i < len(pattern) and pattern[i] == "^":
+        i += 1
+    if i < len(pattern) and pattern[i] == "]":
+        i += 1  # a leading ] is a literal
+    while i < len(pattern) and pattern[i] != "]":
+        i += 2 if pattern[i] == "\\" else 1
+    return i + 1

@@ -10,6 +10,7 @@ here are subprocesses, so that a crash is a failed test, not a dead test run.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,7 +23,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxcel.server.schema_bounds import MAX_SCHEMA_BYTES, SchemaTooLarge, check_schema
+from mlxcel.server.schema_bounds import (
+    MAX_PATTERN_REPEAT,
+    MAX_SCHEMA_BYTES,
+    SchemaTooLarge,
+    check_schema,
+    pattern_repeats,
+)
 from mlxcel.testing.checkpoints import TOOLS_CHATML, build_checkpoint
 from mlxcel.testing.serving import serve_subprocess
 
@@ -88,6 +95,27 @@ def test_the_reported_chain_and_anything_deeper_than_the_bound_are_refused() -> 
 def test_what_the_walk_cannot_bound_is_refused_with_its_reason(schema: dict[str, Any], says: str) -> None:
     with pytest.raises(SchemaTooLarge, match=says):
         check_schema(schema, json.dumps(schema))
+
+
+@pytest.mark.parametrize(("pattern", "repeats"), [
+    ("^a{65535}$", 65535), ("^a{0,65535}$", 65535), ("^a{5,}$", 5), (r"^[a-z]{3}-\d{4}$", 4),
+    ("^(a{10}){20}$", 200), ("((a){3}){4}", 12), ("(ab|cd){4}(e){1000}", 1000), ("x{1,2}{3}", 6),
+    ("[{]{2000}", 2000), ("[]a]{7}", 7),
+    (r"\{2000}", 1), ("a{", 1), ("a{,5}", 1), ("^.*$", 1), ("", 0),  # an escaped brace, not counts: literals
+])
+def test_a_pattern_is_measured_by_its_nested_counts(pattern: str, repeats: int) -> None:
+    assert pattern_repeats(pattern) == repeats
+
+
+def test_a_pattern_that_repeats_past_the_bound_is_refused_wherever_it_is() -> None:
+    over = f"^a{{{MAX_PATTERN_REPEAT + 1}}}$"
+    for schema in ({"type": "string", "pattern": over},
+                   {"type": "object", "patternProperties": {over: {"type": "string"}}},
+                   {"properties": {"a": {"type": "string", "pattern": "^(x{30}){40}$"}}}):  # 30 x 40
+        with pytest.raises(SchemaTooLarge, match="maxLength"):
+            check_schema(schema, json.dumps(schema))
+    assert accepted({"type": "string", "pattern": f"^a{{{MAX_PATTERN_REPEAT}}}$", "maxLength": 65535})
+    assert accepted({"type": "string", "const": "^a{65535}$"})  # data, not a pattern
 
 
 def test_values_are_data_not_schemas() -> None:
@@ -166,6 +194,21 @@ def test_the_crashing_schema_is_a_400_on_every_route_and_a_stream_in_flight_fini
             assert "\n" not in error["message"]
         assert [line for line in lines if line.startswith("data: ")][-1] == "data: [DONE]"
         assert client.get("/health").status_code == 200
+
+
+def test_a_huge_repetition_is_a_400_and_a_bounded_one_is_served(server: str) -> None:
+    """The report's 43-byte ``^a{65535}$`` cost 16-20 ms of mask per token per sequence, on the batch's
+    critical path: refused before compiling; the bound itself compiles and decodes."""
+    with httpx.Client(base_url=server, timeout=120) as client:
+        refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "response_format": as_format(
+            {"type": "string", "pattern": "^a{65535}$"})})
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == "response_format" and "repeats 65535 times" in error["message"], error
+        served = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "response_format": as_format(
+            {"type": "string", "pattern": f"^a{{{MAX_PATTERN_REPEAT}}}$"})})
+        assert served.status_code == 200, served.text
+        assert re.fullmatch('"a*', served.json()["choices"][0]["text"])  # cut by max_tokens
 
 
 @pytest.mark.slow
