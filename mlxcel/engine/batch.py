@@ -124,7 +124,9 @@ class ContinuousBatch(Generic[T]):
 def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_step_size: int, stream: Any) -> Any:
     from mlx_lm.generate import BatchGenerator
 
-    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel,
+    # One place more than `parallel`: the scheduler's overflow place (engine/scheduler.py) is the bound that
+    # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue.
+    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel + 1,
                           prefill_batch_size=parallel, prefill_step_size=prefill_step_size, stream=stream)
 
 

@@ -15,7 +15,12 @@ is a test without a model (``tests/engine/test_scheduler.py``). The rules:
 - The batch has ``parallel`` places; the others wait outside it. A free place
   goes to the waiting sequence whose request holds the fewest places, then the
   oldest: the ``n`` choices of one request cannot hold a later request back
-  behind all of them, only behind those already decoding.
+  behind all of them.
+- Nor behind those already decoding: while the places are full and some request
+  holds more than one, a request holding none takes one *overflow* place beyond
+  ``parallel``, at most one at a time (so the batch never exceeds
+  ``parallel + 1``). A short request beside ``n=16`` long choices starts at
+  once instead of waiting for the first choice to finish.
 - Cancelled in the drain that submitted it: never admitted. A stop ends all.
 - A request the model cannot serve (scoring a prompt on a sharded model) is
   refused at intake, with the reason :class:`Capabilities` gives.
@@ -193,6 +198,12 @@ class Scheduler:
             holding[_group(held.request)] = holding.get(_group(held.request), 0) + 1
             chosen.append(request_id)
             free -= 1
+        if free == 0 and any(count > 1 for count in holding.values()):
+            newcomer = next((i for i, (_, held) in enumerate(waiting) if _group(held.request) not in holding), None)
+            if newcomer is not None:  # the overflow place (module docstring)
+                request_id, held = waiting.pop(newcomer)
+                held.place = "batch"
+                chosen.append(request_id)
         return tuple(chosen)
 
     def ended(self, request_id: str) -> None:

@@ -86,16 +86,38 @@ def test_places_beyond_parallel_wait_and_fill_as_places_free() -> None:
 
 
 def test_the_choices_of_one_request_cannot_keep_a_later_request_behind_all_of_them() -> None:
-    # n=16 on 4 places, then a request of its own: it takes the first place to free, ahead of
-    # the 12 choices still waiting (which arrived first).
+    # n=16 on 4 places, then two requests of their own. The first takes the overflow place at once; the
+    # second takes the first place to free (the overflow one, when the short request ends), ahead of the
+    # 12 choices still waiting (which arrived first).
     scheduler = Scheduler(BATCH4)
     scheduler.take(submit(*(f"n-{i}" for i in range(16)), group="n"))
     assert scheduler.turn() == BatchTurn(("n-0", "n-1", "n-2", "n-3"))
-    scheduler.take(submit("late"))
-    scheduler.ended("n-2")
-    assert scheduler.turn() == BatchTurn(("late",))
+    scheduler.take(submit("late", "later"))
+    assert scheduler.turn() == BatchTurn(("late",))  # 5 in the batch: one overflow place, no more
+    assert scheduler.turn() == BatchTurn(())
+    scheduler.ended("late")
+    assert scheduler.turn() == BatchTurn(("later",))
+    scheduler.ended("later")
     scheduler.ended("n-0")
-    assert scheduler.turn() == BatchTurn(("n-4",))  # then the choices, in their order
+    assert scheduler.turn() == BatchTurn(("n-4",))  # then the choices, in their order, on the 4 places
+    scheduler.ended("n-1")
+    assert scheduler.turn() == BatchTurn(("n-5",))
+
+
+def test_the_overflow_place_is_only_for_a_request_kept_behind_another_s_extra_choices() -> None:
+    # Four requests of one place each fill the batch: a fifth waits (every request holds only its own).
+    scheduler = Scheduler(BATCH4)
+    scheduler.take(submit("a", "b", "c", "d"))
+    assert scheduler.turn() == BatchTurn(("a", "b", "c", "d"))
+    scheduler.take(submit("e"))
+    assert scheduler.turn() == BatchTurn(())
+    # n=2 beside two singles: full, and n holds two; a newcomer overflows, n's own waiting choice does not.
+    scheduler = Scheduler(BATCH4)
+    scheduler.take([*submit("n-0", "n-1", "n-2", group="n"), *submit("a", "b")])
+    assert scheduler.turn() == BatchTurn(("n-0", "a", "b", "n-1"))
+    assert scheduler.turn() == BatchTurn(())  # n-2 waits: its request already holds places
+    scheduler.take(submit("c"))
+    assert scheduler.turn() == BatchTurn(("c",))
 
 
 def test_free_places_go_to_the_request_holding_fewest_then_the_oldest() -> None:

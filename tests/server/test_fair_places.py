@@ -2,10 +2,10 @@
 
 From outside, over real HTTP: a streamed ``n=6`` request on two places, then a
 short request of another client. Under first-come-first-served the short one
-would wait until choices 2 and 3 had finished too; with the scheduler's rule
-(a free place goes to the request holding the fewest) it takes the first
-place that frees, so it is done before choice 3 has decoded more than a few
-tokens.
+would wait until choices 2 and 3 had finished too; with the fewest-places rule
+alone, until choice 0 or 1 had; with the overflow place (a request holding
+none is not kept behind another's extra choices) it starts at once, and is
+done before choices 0 and 1 are half way.
 """
 
 from __future__ import annotations
@@ -53,3 +53,4 @@ async def test_a_later_request_takes_the_first_free_place_ahead_of_waiting_choic
     assert set(tokens) == set(range(6))  # every choice decoded in the end
     # First come first served would have decoded choices 2 and 3 (all their tokens) first.
     assert seen_at_short_done.get(3, 0) < CHOICE_TOKENS // 4, seen_at_short_done
+    assert max(seen_at_short_done.get(0, 0), seen_at_short_done.get(1, 0)) < CHOICE_TOKENS // 2, seen_at_short_done
