@@ -118,14 +118,18 @@ def decode_rate(bodies: dict[str, Any] | list[dict[str, Any]]) -> float:
 
 
 @contextmanager
-def server(model: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """`mlxcel serve` in a subprocess (the tests' helper); yields its URL once healthy, then SIGTERM."""
+def server(model: Path, *args: str, env: dict[str, str] | None = None, tree: Path | None = None) -> Iterator[str]:
+    """`mlxcel serve` in a subprocess (the tests' helper); yields its URL once healthy, then SIGTERM.
+
+    *tree*: serve that source tree's mlxcel (a ``git worktree`` of another commit), not this one's."""
     from mlxcel.testing.serving import serve_subprocess
 
     BENCH_DIR.mkdir(exist_ok=True)
     log = BENCH_DIR / f"serve-{time.time_ns()}.log"
+    where = {"PYTHONPATH": str(tree.resolve())} if tree is not None else {}
     # Benchmark models are big: loading and the exactness probe at boot take minutes on a slow BLAS.
-    with serve_subprocess(["--model", str(model), *args], env or {}, log, start_timeout=900) as url:
+    with serve_subprocess(["--model", str(model), *args], {**where, **(env or {})}, log, start_timeout=900,
+                          cwd=tree.resolve() if tree is not None else None) as url:
         yield url
 
 

@@ -13,17 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bench_model
-from mlxcel.testing.serving import free_port, wait_healthy
+from benchmarks._common import bench_model, server
 
 
 def _short_request(url: str, tokens: int) -> tuple[float, float]:
@@ -39,15 +35,7 @@ def _short_request(url: str, tokens: int) -> tuple[float, float]:
 
 
 def _measure(tree: Path, model: Path, n: int, max_tokens: int, short: int) -> tuple[float, float, float]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(f"/tmp/fair-admission-{port}.log")
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port",
-                                    str(port)], env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(url, process, 300, log)
+    with server(model, tree=tree) as url:
         alone = _short_request(url, short)[0]
         first_token = threading.Event()
         done = threading.Event()
@@ -71,9 +59,6 @@ def _measure(tree: Path, model: Path, n: int, max_tokens: int, short: int) -> tu
         done.set()
         thread.join()
         return alone, beside, end
-    finally:
-        process.terminate()
-        process.wait()
 
 
 def main() -> None:

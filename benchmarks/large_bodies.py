@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bench_model
-from mlxcel.testing.serving import free_port, wait_healthy
+from benchmarks._common import bench_model, server
 
 
 def main() -> None:
@@ -30,24 +26,13 @@ def main() -> None:
     args = parser.parse_args()
     model = bench_model(hidden=64, layers=2, name="large-bodies")
     tree = args.tree.resolve()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(f"/tmp/large-bodies-{port}.log")
-    with log.open("w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port",
-                                    str(port)], env={**os.environ, "PYTHONPATH": str(tree)}, cwd=tree,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_healthy(url, process, 300, log)
+    with server(model, tree=tree) as url:
         body = json.dumps({"prompt": "x", "max_tokens": 1, "extra": [[i, str(i)] for i in range(200_000)]}).encode()
         latencies: list[float] = []
         for _ in range(args.rounds):
             latencies += _round(url, body)
         print(f"{tree}: {len(body)} B bodies; /health max {max(latencies):.3f} s, "
               f"median {statistics.median(latencies) * 1000:.1f} ms, {len(latencies)} polls answered")
-    finally:
-        process.terminate()
-        process.wait()
 
 
 def _round(url: str, body: bytes) -> list[float]:

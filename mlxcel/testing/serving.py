@@ -38,12 +38,15 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: 
 
 
 @contextmanager
-def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120) -> Iterator[str]:
-    """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL."""
+def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_timeout: float = 120,
+                     cwd: Path | None = None) -> Iterator[str]:
+    """`mlxcel serve` in its own process (for process-wide settings such as the BLAS); yields its URL.
+
+    *cwd*: the directory it runs in (``python -m`` imports ``mlxcel`` from there first)."""
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}) as process:
+            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=cwd) as process:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, process, start_timeout, log)
