@@ -182,7 +182,8 @@ class Scheduler:
         return BatchTurn(self._fill_places())
 
     def _fill_places(self) -> tuple[str, ...]:
-        """Give the batch's free places to waiting sequences: fewest places held by their request first."""
+        """Give the batch's free places to waiting sequences, fewest places held by their request first; then
+        the overflow place, if a request holding none waits behind another's extra choices."""
         holding: dict[str, int] = {}
         for held in self._held.values():
             if held.place == "batch":
