@@ -15,10 +15,10 @@ from typing import Literal
 
 from .requests import GenerationRequest
 
-Point = Literal["prefill", "solo_step", "verify", "sampler", "batch_step"]
-POINTS: tuple[Point, ...] = ("prefill", "solo_step", "verify", "sampler", "batch_step")
+Point = Literal["prefill", "solo_step", "verify", "sampler", "batch_step", "score"]
+POINTS: tuple[Point, ...] = ("prefill", "solo_step", "verify", "sampler", "batch_step", "score")
 """A prefill chunk of a solo sequence; a classic solo step; an MTP verify; a sample (solo or in the batch);
-a batch step (once per sequence in it)."""
+a batch step (once per sequence in it); a chunk of a prompt's scores (``echo`` with ``logprobs``)."""
 
 Probe = Callable[[Point], None]
 """An instrument bound to one request: what the decoders call at their points."""

@@ -21,6 +21,11 @@ is a test without a model (``tests/engine/test_scheduler.py``). The rules:
   ``parallel``, at most one at a time (so the batch never exceeds
   ``parallel + 1``). A short request beside ``n=16`` long choices starts at
   once instead of waiting for the first choice to finish.
+- A request whose prompt is to be scored (completions ``echo`` with ``logprobs``)
+  is *scoring* first: a chunk of its prompt per scoring turn, the turns taking
+  their fair share with the batch's (or a solo sequence's) steps, so a long
+  prompt's scores never pause the others for more than a chunk. Scored, it
+  decodes as any other arrival would: solo if it is alone, else from a place.
 - Cancelled in the drain that submitted it: never admitted. A stop ends all.
 - A request the model cannot serve (scoring a prompt on a sharded model) is
   refused at intake, with the reason :class:`Capabilities` gives.
@@ -35,8 +40,9 @@ from typing import Literal
 from .messages import Cancel, Message, Stop, Submit
 from .requests import Finish, GenerationRequest
 
-Place = Literal["solo", "waiting", "batch"]
-"""Where a held sequence is: decoding (or to decode) alone, waiting for a place in the batch, in the batch."""
+Place = Literal["scoring", "solo", "waiting", "batch"]
+"""Where a held sequence is: its prompt being scored, decoding (or to decode) alone, waiting for a place in the
+batch, in the batch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +83,7 @@ class Intake:
     to_batch: list[str] = field(default_factory=list)
     """A solo sequence to hand to the batch now, with its cache and the tokens it still has to feed."""
     admitted: list[tuple[GenerationRequest, Place]] = field(default_factory=list)
-    """New requests, oldest first: "solo" or "waiting" (for a place in the batch, given by :meth:`turn`)."""
+    """New requests, oldest first: "scoring", "solo" or "waiting" (for a place in the batch, given by :meth:`turn`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +97,20 @@ class SoloTurn:
 
 
 @dataclass(frozen=True, slots=True)
+class ScoreTurn:
+    """Score the next chunk of this request's prompt; :meth:`Scheduler.scored` once it is whole."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class BatchTurn:
     """One step of the batch, after inserting these waiting sequences into the places that freed."""
 
     insert: tuple[str, ...] = ()
 
 
-Turn = Idle | SoloTurn | BatchTurn
+Turn = Idle | SoloTurn | BatchTurn | ScoreTurn
 
 
 @dataclass(slots=True)
@@ -116,6 +129,7 @@ class Scheduler:
     def __init__(self, capabilities: Capabilities) -> None:
         self.capabilities = capabilities
         self._held: dict[str, _Held] = {}
+        self._scored_last = False  # the last turn was a scoring turn: the next goes to the decoders, if any
 
     @property
     def held(self) -> int:
@@ -155,7 +169,7 @@ class Scheduler:
                     held.place = "batch"
                     intake.to_batch.append(request_id)
         for request in arrivals:
-            place: Place = "waiting" if batching else "solo"
+            place: Place = "scoring" if request.prompt_logprobs else "waiting" if batching else "solo"
             self._held[request.id] = _Held(request, place)
             intake.admitted.append((request, place))
         return intake
@@ -170,16 +184,28 @@ class Scheduler:
         return False
 
     def turn(self) -> Turn:
-        """What the worker does next: decode a solo sequence, step the batch, or wait for mail."""
-        if not self._held:
+        """What the worker does next: score a prompt's chunk, decode a solo sequence, step the batch, or wait
+        for mail. Scoring turns and the others take turns."""
+        scoring = next((request_id for request_id, held in self._held.items() if held.place == "scoring"), None)
+        decoding = [(request_id, held) for request_id, held in self._held.items() if held.place != "scoring"]
+        if scoring is not None and not (self._scored_last and decoding):
+            self._scored_last = True
+            return ScoreTurn(scoring)
+        self._scored_last = False
+        if not decoding:
             return Idle()
         if not self.capabilities.batching:
-            return SoloTurn(next(iter(self._held)))  # one slot: the oldest, to its end
-        if len(self._held) == 1:
-            request_id, held = next(iter(self._held.items()))
-            if held.place == "solo":
-                return SoloTurn(request_id)
+            return SoloTurn(decoding[0][0])  # one slot: the oldest, to its end
+        if len(decoding) == 1 and decoding[0][1].place == "solo":
+            return SoloTurn(decoding[0][0])
         return BatchTurn(self._fill_places())
+
+    def scored(self, request_id: str) -> None:
+        """*request_id*'s prompt is scored: it decodes alone if nothing else is held (or there is one slot),
+        else it waits for a place in the batch."""
+        held = self._held[request_id]
+        alone = len(self._held) == 1
+        held.place = "waiting" if self.capabilities.batching and not alone else "solo"
 
     def _fill_places(self) -> tuple[str, ...]:
         """Give the batch's free places to waiting sequences, fewest places held by their request first; then
@@ -215,4 +241,5 @@ class Scheduler:
         """The batch could not be rebuilt: one slot from now on, every held sequence solo."""
         self.capabilities = replace(self.capabilities, parallel=1, no_batch=why)
         for held in self._held.values():
-            held.place = "solo"
+            if held.place != "scoring":
+                held.place = "solo"

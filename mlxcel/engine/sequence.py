@@ -11,13 +11,15 @@ from .requests import BurstStats, GenerationRequest
 
 if TYPE_CHECKING:
     from .instrument import Probe
+    from .prompt_scoring import PromptScorer
     from .sampling import SamplingChain
     from .solo import SoloDecoder
 
 
 @dataclass
 class Sequence:
-    """A request the worker is serving: waiting (``prompt_state``), alone (``solo``) or in the batch."""
+    """A request the worker is serving: its prompt being scored (``scorer``), waiting (``prompt_state``), alone
+    (``solo``) or in the batch."""
 
     request: GenerationRequest
     output: SequenceOutput
@@ -34,9 +36,11 @@ class Sequence:
     """Prompt tokens reused from the prefix cache."""
     solo: SoloDecoder | None = None
     prompt_state: tuple[Any, list[int], list[int]] | None = None
+    """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
     drafter_state: Any = None
     """The MTP drafter's state the prefix cache kept with the cache it resumes from, if any."""
-    """(prefix cache, its tokens, tokens still to prefill) of a sequence waiting for its solo turn."""
+    scorer: PromptScorer | None = None
+    """What scores its prompt (completions ``echo`` with ``logprobs``) until the scores are delivered."""
     ever_batched: bool = False
     """Decoded in the batch (B>1) at some point: then its burst is not a policy sample."""
     burst: BurstStats | None = None

@@ -31,7 +31,7 @@ from .batch import ContinuousBatch
 from .instrument import Instrument
 from .messages import LoadCancelled, Message, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
-from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, SoloTurn
+from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, ScoreTurn, SoloTurn
 from .sequence import Sequence, new_sequence
 from .solo_turn import SoloTurns, snapshot_marks
 
@@ -156,6 +156,8 @@ class Worker:
                     self.fail([sequence], exc)
             elif isinstance(turn, BatchTurn):
                 self._batch_turn(turn)
+            elif isinstance(turn, ScoreTurn):
+                self._score_turn(self.sequences[turn.request_id])
 
     # -- what comes in -------------------------------------------------------------
 
@@ -195,20 +197,20 @@ class Worker:
         self.observability.cache = self.prefix.stats()
 
     def _admit(self, request: GenerationRequest, place: Place, events: Events) -> None:
-        """Start serving *request*: its record, its prompt's prefix from the cache, its prompt's scores."""
+        """Start serving *request*: its record, its prompt's prefix from the cache, its prompt's scorer."""
         tokens = list(request.prompt_tokens)
         try:
-            cache, rest, drafter = self.prefix.fetch(tokens)
+            # A prompt to score goes through the model whole: that forward is its prefill too.
+            cache, rest, drafter = self.prefix.fetch(tokens) if place != "scoring" else (self.new_cache(), tokens, None)
             cached = len(tokens) - len(rest)
             probe = self.instrument.probe(request) if self.instrument is not None else None
             sequence = new_sequence(request, self.tokenizer, self.eos_tokens, cached, probe)
             sequence.prompt_state = (cache, tokens[:cached], rest)  # prefilled on its turn
             sequence.drafter_state = drafter
-            if request.prompt_logprobs:  # first of the request's events: one forward over the prompt
-                from .prompt_scoring import score_prompt
+            if place == "scoring":  # its scores are the request's first event: a chunk per scoring turn
+                from .prompt_scoring import PromptScorer
 
-                events.append((request.id, score_prompt(self.model, self.stream, tokens, request.top_logprobs,
-                                                        self.new_cache())))
+                sequence.scorer = PromptScorer(self.model, self.stream, tokens, request.top_logprobs, cache)
         except Exception as exc:  # a request the model cannot take must not stop the worker
             logger.error("request %s could not be admitted: %s: %s", request.id, type(exc).__name__, exc)
             self.scheduler.ended(request.id)
@@ -216,6 +218,24 @@ class Worker:
             return
         self.sequences[request.id] = sequence
         self.observability.prompt_tokens.inc(len(tokens))
+
+    def _score_turn(self, sequence: Sequence) -> None:
+        """Score the next chunk of *sequence*'s prompt; once it is whole, deliver its scores (the request's
+        first event) and let it decode from the scorer's cache (its prompt but the last token, fed)."""
+        assert sequence.scorer is not None
+        try:
+            if self.instrument is not None:
+                self.instrument.at("score", sequence.request)
+            scores = sequence.scorer.step()
+        except Exception as exc:
+            self.fail([sequence], exc)
+            return
+        if scores is not None:
+            sequence.scorer = None
+            tokens = list(sequence.request.prompt_tokens)  # the scorer fed all but the last into the cache
+            sequence.prompt_state = (sequence.prompt_state[0], tokens[:-1], tokens[-1:])  # type: ignore[index]
+            self.scheduler.scored(sequence.request.id)
+            self.deliver([(sequence.request.id, scores)])
 
     # -- the batch -------------------------------------------------------------------
 
@@ -367,7 +387,8 @@ class Worker:
         return sequence.output.finish(reason, sequence.admitted, sequence.cached, sequence.burst, error, error_type)
 
     def publish_load(self) -> None:
-        # Those decoding first (solo, or in the batch), then those waiting for a place.
-        ordered = sorted(self.sequences.values(), key=lambda s: self.scheduler.place(s.request.id) == "waiting")
+        # Those decoding first (solo, or in the batch), then those waiting for a place or their prompt's scores.
+        ordered = sorted(self.sequences.values(),
+                         key=lambda s: self.scheduler.place(s.request.id) in ("waiting", "scoring"))
         self.observability.publish_load([(len(s.request.prompt_tokens), s.output.generated) for s in ordered],
                                         self.scheduler.capabilities.parallel)

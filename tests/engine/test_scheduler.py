@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mlxcel.engine.messages import Cancel, Stop, Submit
 from mlxcel.engine.requests import GenerationRequest
-from mlxcel.engine.scheduler import BatchTurn, Capabilities, Idle, Scheduler, SoloTurn, burst_allowed
+from mlxcel.engine.scheduler import BatchTurn, Capabilities, Idle, Scheduler, ScoreTurn, SoloTurn, burst_allowed
 
 BATCH4 = Capabilities(parallel=4, no_batch=None)
 ONE_SLOT = Capabilities(parallel=1, no_batch="--no-batch")
@@ -167,14 +167,55 @@ def test_prompt_scoring_is_refused_with_the_reason_where_the_model_cannot() -> N
     assert [(r.id, place) for r, place in intake.admitted] == [("plain", "solo")]
 
 
+def test_a_prompt_is_scored_a_chunk_a_turn_taking_turns_with_the_batch() -> None:
+    scheduler = Scheduler(BATCH4)
+    scheduler.take(submit("a", "b"))
+    assert scheduler.turn() == BatchTurn(("a", "b"))
+    intake = scheduler.take([Submit(request("echo", prompt_logprobs=True))])
+    assert [(r.id, place) for r, place in intake.admitted] == [("echo", "scoring")]
+    # A chunk of its prompt, then a step of the others, and so on: never two scoring turns in a row.
+    assert [scheduler.turn() for _ in range(4)] == [ScoreTurn("echo"), BatchTurn(()), ScoreTurn("echo"), BatchTurn(())]
+    scheduler.ended("a")
+    scheduler.ended("b")
+    assert [scheduler.turn(), scheduler.turn()] == [ScoreTurn("echo"), ScoreTurn("echo")]  # nobody else to wait on
+    # Scored with nobody else held: it decodes alone.
+    scheduler.scored("echo")
+    assert scheduler.place("echo") == "solo" and scheduler.turn() == SoloTurn("echo")
+
+
+def test_a_scored_prompt_beside_others_waits_for_a_place_and_a_solo_one_joins_the_batch_as_it_arrives() -> None:
+    scheduler = Scheduler(BATCH4)
+    scheduler.take(submit("a"))
+    assert scheduler.turn() == SoloTurn("a")
+    intake = scheduler.take([Submit(request("echo", prompt_logprobs=True))])
+    assert intake.to_batch == ["a"]  # as for any arrival: the solo sequence moves into the batch
+    assert [scheduler.turn(), scheduler.turn()] == [ScoreTurn("echo"), BatchTurn(())]
+    scheduler.scored("echo")
+    assert scheduler.place("echo") == "waiting"
+    assert scheduler.turn() == BatchTurn(("echo",))
+
+
+def test_with_one_slot_a_prompt_is_scored_between_the_solo_turns() -> None:
+    scheduler = Scheduler(ONE_SLOT)
+    scheduler.take([*submit("a"), Submit(request("echo", prompt_logprobs=True))])
+    assert [scheduler.turn() for _ in range(3)] == [ScoreTurn("echo"), SoloTurn("a"), ScoreTurn("echo")]
+    scheduler.scored("echo")
+    assert scheduler.place("echo") == "solo"
+    assert scheduler.turn() == SoloTurn("a")  # the oldest, to its end
+    scheduler.ended("a")
+    assert scheduler.turn() == SoloTurn("echo")
+
+
 def test_a_lost_batch_leaves_one_slot_and_every_held_sequence_solo() -> None:
     scheduler = Scheduler(BATCH4)
-    scheduler.take(submit("a", "b", "c"))
+    scheduler.take([*submit("a", "b", "c"), Submit(request("echo", prompt_logprobs=True))])
+    scheduler.turn()
     scheduler.turn()
     scheduler.ended("a")  # the failed step ended those in it; the rest decode one at a time
     scheduler.batch_lost("the batch could not be rebuilt")
     assert not scheduler.capabilities.batching and scheduler.capabilities.parallel == 1
-    assert scheduler.turn() == SoloTurn("b")
+    assert scheduler.place("echo") == "scoring"  # its prompt is still to be scored, between the solo turns
+    assert [scheduler.turn(), scheduler.turn()] == [ScoreTurn("echo"), SoloTurn("b")]
     scheduler.take(submit("d"))
     assert scheduler.place("d") == "solo"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 import time
@@ -80,3 +81,42 @@ async def test_requests_dropped_right_after_sending_generate_nothing_for_nobody(
         # Each dropped request may decode a few steps before its cancel is seen; none runs to its 3000.
         assert generated < 4 + 16 * 300, generated
         assert await _text(client, url, PROMPT, 4)
+
+
+@pytest.mark.slow
+async def test_a_long_prompt_s_scores_take_turns_with_the_other_streams(llama: Path) -> None:
+    """``echo`` with ``logprobs`` scores its prompt a chunk per turn, the batch stepping between the chunks:
+    a stream beside it is never paused for the whole prompt. The scores are those the request gets alone."""
+    points: list[tuple[str, int]] = []
+
+    def hook(point: str, request: GenerationRequest) -> None:
+        points.append((point, request.max_tokens))
+        if request.max_tokens == 300 and point in ("solo_step", "batch_step"):
+            time.sleep(0.01)  # the stream outlasts the echo's arrival and scores, however busy the machine
+
+    echo = {"prompt": LONG_PROMPT, "max_tokens": 3, "temperature": 0, "logprobs": 1, "echo": True}
+    async with running_server(["--model", str(llama), "--prompt-cache-size", "0"], instrument=Hooks(at=hook)) \
+            as url, httpx.AsyncClient(timeout=60) as client:
+        alone = (await client.post(f"{url}/v1/completions", json=echo)).json()["choices"][0]
+        chunks = -(-(len(LONG_PROMPT) - 1) // 128)  # a chunk of 128 positions per turn
+        assert [p for p, _ in points].count("score") == chunks
+        points.clear()
+        answers: list[httpx.Response] = []
+
+        async def post_echo() -> None:
+            answers.append(await client.post(f"{url}/v1/completions", json=echo))
+
+        async with client.stream("POST", f"{url}/v1/completions", json={
+                "prompt": PROMPT, "max_tokens": 300, "temperature": 0, "stream": True,
+                "logit_bias": {"2": -100}}) as stream, trio.open_nursery() as nursery:
+            assert stream.status_code == 200
+            async for line in stream.aiter_lines():
+                if line.startswith("data: {") and not nursery.child_tasks and not answers:
+                    nursery.start_soon(post_echo)  # the stream is decoding: the echo comes beside it
+    beside = answers[0].json()["choices"][0]
+    assert beside["logprobs"] == alone["logprobs"] and beside["text"] == alone["text"]
+    scored = [i for i, (point, max_tokens) in enumerate(points) if point == "score" and max_tokens == 3]
+    assert len(scored) == chunks
+    # Between any two chunks of the prompt's scores, the stream took a step of the batch.
+    for before, after in itertools.pairwise(scored):
+        assert ("batch_step", 300) in points[before + 1:after], points[before:after + 1]
