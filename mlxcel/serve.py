@@ -31,6 +31,7 @@ from .models.loader import CheckpointInfo
 from .observability import Observability
 from .policy import MtpPolicy
 from .server import ServerOptions, create_app
+from .server.native import wait_for_native_calls
 
 logger = logging.getLogger(__name__)
 
@@ -109,3 +110,6 @@ async def main(config: ServeConfig) -> None:
     """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
     logger.info("open-file limit: %d", raise_open_file_limit())
     await until_signalled(lambda shutdown: run_server(config, shutdown=shutdown))
+    # A grammar compile a stopping server stopped waiting for is native code on its own thread: the process
+    # may not finalize under it.
+    await trio.to_thread.run_sync(wait_for_native_calls)

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import queue
+from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -62,6 +63,7 @@ class Engine:
         self._held: set[str] = set()
         """Requests submitted whose Finish has not come back from the worker yet."""
         self._closing = False
+        self._stop_scopes: set[trio.CancelScope] = set()
         self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self) -> None:
@@ -81,7 +83,7 @@ class Engine:
             logger.debug("where the engine stopped", exc_info=True)  # --log-level debug: the traceback
             raise
         finally:
-            self._closing = True
+            self._close()
             self._fail_all("server shutting down")
             self.finished.set()
 
@@ -110,8 +112,27 @@ class Engine:
 
     def stop(self, reason: str = "server shutting down") -> None:
         """Ask the worker to end every request with an error event and return."""
-        self._closing = True
+        self._close()
         self._inbox.put(Stop(reason))
+
+    @contextlib.contextmanager
+    def cancelled_on_stop(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope that a stop cancels (at once, if the engine is closing already): around a wait whose
+        result a stopping server can no longer use (a grammar compile before its submit)."""
+        scope = trio.CancelScope()
+        if self._closing:
+            scope.cancel()
+        self._stop_scopes.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._stop_scopes.discard(scope)
+
+    def _close(self) -> None:
+        self._closing = True
+        for scope in self._stop_scopes:
+            scope.cancel()
 
     # -- called from the worker thread ----------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,8 @@ class EngineApi(Protocol):
     def submit(self, request: GenerationRequest) -> trio.MemoryReceiveChannel[Event]: ...
 
     def cancel(self, request_id: str) -> None: ...
+
+    def cancelled_on_stop(self) -> AbstractContextManager[trio.CancelScope]: ...
 
 
 @dataclass(frozen=True)

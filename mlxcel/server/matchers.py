@@ -2,8 +2,9 @@
 
 A grammar is compiled against the vocabulary (``LLMatcher(tokenizer,
 grammar)``: tenths of a second for a large schema and a 150k vocabulary).
-That runs here, in trio's thread pool, never on the engine's worker thread,
-where it would stall every sequence decoding: the engine receives a ready
+That runs here, on a thread of its own (:func:`~.native.run_native`), never on
+the engine's worker thread, where it would stall every sequence decoding: the
+engine receives a ready
 matcher and only masks with it, and a grammar that cannot be compiled is a
 400 before admission. llguidance drops the GIL while it compiles a matcher,
 so the worker runs on meanwhile. llguidance's tokenizer, which does hold the
@@ -20,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import trio
-
 from .context import EngineApi
+from .native import run_native
 
 
 class GrammarProblem(ValueError):
@@ -44,7 +44,7 @@ async def compile_matchers(grammar: str, copies: int, engine: EngineApi) -> list
             raise GrammarProblem(matcher.get_error().splitlines()[0])
         return [matcher] + [matcher.deep_copy() for _ in range(copies - 1)]
 
-    return await trio.to_thread.run_sync(build)
+    return await run_native(build, engine)
 
 
 def token_bytes(ids: Sequence[int], engine: EngineApi) -> list[bytes] | None:

@@ -27,7 +27,7 @@ from .reasoning import Thinking, thinking
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
 from .shapes import ChoiceLog, LogprobShaper
 from .tools import ToolSetup
-from .wire import event_stream, finish_error, json_body, off_the_loop_if_large, replayed, sse
+from .wire import event_stream, finish_error, json_body, off_the_loop_if_large, replayed, sse, telling
 
 Events = trio.MemoryReceiveChannel[tuple[int, Event]]
 """A request's events, each with the index of its choice."""
@@ -245,7 +245,7 @@ class Generation:
         finishes = [log.finish for log in logs]
         failed = [f for f in finishes if f is None or f.reason in ("error", "cancelled")]
         if failed:
-            raise finish_error(failed[0], stopping=self._stopping())[0]
+            raise finish_error(telling(failed), stopping=self._stopping())[0]
         done = [f for f in finishes if f is not None]
         if candidates > n:  # best_of: the highest cumulative log-probability first
             logs = sorted(logs, key=lambda log: -sum(v for d in log.deltas for v in d.logprobs or ()))[:n]
@@ -324,7 +324,7 @@ class Generation:
                         yield sse(chunk)
             failed = [log.finish for log in logs if log.finish is None or log.finish.reason in ("error", "cancelled")]
             if failed:
-                error, done = finish_error(failed[0], stopping=self._stopping())
+                error, done = finish_error(telling(failed), stopping=self._stopping())
                 yield sse(error.body())
                 if done:
                     yield sse("[DONE]")

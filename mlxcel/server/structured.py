@@ -17,11 +17,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-import trio
-
 from ..http.errors import bad_request
 from .context import ServerContext
 from .matchers import GrammarProblem, compile_matchers
+from .native import run_native
 from .schema_bounds import DATA_KEYWORDS, check_schema
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
 from .tools import ToolProblem, ToolSetup, tool_setup
@@ -123,7 +122,7 @@ async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: Se
     if schema is None:
         return setup, None
     try:
-        grammar = await trio.to_thread.run_sync(from_schema, schema)
+        grammar = await run_native(lambda: from_schema(schema), ctx.engine)
         return setup, await compile_matchers(grammar, copies, ctx.engine)
     except GrammarProblem as exc:
         raise bad_request(f"{param}: constrained decoding cannot serve this request: {exc}",

@@ -102,6 +102,12 @@ async def replayed(held: list[T], events: trio.MemoryReceiveChannel[T]) -> Async
         yield item
 
 
+def telling(failed: list[Finish | None]) -> Finish | None:
+    """Of a request's failed choices, the first whose finish says why: the choices read after one failed (the
+    reading stops there) have no finish of their own."""
+    return next((finish for finish in failed if finish is not None), None)
+
+
 def finish_error(finish: Finish | None, *, stopping: bool) -> tuple[ApiError, bool]:
     """The error for a request that did not finish normally, and whether its stream still ends with [DONE].
 

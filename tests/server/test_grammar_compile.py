@@ -117,6 +117,76 @@ async def test_a_grammar_request_compiles_off_the_worker_and_never_stalls_a_stre
         assert len(compiles) == 2 and len(tokenizers) == 1  # each request compiles its matcher; one tokenizer
 
 
+class _Held:
+    """Calls the real llguidance class once *release* is set, counting the calls waiting (the GIL is free)."""
+
+    def __init__(self, real: Any, release: threading.Event) -> None:
+        self.real, self.release, self.waiting = real, release, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.waiting += 1
+        self.release.wait(60)
+        return self.real(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+@pytest.mark.slow
+async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_waits_for_their_compiles(
+        llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report's SIGTERM during 20 large schemas: 12 requests got no answer (the graceful deadline cut them
+    while they waited on compiles), and an ``n=8`` stream ended with "generation ended early". Here the compiles
+    hang until the test lets them go: a stop answers every request waiting on one with a 503 at once, the stream
+    ends with the stop's own message, and the compiles' threads are what the process waits for at exit."""
+    from mlxcel.serve import run_server
+    from mlxcel.server.native import wait_for_native_calls
+    from tests.server.conftest import serve_config, wait_ready
+
+    release = threading.Event()
+    held = _Held(llguidance.LLMatcher, release)
+    monkeypatch.setattr(llguidance, "LLMatcher", held)
+    shutdown = trio.Event()
+    answers: list[httpx.Response] = []
+    events: list[str] = []
+    try:
+        async with trio.open_nursery() as nursery, httpx.AsyncClient(timeout=60) as client:
+            config = serve_config(["--model", str(llama), "--parallel", "8"])
+            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                        task_status=task_status))
+            await wait_ready(url)
+
+            async def constrained() -> None:
+                answers.append(await client.post(f"{url}/v1/completions", json={
+                    "prompt": "point:", "max_tokens": 30, "response_format": AS_POINT}))
+
+            async with client.stream("POST", f"{url}/v1/completions", json={
+                    "prompt": "def wrap(text, width=70):", "max_tokens": 3000, "n": 8, "stream": True,
+                    "logit_bias": {"2": -100}}) as stream:
+                async for line in stream.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 1:  # the eight choices decode: now four grammar requests, held compiling
+                        for _ in range(4):
+                            nursery.start_soon(constrained)
+                        with trio.fail_after(30):
+                            while held.waiting < 4:
+                                await trio.sleep(0.01)
+                        shutdown.set()
+            with trio.fail_after(30):  # answered while every compile still hangs
+                while len(answers) < 4:
+                    await trio.sleep(0.01)
+            assert not release.is_set() and not wait_for_native_calls(timeout=0)
+    finally:
+        release.set()
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error"]["message"] == "the server is shutting down"
+    assert json.loads(events[-1])["error"]["message"] == "server shutting down" and "[DONE]" not in events
+    assert wait_for_native_calls(timeout=30)  # the compiles ended once let go: nothing native outlives the server
+
+
 @pytest.fixture
 def sentencepiece_model(llama: Path, tmp_path: Path) -> Path:
     """The tiny llama with transformers' GPTSw3Tokenizer: a Python sentencepiece tokenizer, not a fast one.
