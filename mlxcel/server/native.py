@@ -6,8 +6,9 @@ once on a busy server. Once the server stops taking work, a request waiting on
 one gets its 503 at once (after the compile it would get nothing else: the
 engine takes no new work) instead of holding its connection past the graceful
 shutdown's deadline and being cut without an answer; a client that goes away
-stops waiting too. The thread is left to finish, still holding its place in
-trio's thread limiter, so requests that give up cannot pile up native threads.
+stops waiting too. The thread is left to finish, still holding its place among
+the :data:`NATIVE_THREADS` allowed at once, so requests that give up cannot
+pile up native threads.
 It cannot be left behind at exit, though: a daemon thread still in native code
 when the interpreter finalizes takes the process down. So every call is counted
 here and the process waits for the count to reach zero before it exits
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -31,15 +33,30 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+NATIVE_THREADS = max(2, os.cpu_count() or 2)
+"""Native calls at once: each is CPU-bound, so more threads than cores only add threads competing with the
+event loop for the GIL between their native parts (and memory arenas that stay with the process)."""
+
 _running = 0
 """Native calls started and not yet returned, in this process."""
 _idle = threading.Condition()
+_limiters: trio.lowlevel.RunVar[trio.CapacityLimiter] = trio.lowlevel.RunVar("mlxcel_native_calls")
+"""One limiter per trio run (as trio's own thread limiter): a call abandoned when its run ends keeps no place."""
+
+
+def _limiter() -> trio.CapacityLimiter:
+    try:
+        return _limiters.get()
+    except LookupError:
+        limiter = trio.CapacityLimiter(NATIVE_THREADS)
+        _limiters.set(limiter)
+        return limiter
 
 
 async def run_native(call: Callable[[], T], engine: EngineApi) -> T:
     """``call()`` on a thread of its own; its result or exception, or a 503 as soon as *engine* stops."""
     global _running
-    limiter = trio.to_thread.current_default_thread_limiter()
+    limiter = _limiter()
     token = trio.lowlevel.current_trio_token()
     borrower = object()
     done = trio.Event()

@@ -137,12 +137,15 @@ async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_w
         llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The report's SIGTERM during 20 large schemas: 12 requests got no answer (the graceful deadline cut them
     while they waited on compiles), and an ``n=8`` stream ended with "generation ended early". Here the compiles
-    hang until the test lets them go: a stop answers every request waiting on one with a 503 at once, the stream
-    ends with the stop's own message, and the compiles' threads are what the process waits for at exit."""
+    hang until the test lets them go: a stop answers every request waiting on one (compiling, or waiting for a
+    thread) with a 503 at once, the stream ends with the stop's own message, and the compiles' threads are what
+    the process waits for at exit."""
     from mlxcel.serve import run_server
+    from mlxcel.server import native
     from mlxcel.server.native import wait_for_native_calls
     from tests.server.conftest import serve_config, wait_ready
 
+    monkeypatch.setattr(native, "NATIVE_THREADS", 2)  # two compiles run, two wait for their turn
     release = threading.Event()
     held = _Held(llguidance.LLMatcher, release)
     monkeypatch.setattr(llguidance, "LLMatcher", held)
@@ -171,7 +174,7 @@ async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_w
                         for _ in range(4):
                             nursery.start_soon(constrained)
                         with trio.fail_after(30):
-                            while held.waiting < 4:
+                            while held.waiting < 2 or native._limiter().statistics().tasks_waiting < 2:
                                 await trio.sleep(0.01)
                         shutdown.set()
             with trio.fail_after(30):  # answered while every compile still hangs

@@ -102,7 +102,7 @@ async def test_a_body_that_is_not_utf8_json_is_refused_and_its_size_limit_comes_
 
 
 async def test_a_large_body_is_parsed_and_validated_off_the_event_loop_with_the_same_answers(llama: Path) -> None:
-    """Above 256 KiB the parse and the validation run in a worker thread: the answers are the small bodies'."""
+    """Above 64 KiB the parse and the validation run in a worker thread: the answers are the small bodies'."""
     extra = [[i, str(i)] for i in range(40_000)]  # ~500 KB
     async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(timeout=60) as client:
         served = await client.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "extra": extra})
