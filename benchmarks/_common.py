@@ -14,8 +14,9 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -154,12 +155,46 @@ def mlx_lm_server(path: Path, *args: str) -> Iterator[str]:
 
 
 def peak_mb(url: str) -> float:
-    """The server's peak resident memory (VmHWM), from the pid its /props reports."""
+    """The server's peak resident memory (VmHWM), from the pid its /props reports (``--props``)."""
+    return _memory_mb(url, "VmHWM:")
+
+
+def resident_mb(url: str) -> float:
+    """The server's resident memory now (VmRSS), from the pid its /props reports (``--props``)."""
+    return _memory_mb(url, "VmRSS:")
+
+
+def _memory_mb(url: str, field: str) -> float:
     pid = httpx.get(f"{url}/props").json()["pid"]
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def health_during(url: str, work: Callable[[], None], threads: int, interval: float) -> list[float]:
+    """``/health``'s latencies, polled every *interval* seconds while *threads* threads each run *work*."""
+    latencies: list[float] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client(timeout=600) as client:
+            while not done.is_set():
+                started = time.perf_counter()
+                client.get(f"{url}/health")
+                latencies.append(time.perf_counter() - started)
+                time.sleep(interval)
+
+    poller = threading.Thread(target=poll)
+    poller.start()
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
+    done.set()
+    poller.join()
+    return latencies
 
 
 def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: int) -> float:
@@ -184,6 +219,15 @@ def stream_decode_rate(client: httpx.Client, url: str, prompt: str, max_tokens: 
     if first is None or last is None or tokens < 2:
         raise RuntimeError("the stream produced too few tokens to time")
     return (tokens - 1) / (last - first)
+
+
+def tree_table(trees: list[Path], columns: list[str], measure: Callable[[Path], list[str]]) -> None:
+    """A markdown table with a row per source tree (a ``git worktree`` of another commit, or ``.``), its cells
+    ``measure(tree)``, each row printed as soon as it is measured."""
+    print("| tree | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for tree in trees:
+        print(f"| {tree} | " + " | ".join(measure(tree.resolve())) + " |", flush=True)
 
 
 def median(values: list[float]) -> float:

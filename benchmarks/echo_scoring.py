@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bench_model, server
+from benchmarks._common import bench_model, server, tree_table
 
 
 def _measure(tree: Path, model: Path, prompt: int, stream_tokens: int) -> tuple[float, float, float]:
@@ -58,12 +58,12 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=600)
     args = parser.parse_args()
     model = bench_model(hidden=512, layers=8)
-    print("| tree | stream: median gap | stream: longest gap | echo request |")
-    print("|---|---|---|---|")
-    for tree in args.trees:
-        median, longest, echo = _measure(tree.resolve(), model, args.prompt, args.stream_tokens)
-        print(f"| {tree} | {median * 1000:.1f} ms | {longest:.3f} s | {echo:.2f} s |", flush=True)
 
+    def row(tree: Path) -> list[str]:
+        median, longest, echo = _measure(tree, model, args.prompt, args.stream_tokens)
+        return [f"{median * 1000:.1f} ms", f"{longest:.3f} s", f"{echo:.2f} s"]
+
+    tree_table(args.trees, ["stream: median gap", "stream: longest gap", "echo request"], row)
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bench_model, server
+from benchmarks._common import bench_model, server, tree_table
 
 
 def _short_request(url: str, tokens: int) -> tuple[float, float]:
@@ -69,12 +69,12 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=32)
     args = parser.parse_args()
     model = bench_model(hidden=512, layers=8)
-    print("| tree | short alone: first token | beside n: first token | beside n: end |")
-    print("|---|---|---|---|")
-    for tree in args.trees:
-        alone, beside, end = _measure(tree.resolve(), model, args.n, args.max_tokens, args.short)
-        print(f"| {tree} | {alone:.3f} s | {beside:.3f} s | {end:.3f} s |", flush=True)
 
+    def row(tree: Path) -> list[str]:
+        alone, beside, end = _measure(tree, model, args.n, args.max_tokens, args.short)
+        return [f"{alone:.3f} s", f"{beside:.3f} s", f"{end:.3f} s"]
+
+    tree_table(args.trees, ["short alone: first token", "beside n: first token", "beside n: end"], row)
 
 if __name__ == "__main__":
     main()

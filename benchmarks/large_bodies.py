@@ -10,13 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
-import time
 from pathlib import Path
 
 import httpx
 
-from benchmarks._common import bench_model, server
+from benchmarks._common import bench_model, health_during, server
 
 
 def main() -> None:
@@ -36,32 +34,12 @@ def main() -> None:
 
 
 def _round(url: str, body: bytes) -> list[float]:
-    latencies: list[float] = []
-    stop = threading.Event()
-
-    def poll() -> None:
-        with httpx.Client() as client:
-            while not stop.is_set():
-                started = time.perf_counter()
-                client.get(f"{url}/health")
-                latencies.append(time.perf_counter() - started)
-                time.sleep(0.01)
-
     def post() -> None:
         with httpx.Client(timeout=300) as client:
             answer = client.post(f"{url}/v1/completions", content=body, headers={"Content-Type": "application/json"})
             assert answer.status_code == 200, answer.text[:200]
 
-    poller = threading.Thread(target=poll)
-    poller.start()
-    posters = [threading.Thread(target=post) for _ in range(8)]
-    for thread in posters:
-        thread.start()
-    for thread in posters:
-        thread.join()
-    stop.set()
-    poller.join()
-    return latencies
+    return health_during(url, post, threads=8, interval=0.01)
 
 
 if __name__ == "__main__":

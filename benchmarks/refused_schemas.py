@@ -8,8 +8,9 @@ polled every 50 ms, has 20 clients post 4 chat requests each whose ``response_fo
 - ``deep``: 2,000 properties and one 200 levels deep (about 94 KB): refused by the depth bound;
 - ``wide``: 1,500 string properties (about 60 KB): compiled by llguidance, refused at its first mask.
 
-It prints the answers, ``/health``'s median, 99th percentile and longest time, and the server's resident
-memory before and after (Linux: read from ``/proc``).
+A stream decodes meanwhile (400-token completions back to back). It prints the answers, ``/health``'s
+median, 99th percentile and longest time, the stream's median and longest gap between tokens, and the
+server's resident memory before and after (Linux: ``/proc`` of the pid ``/props`` reports).
 
 ``python -m benchmarks.refused_schemas --trees /tmp/before .``
 """
@@ -26,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import server
+from benchmarks._common import health_during, resident_mb, server, tree_table
 
 CLIENTS, ROUNDS = 20, 4
 
@@ -40,55 +41,48 @@ def _schema(kind: str) -> dict[str, Any]:
     return {"type": "object", "properties": {**{f"f{i}": {"type": "string"} for i in range(2000)}, "deep": deep}}
 
 
-def _resident_mb(port: str) -> float:
-    """The resident memory of the process serving *port* (found by its command line), in MB."""
-    for proc in Path("/proc").iterdir():
-        try:
-            command = (proc / "cmdline").read_bytes().split(b"\0")
-            status = (proc / "status").read_text()
-        except OSError:
-            continue
-        if b"serve" in command and port.encode() in command:
-            return int(status.split("VmRSS:")[1].split()[0]) / 1024
-    return float("nan")
-
-
-def _measure(tree: Path, model: Path, kind: str) -> str:
+def _measure(tree: Path, model: Path, kind: str) -> list[str]:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": _schema(kind)}}}
-    with server(model, tree=tree) as url:
-        port = url.rsplit(":", 1)[1]
-        before = _resident_mb(port)
+    with server(model, "--props", tree=tree) as url:
+        before = resident_mb(url)
         answers: collections.Counter[int] = collections.Counter()
-        health: list[float] = []
-        done = threading.Event()
 
         def client() -> None:
             with httpx.Client(timeout=600) as http:
                 for _ in range(ROUNDS):
                     answers[http.post(f"{url}/v1/chat/completions", json=body).status_code] += 1
 
-        def poll() -> None:
-            with httpx.Client(timeout=600) as http:
-                while not done.is_set():
-                    started = time.perf_counter()
-                    http.get(f"{url}/health")
-                    health.append(time.perf_counter() - started)
-                    time.sleep(0.05)
-
-        poller = threading.Thread(target=poll)
-        poller.start()
-        clients = [threading.Thread(target=client) for _ in range(CLIENTS)]
-        for thread in clients:
-            thread.start()
-        for thread in clients:
-            thread.join()
-        done.set()
-        poller.join()
-        after = _resident_mb(port)
+        gaps: list[float] = []
+        posting = threading.Event()
+        streaming = threading.Thread(target=_stream_gaps, args=(url, posting, gaps))
+        posting.set()
+        streaming.start()
+        health = health_during(url, client, threads=CLIENTS, interval=0.05)
+        posting.clear()
+        streaming.join()
+        after = resident_mb(url)
     health.sort()
-    return (f"| {tree} | {kind} | {dict(answers)} | {statistics.median(health) * 1000:.0f} ms | "
-            f"{health[int(len(health) * 0.99)] * 1000:.0f} ms | {health[-1]:.2f} s | {before:.0f} -> {after:.0f} MB |")
+    return [str(dict(answers)), f"{statistics.median(health) * 1000:.0f} ms",
+            f"{health[int(len(health) * 0.99)] * 1000:.0f} ms", f"{health[-1]:.2f} s",
+            f"{statistics.median(gaps) * 1000:.0f} ms", f"{max(gaps):.2f} s", f"{before:.0f} -> {after:.0f} MB"]
+
+
+def _stream_gaps(url: str, posting: threading.Event, gaps: list[float]) -> None:
+    """Stream completions back to back while *posting* is set; the gaps between their tokens into *gaps*."""
+    with httpx.Client(timeout=600) as http:
+        while posting.is_set():
+            last = None
+            with http.stream("POST", f"{url}/v1/completions", json={"prompt": "def", "max_tokens": 400,
+                                                                    "temperature": 0, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        now = time.perf_counter()
+                        if last is not None:
+                            gaps.append(now - last)
+                        last = now
+                    if not posting.is_set():
+                        break
 
 
 def main() -> None:
@@ -98,11 +92,11 @@ def main() -> None:
     parser.add_argument("--trees", type=Path, nargs="+", default=[Path(".")])
     parser.add_argument("--kinds", nargs="+", default=["deep", "wide"], choices=["deep", "wide"])
     args = parser.parse_args()
-    print("| tree | schema | answers | /health median | p99 | longest | resident memory |")
-    print("|---|---|---|---|---|---|---|")
     for kind in args.kinds:
-        for tree in args.trees:
-            print(_measure(tree.resolve(), BUNDLED_MODEL, kind), flush=True)
+        print(f"\n{kind}:\n")
+        tree_table(args.trees, ["answers", "/health median", "p99", "longest", "a stream's median gap",
+                                "its longest gap", "resident memory"],
+                   lambda tree, kind=kind: _measure(tree, BUNDLED_MODEL, kind))
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_w
                         with trio.fail_after(30):
                             while held.waiting < 2 or native._limiter().statistics().tasks_waiting < 2:
                                 await trio.sleep(0.01)
+                        assert held.waiting == 2  # never more native calls at once than NATIVE_THREADS
                         shutdown.set()
             with trio.fail_after(30):  # answered while every compile still hangs
                 while len(answers) < 4:
