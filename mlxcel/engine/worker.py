@@ -231,9 +231,9 @@ class Worker:
             self.fail([sequence], exc)
             return
         if scores is not None:
-            sequence.scorer = None
-            tokens = list(sequence.request.prompt_tokens)  # the scorer fed all but the last into the cache
-            sequence.prompt_state = (sequence.prompt_state[0], tokens[:-1], tokens[-1:])  # type: ignore[index]
+            assert sequence.prompt_state is not None
+            cache, tokens = sequence.prompt_state[0], list(sequence.request.prompt_tokens)
+            sequence.scorer, sequence.prompt_state = None, (cache, tokens[:-1], tokens[-1:])  # all but the last fed
             self.scheduler.scored(sequence.request.id)
             self.deliver([(sequence.request.id, scores)])
 
