@@ -4,9 +4,8 @@ A grammar is compiled against the vocabulary (``LLMatcher(tokenizer,
 grammar)``: tenths of a second for a large schema and a 150k vocabulary).
 That runs here, on a thread of its own (:func:`~.native.run_native`), never on
 the engine's worker thread, where it would stall every sequence decoding: the
-engine receives a ready
-matcher and only masks with it, and a grammar that cannot be compiled is a
-400 before admission. llguidance drops the GIL while it compiles a matcher,
+engine receives a ready matcher and only masks with it, and a grammar that
+cannot be compiled is a 400 before admission. llguidance drops the GIL while it compiles a matcher,
 so the worker runs on meanwhile. llguidance's tokenizer, which does hold the
 GIL for its walk of the vocabulary (about a second), is built once at load,
 before anything decodes (``engine.grammar.grammar_tokenizer``).

@@ -60,24 +60,18 @@ async def run_native(call: Callable[[], T], engine: EngineApi) -> T:
     token = trio.lowlevel.current_trio_token()
     borrower = object()
     done = trio.Event()
-    result: list[Any] = []  # (True, value) or (False, exception)
-
-    def run() -> None:
-        global _running
-        try:
-            result.append((True, call()))
-        except BaseException as exc:  # handed to the waiting task, if there is one
-            result.append((False, exc))
-        finally:
-            with _idle:
-                _running -= 1
-                _idle.notify_all()
+    result: list[Any] = []  # the call's outcome (trio's ``outcome.Outcome``: a value or an exception)
 
     def returned() -> None:  # back in trio
         limiter.release_on_behalf_of(borrower)
         done.set()
 
-    def report(_: object) -> None:  # on the thread, after run()
+    def report(outcome: Any) -> None:  # on the thread, after call()
+        global _running
+        result.append(outcome)
+        with _idle:
+            _running -= 1
+            _idle.notify_all()
         with contextlib.suppress(trio.RunFinishedError):  # the server is gone: nothing to hand back
             token.run_sync_soon(returned)
 
@@ -85,12 +79,9 @@ async def run_native(call: Callable[[], T], engine: EngineApi) -> T:
         await limiter.acquire_on_behalf_of(borrower)
         with _idle:
             _running += 1
-        trio.lowlevel.start_thread_soon(run, report, name="mlxcel native call")
+        trio.lowlevel.start_thread_soon(call, report, name="mlxcel native call")
         await done.wait()
-        ok, value = result[0]
-        if ok:
-            return value  # type: ignore[no-any-return]
-        raise value
+        return result[0].unwrap()  # type: ignore[no-any-return]
     raise unavailable("the server is shutting down", "unavailable")
 
 

@@ -17,6 +17,7 @@ import shutil
 import sysconfig
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +42,13 @@ AS_POINT = {"type": "json_schema", "json_schema": {"name": "point", "schema": PO
 
 
 class _Spy:
-    """Calls the real llguidance class, after noting the thread and sleeping (the GIL is free meanwhile)."""
+    """Calls the real llguidance class after *before* (the GIL is free meanwhile, as in llguidance's compile)."""
 
-    def __init__(self, real: Any, threads: list[int]) -> None:
-        self.real, self.threads = real, threads
+    def __init__(self, real: Any, before: Callable[[], object]) -> None:
+        self.real, self.before = real, before
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.threads.append(threading.get_ident())
-        time.sleep(COMPILE_SECONDS)
+        self.before()
         return self.real(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # static methods (grammar_from_json_schema, validate_grammar)
@@ -60,7 +60,8 @@ async def test_a_grammar_request_compiles_off_the_worker_and_never_stalls_a_stre
     compiles: list[int] = []
     worker: set[int] = set()
     tokenizers: list[float] = []
-    monkeypatch.setattr(llguidance, "LLMatcher", _Spy(llguidance.LLMatcher, compiles))
+    monkeypatch.setattr(llguidance, "LLMatcher", _Spy(llguidance.LLMatcher, lambda: (
+        compiles.append(threading.get_ident()), time.sleep(COMPILE_SECONDS))))  # noting the thread, then slow
     real_from_tokenizer = llguidance.hf.from_tokenizer
 
     def from_tokenizer(*args: Any, **kwargs: Any) -> Any:
@@ -117,21 +118,6 @@ async def test_a_grammar_request_compiles_off_the_worker_and_never_stalls_a_stre
         assert len(compiles) == 2 and len(tokenizers) == 1  # each request compiles its matcher; one tokenizer
 
 
-class _Held:
-    """Calls the real llguidance class once *release* is set, counting the calls waiting (the GIL is free)."""
-
-    def __init__(self, real: Any, release: threading.Event) -> None:
-        self.real, self.release, self.waiting = real, release, 0
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.waiting += 1
-        self.release.wait(60)
-        return self.real(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.real, name)
-
-
 @pytest.mark.slow
 async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_waits_for_their_compiles(
         llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,8 +133,9 @@ async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_w
 
     monkeypatch.setattr(native, "NATIVE_THREADS", 2)  # two compiles run, two wait for their turn
     release = threading.Event()
-    held = _Held(llguidance.LLMatcher, release)
-    monkeypatch.setattr(llguidance, "LLMatcher", held)
+    held: list[int] = []  # the compiles started, each held until *release*
+    monkeypatch.setattr(llguidance, "LLMatcher", _Spy(llguidance.LLMatcher, lambda: (
+        held.append(threading.get_ident()), release.wait(60))))
     shutdown = trio.Event()
     answers: list[httpx.Response] = []
     events: list[str] = []
@@ -174,9 +161,9 @@ async def test_a_stop_answers_requests_still_compiling_at_once_and_the_process_w
                         for _ in range(4):
                             nursery.start_soon(constrained)
                         with trio.fail_after(30):
-                            while held.waiting < 2 or native._limiter().statistics().tasks_waiting < 2:
+                            while len(held) < 2 or native._limiter().statistics().tasks_waiting < 2:
                                 await trio.sleep(0.01)
-                        assert held.waiting == 2  # never more native calls at once than NATIVE_THREADS
+                        assert len(held) == 2  # never more native calls at once than NATIVE_THREADS
                         shutdown.set()
             with trio.fail_after(30):  # answered while every compile still hangs
                 while len(answers) < 4:
