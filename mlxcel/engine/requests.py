@@ -142,9 +142,11 @@ class BurstStats:
     classic_seconds: float = 0.0
     classic_samples: int = 0
     """Timings of classic decode taken (each of several pipelined steps)."""
+    depth: int = 0
+    """Tokens of context when the burst started."""
 
     def sample(self) -> BurstSample:
         """The policy's frozen record of this burst."""
         return BurstSample(rounds=self.rounds, proposed=self.proposed, accepted=self.accepted,
                            round_seconds=self.round_seconds, classic_steps=self.classic_steps,
-                           classic_seconds=self.classic_seconds)
+                           classic_seconds=self.classic_seconds, depth=self.depth)

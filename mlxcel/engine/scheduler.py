@@ -63,11 +63,12 @@ class Capabilities:
         return self.no_batch is None
 
 
-def burst_allowed(capabilities: Capabilities, request: GenerationRequest, mtp_enabled: bool) -> bool:
-    """Whether a solo *request* runs the MTP burst: the model can, the policy's live gate is open,
-    and it asked for nothing only classic decode gives (logprobs). Logits processors (bias, penalties,
-    a grammar) do not gate: the burst applies them at every verify position."""
-    return capabilities.no_burst is None and mtp_enabled and not request.logprobs
+def burst_allowed(capabilities: Capabilities, request: GenerationRequest, policy_allows: bool) -> bool:
+    """Whether a solo *request* runs the MTP burst: the model can, the policy lets it run at the
+    request's depth (``MtpPolicy.burst_pays_at``), and it asked for nothing only classic decode gives
+    (logprobs). Logits processors (bias, penalties, a grammar) do not gate: the burst applies them at
+    every verify position."""
+    return capabilities.no_burst is None and policy_allows and not request.logprobs
 
 
 @dataclass(slots=True)

@@ -81,8 +81,9 @@ class SoloTurns:
         probe = sequence.probe
         burst = None
         speculation = worker.speculation
+        depth = len(cached_tokens) + len(rest)
         if speculation is not None and speculation.split is not None and \
-                burst_allowed(worker.scheduler.capabilities, request, bool(worker.policy.mtp_enabled)):
+                burst_allowed(worker.scheduler.capabilities, request, worker.policy.burst_pays_at(depth)):
             from .burst import Burst
             from .sampling import SpeculativeSampler
 
@@ -93,6 +94,7 @@ class SoloTurns:
             burst = Burst(speculation.target, drafter, speculation.split,
                           SpeculativeSampler(chain) if chain is not None else None, probe=probe,
                           processors=sequence.processors)
+            burst.stats.depth = depth
             sequence.burst = burst.stats
         return SoloDecoder(worker.model, worker.stream, sequence.sampler, cache, list(cached_tokens), list(rest),
                            burst, probe=probe, processors=sequence.processors)

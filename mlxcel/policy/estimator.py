@@ -22,6 +22,11 @@ DECLINE: Verdict = "decline"
 DECLINE_AT_OR_BELOW = 1.0
 ENABLE_AT_OR_ABOVE = 1.1
 
+# A depth limit needs samples this many context tokens apart: closer, the
+# slopes of the two costs against depth are the timings' noise, not the
+# attention's growth.
+MIN_DEPTH_SPREAD = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class BurstSample:
@@ -33,7 +38,8 @@ class BurstSample:
     that overlaps them). *classic_steps* drafterless
     single-token target steps, run inside the same burst while profiling, took
     *classic_seconds* in all: the cost of classic decode on this machine, in the
-    same state.
+    same state. *depth* is the context length (cached and prompt tokens) the
+    burst started from: both costs grow with it, at different rates.
     """
 
     rounds: int
@@ -42,6 +48,7 @@ class BurstSample:
     round_seconds: float
     classic_steps: int = 0
     classic_seconds: float = 0.0
+    depth: int = 0
 
     def __post_init__(self) -> None:
         if self.rounds < 1:
@@ -52,6 +59,8 @@ class BurstSample:
             raise ValueError("a speculative round proposes at least one draft")
         if self.classic_steps < 0:
             raise ValueError("classic_steps cannot be negative")
+        if self.depth < 0:
+            raise ValueError("depth cannot be negative")
         for name in ("round_seconds", "classic_seconds"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
@@ -93,8 +102,48 @@ def estimate_speedup(samples: list[BurstSample]) -> float | None:
     round_time = statistics.median(rounds)
     if not classic or round_time <= 0:
         return None
-    tokens_per_round = 1 + sum(s.accepted for s in samples) / sum(s.rounds for s in samples)
-    return tokens_per_round * statistics.median(classic) / round_time
+    return _tokens_per_round(samples) * statistics.median(classic) / round_time
+
+
+def estimate_depth_limit(samples: list[BurstSample]) -> int | None:
+    """The context depth from which the burst is estimated to stop paying, or None.
+
+    A verify attends over the whole context for every position it checks, a
+    classic step for one, so a round's time grows faster with depth than the
+    step's it saves: a pairing can pay at a short prompt and lose at a long
+    one. Both times are fitted as lines in depth (Siegel's repeated median,
+    which one sample's compile cost in four cannot move), and the
+    limit is where tokens per round x classic step time meets the round time.
+    None when the samples are not :data:`MIN_DEPTH_SPREAD` apart, when the
+    rounds do not grow faster than the steps they replace, or when the lines
+    meet no deeper than the shallowest sample (there the window's own
+    estimate, and so the verdict, already speaks).
+    """
+    timed = [(s.depth, step, s.mean_round_seconds) for s in samples if (step := s.classic_step_seconds) is not None]
+    if len(timed) < 2 or max(d for d, _, _ in timed) - min(d for d, _, _ in timed) < MIN_DEPTH_SPREAD:
+        return None
+    step_at0, step_slope = _line([(d, step) for d, step, _ in timed])
+    round_at0, round_slope = _line([(d, r) for d, _, r in timed])
+    tokens = _tokens_per_round(samples)
+    # tokens x (step_at0 + step_slope d) = round_at0 + round_slope d, solved for d
+    growth = round_slope - tokens * step_slope
+    if growth <= 0:
+        return None
+    limit = math.ceil((tokens * step_at0 - round_at0) / growth)
+    return limit if limit > min(d for d, _, _ in timed) else None
+
+
+def _tokens_per_round(samples: list[BurstSample]) -> float:
+    return 1 + sum(s.accepted for s in samples) / sum(s.rounds for s in samples)
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """The repeated-median (intercept, slope) through *points*, whose depths are not all equal: each
+    point's median slope to the others, the median of those, and the median intercept it leaves."""
+    slopes = [statistics.median((y2 - y1) / (x2 - x1) for x2, y2 in points if x2 != x1)
+              for x1, y1 in points if any(x2 != x1 for x2, _ in points)]
+    slope = statistics.median(slopes)
+    return statistics.median(y - slope * x for x, y in points), slope
 
 
 def decide(speedup: float | None, static_gate: bool) -> Verdict:

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 #: be discarded and re-profiled. Unrelated to the wire ``schema_version``.
 #: 2: rounds pipelined and the enable line moved from 1.5 to 1.1.
 #: 3: the kernels' versions (``kernels``) stored beside the verdict.
-HINT_VERSION = 3
+#: 4: ``depth_limit``, the context length from which an enable verdict skips the burst.
+HINT_VERSION = 4
 
 #: Subdirectory of the cache root that holds the hints.
 HINT_DIR = "mtp-policy"
@@ -38,7 +39,7 @@ HINT_DIR = "mtp-policy"
 _MAX_HINT_BYTES = 64 * 1024
 
 _FIELDS = ("version", "target", "drafter", "hardware", "block_size",
-           "verdict", "acceptance_rate", "samples", "estimated_speedup", "kernels")
+           "verdict", "acceptance_rate", "samples", "estimated_speedup", "kernels", "depth_limit")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,8 @@ class Hint:
     acceptance_rate: float
     samples: int
     estimated_speedup: float | None
+    depth_limit: int | None = None
+    """Context tokens from which an enable verdict skips the burst; None: it runs at every depth."""
 
     def to_json(self, kernels: Mapping[str, str]) -> dict[str, Any]:
         return {
@@ -78,6 +81,7 @@ class Hint:
             "samples": self.samples,
             "estimated_speedup": self.estimated_speedup,
             "kernels": dict(kernels),
+            "depth_limit": self.depth_limit,
         }
 
 
@@ -125,7 +129,8 @@ class HintStore:
             self._warn(path, problem)
             return None
         return Hint(key=key, verdict=body["verdict"], acceptance_rate=float(body["acceptance_rate"]),
-                    samples=body["samples"], estimated_speedup=_opt_float(body["estimated_speedup"]))
+                    samples=body["samples"], estimated_speedup=_opt_float(body["estimated_speedup"]),
+                    depth_limit=body["depth_limit"])
 
     def save(self, hint: Hint) -> Path | None:
         """Write *hint* atomically; the path written, or None if the cache is unwritable.
@@ -218,6 +223,9 @@ def _validate(body: Any, key: PairingKey) -> str | None:
     speedup = body["estimated_speedup"]
     if not (speedup is None or (_is_number(speedup) and speedup >= 0)):
         return "its estimated_speedup is not a non-negative number"
+    limit = body["depth_limit"]
+    if not (limit is None or (type(limit) is int and limit >= 1)):
+        return "its depth_limit is not a positive integer or null"
     kernels = body["kernels"]
     if not (isinstance(kernels, dict) and len(kernels) <= 16
             and all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items())):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import statechart as sc
-from .estimator import ENABLE, BurstSample, acceptance_rate, decide, estimate_speedup
+from .estimator import ENABLE, BurstSample, acceptance_rate, decide, estimate_depth_limit, estimate_speedup
 from .hints import Hint, HintStore, PairingKey
 from .snapshot import MtpPolicySnapshot
 
@@ -165,6 +165,16 @@ class MtpPolicy:
             return self._verdict is not None and self._verdict.verdict == ENABLE
         return False  # exactness_declined
 
+    def burst_pays_at(self, depth: int) -> bool:
+        """Whether a B=1 request whose context is *depth* tokens runs the burst: the live gate
+        (:attr:`mtp_enabled`), and, under a measured enable verdict, a depth below its
+        ``depth_limit`` (from there on the samples estimate that the verify's attention over
+        the context costs more than the drafts save). The published verdict stays the pairing's."""
+        if not self.mtp_enabled:
+            return False
+        limit = self._verdict.depth_limit if self.state == sc.SETTLED and self._verdict is not None else None
+        return limit is None or depth < limit
+
     # -- the statechart's named conditions and callbacks --------------------
 
     def lacks_mtp_dispatch(self) -> bool:
@@ -202,14 +212,17 @@ class MtpPolicy:
         rate = acceptance_rate(self._window)
         speedup = estimate_speedup(self._window)
         verdict = decide(speedup, self._facts.host.static_mtp_gate)
+        limit = estimate_depth_limit(self._window) if verdict == ENABLE else None
         self._verdict = Hint(key=self._facts.pairing, verdict=verdict,
                              acceptance_rate=round(rate if rate is not None else 0.0, 2),
                              samples=len(self._window),
-                             estimated_speedup=None if speedup is None else round(speedup, 2))
+                             estimated_speedup=None if speedup is None else round(speedup, 2),
+                             depth_limit=limit)
         path = self._hints.save(self._verdict) if self._hints is not None else None
-        logger.info("MTP policy settled: %s (acceptance %.2f, estimated speedup %s over %d samples); %s",
-                    verdict, self._verdict.acceptance_rate, _speedup_text(speedup),
-                    len(self._window), f"hint written to {path}" if path else "verdict kept in memory")
+        logger.info("MTP policy settled: %s (acceptance %.2f, estimated speedup %s over %d samples%s); %s",
+                    verdict, self._verdict.acceptance_rate, _speedup_text(speedup), len(self._window),
+                    "" if limit is None else f"; the burst is skipped from {limit} tokens of context",
+                    f"hint written to {path}" if path else "verdict kept in memory")
 
     def publish(self) -> None:
         """Runs after every event: build the snapshot and hand it on."""
@@ -283,6 +296,7 @@ class MtpPolicy:
             samples_required=required,
             samples_remaining=required - samples if profiling else None,
             estimated_speedup=speedup,
+            depth_limit=verdict.depth_limit if verdict is not None else None,
         )
 
 

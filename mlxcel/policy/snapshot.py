@@ -40,6 +40,10 @@ class MtpPolicySnapshot:
     # the verdict was computed from; running while profiling, two decimals once
     # settled, null when nothing was measured.
     estimated_speedup: float | None
+    # Added to schema 1 as well: the context length (tokens) from which a settled
+    # enable verdict skips the burst, because its samples estimate it stops paying
+    # there; null when the burst runs at every depth, and in every other state.
+    depth_limit: int | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The schema-v1 body of ``GET /v1/internal/mtp-policy``."""

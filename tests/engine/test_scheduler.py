@@ -222,10 +222,10 @@ def test_a_lost_batch_leaves_one_slot_and_every_held_sequence_solo() -> None:
 
 def test_the_burst_runs_only_where_the_model_can_the_policy_lets_it_and_no_logprobs_are_asked() -> None:
     can = Capabilities(no_burst=None)
-    assert burst_allowed(can, request("a"), mtp_enabled=True)
-    assert not burst_allowed(can, request("a"), mtp_enabled=False)
-    assert not burst_allowed(can, request("a", logprobs=True), mtp_enabled=True)
-    assert not burst_allowed(Capabilities(no_burst="no drafter"), request("a"), mtp_enabled=True)
+    assert burst_allowed(can, request("a"), policy_allows=True)
+    assert not burst_allowed(can, request("a"), policy_allows=False)
+    assert not burst_allowed(can, request("a", logprobs=True), policy_allows=True)
+    assert not burst_allowed(Capabilities(no_burst="no drafter"), request("a"), policy_allows=True)
 
 
 def test_the_scheduler_imports_neither_mlx_nor_trio() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mlxcel.policy import DECLINE_AT_OR_BELOW, ENABLE_AT_OR_ABOVE, BurstSample
-from mlxcel.policy.estimator import acceptance_rate, decide, estimate_speedup
-from tests.policy.helpers import sample
+from mlxcel.policy.estimator import MIN_DEPTH_SPREAD, acceptance_rate, decide, estimate_depth_limit, estimate_speedup
+from tests.policy.helpers import deep_sample, sample
 
 
 @pytest.mark.parametrize(("speedup", "gate", "verdict"), [
@@ -49,9 +49,47 @@ def test_acceptance_is_pooled() -> None:
 
 @pytest.mark.parametrize("bad", [
     {"rounds": 0}, {"accepted": 5, "proposed": 3}, {"accepted": -1}, {"proposed": 0, "accepted": 0},
-    {"round_seconds": -1.0}, {"round_seconds": float("nan")}, {"classic_steps": -1},
+    {"round_seconds": -1.0}, {"round_seconds": float("nan")}, {"classic_steps": -1}, {"depth": -1},
 ])
 def test_malformed_samples_are_rejected(bad: dict[str, float]) -> None:
     fields = {"rounds": 1, "proposed": 3, "accepted": 1, "round_seconds": 0.1, **bad}
     with pytest.raises(ValueError):
         BurstSample(**fields)  # type: ignore[arg-type]
+
+
+# deep_sample's machine: 2.5 tokens a round (3 of 4 drafts accepted over 2 rounds); the burst pays
+# while 2.5 x (10 ms + 1 us d) > 15 ms + 3.5 us d, that is below d = (25 - 15) ms / (3.5 - 2.5) us = 10,000.
+CROSSING = 10_000
+
+
+def test_the_depth_limit_is_where_the_burst_stops_paying() -> None:
+    samples = [deep_sample(d) for d in (100, 2_000, 4_000, 6_000)]
+    assert estimate_depth_limit(samples) == pytest.approx(CROSSING, abs=1)
+    # Checked against the speedup estimate of samples measured there and either side of it.
+    assert estimate_speedup([deep_sample(CROSSING)]) == pytest.approx(1.0)
+    assert estimate_speedup([deep_sample(CROSSING - 1_000)]) > 1.0 > estimate_speedup([deep_sample(CROSSING + 1_000)])
+
+
+def test_a_first_burst_s_compile_cost_does_not_move_the_depth_limit_much() -> None:
+    samples = [deep_sample(100, slowdown=5.0), *(deep_sample(d) for d in (2_000, 4_000, 6_000))]
+    assert estimate_depth_limit(samples) == pytest.approx(CROSSING, rel=0.1)
+
+
+def test_no_depth_limit_without_samples_far_enough_apart() -> None:
+    close = [deep_sample(d) for d in (3_000, 3_000 + MIN_DEPTH_SPREAD - 1)]
+    assert estimate_depth_limit(close) is None
+    assert estimate_depth_limit([deep_sample(5_000)]) is None
+    assert estimate_depth_limit([]) is None
+
+
+def test_no_depth_limit_when_rounds_grow_no_faster_than_the_steps_they_replace() -> None:
+    # Classic steps and rounds both 2x as slow at 8k: the ratio, and so the speedup, holds at any depth.
+    flat = [BurstSample(rounds=1, proposed=2, accepted=2, round_seconds=0.02 * (1 + d / 8192),
+                        classic_steps=2, classic_seconds=0.02 * (1 + d / 8192), depth=d) for d in (0, 4096, 8192)]
+    assert estimate_depth_limit(flat) is None
+
+
+def test_no_depth_limit_below_the_shallowest_sample() -> None:
+    # Losing already at the shallowest sample: the window's own estimate, and so the verdict, decides.
+    deep = [deep_sample(d) for d in (12_000, 14_000, 16_000)]
+    assert estimate_depth_limit(deep) is None

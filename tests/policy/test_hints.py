@@ -56,6 +56,10 @@ def _corrupt_cases(key: PairingKey) -> dict[str, bytes]:
         "kernels a list": json.dumps({**good, "kernels": ["mlx"]}).encode(),
         "kernel version a number": json.dumps({**good, "kernels": {"mlx": 0.3}}).encode(),
         "other kernels": json.dumps({**good, "kernels": {"mlx": "0.1.0"}}).encode(),
+        "no depth limit": json.dumps({k: v for k, v in good.items() if k != "depth_limit"}).encode(),
+        "depth limit zero": json.dumps({**good, "depth_limit": 0}).encode(),
+        "depth limit a float": json.dumps({**good, "depth_limit": 4096.0}).encode(),
+        "depth limit a bool": json.dumps({**good, "depth_limit": True}).encode(),
         "huge": b" " * (1024 * 1024),
     }
 

@@ -10,7 +10,7 @@ import pytest
 
 from mlxcel.policy import HINT_VERSION, BootFacts, HintStore, MtpPolicy, MtpPolicySnapshot, PairingKey, PolicySettings
 from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
-from tests.policy.helpers import sample
+from tests.policy.helpers import deep_sample, sample
 
 
 def _profiling(cache: Path, key: PairingKey, published: list[MtpPolicySnapshot] | None = None,
@@ -46,7 +46,7 @@ def test_profiling_counts_down_and_settles_on_the_last_sample(cache_root: Path, 
     assert stored == {"version": HINT_VERSION, "target": "Gemma4-12B", "drafter": "Gemma4-12B-MTP",
                       "hardware": "M5-16c", "block_size": 4, "verdict": "enable",
                       "acceptance_rate": 0.67, "samples": 4, "estimated_speedup": 2.0,
-                      "kernels": {}}
+                      "kernels": {}, "depth_limit": None}
 
 
 def test_restart_restores_settled_without_profiling(cache_root: Path, pairing: PairingKey) -> None:
@@ -158,3 +158,32 @@ def test_settling_logs_verdict_acceptance_speedup_and_hint_path(
     assert settled == [
         "MTP policy settled: enable (acceptance 0.67, estimated speedup 1.75x over 4 samples); "
         f"hint written to {HintStore(cache_root).path_for(pairing)}"]
+
+
+def test_an_enable_verdict_skips_the_burst_from_its_depth_limit_across_a_restart(
+        cache_root: Path, pairing: PairingKey) -> None:
+    policy = _profiling(cache_root, pairing)
+    for depth in (100, 2_000, 4_000, 6_000):
+        assert policy.burst_pays_at(depth)  # profiling measures every depth
+        policy.on_sample(deep_sample(depth))
+    body = policy.snapshot.to_wire()
+    validate_wire(body)
+    assert (body["state"], body["verdict"], body["mtp_enabled"]) == ("settled", "enable", True)
+    limit = body["depth_limit"]
+    assert limit == pytest.approx(10_000, abs=1)  # tests/policy/test_estimator.py: CROSSING
+    assert policy.burst_pays_at(limit - 1) and not policy.burst_pays_at(limit)
+
+    restarted = _profiling(cache_root, pairing)
+    assert restarted.snapshot == policy.snapshot
+    assert restarted.burst_pays_at(limit - 1) and not restarted.burst_pays_at(limit)
+
+
+def test_a_decline_or_a_pin_ignores_depth(cache_root: Path, pairing: PairingKey) -> None:
+    declined = _profiling(cache_root, pairing)
+    for _ in range(4):
+        declined.on_sample(sample(speedup=0.8))
+    assert declined.snapshot.depth_limit is None and not declined.burst_pays_at(0)
+
+    pinned = MtpPolicy(PolicySettings(pin=True), HintStore(cache_root))
+    pinned.on_worker_ready(BootFacts(host=LINUX_CPU, pairing=pairing))
+    assert pinned.snapshot.state == "forced" and pinned.burst_pays_at(1 << 20)
