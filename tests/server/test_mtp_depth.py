@@ -1,4 +1,5 @@
-"""A settled enable verdict with a depth limit: short requests burst, requests past the limit decode classically."""
+"""MTP at depth: a settled enable verdict's depth limit, and the burst byte-identical to classic decode over a
+cache deep enough that a lone query attends grouped (``mlxcel.models.grouped_attention``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from mlxcel.blas import load_fast_blas
 from mlxcel.hardware import detect_host, kernel_versions
+from mlxcel.models.grouped_attention import GROUPED_FROM
 from mlxcel.policy import Hint, HintStore, PairingKey
 from mlxcel.testing.checkpoints import build_mtp_checkpoint
 from tests.conftest import validate_wire
@@ -45,3 +47,24 @@ async def test_requests_past_the_depth_limit_skip_the_burst(model: Path) -> None
     assert short["usage"]["prompt_tokens"] < LIMIT <= long["usage"]["prompt_tokens"]
     assert short["timings"]["draft_rounds"] > 0
     assert long["timings"]["draft_rounds"] == 0 and long["usage"]["completion_tokens"] == 24
+
+
+@pytest.mark.parametrize("k", [2, 4])
+async def test_the_burst_over_a_deep_cache_is_classic_decode(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           k: int) -> None:
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", str(k))
+    prompt = "for line in lines:\n    total += len(line)\n" * 200
+    answers = {}
+    for pin in ("1", "0"):
+        monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+        async with running_server(["--model", str(model), "--mtp"]) as url, \
+                httpx.AsyncClient(timeout=300) as client:
+            response = await client.post(f"{url}/v1/completions", json={
+                "prompt": prompt, "max_tokens": 40, "temperature": 0})
+            assert response.status_code == 200, response.text
+            answers[pin] = response.json()
+    on, off = answers["1"], answers["0"]
+    assert on["usage"]["prompt_tokens"] > GROUPED_FROM
+    assert on["timings"]["draft_rounds"] > 0 and off["timings"]["draft_rounds"] == 0
+    assert on["choices"][0]["text"] == off["choices"][0]["text"]
+    assert on["usage"]["completion_tokens"] == 40

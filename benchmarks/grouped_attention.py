@@ -1,0 +1,68 @@
+"""One query's attention over a deep cache: mlx's CPU kernel against the query heads grouped by KV head.
+
+    python -m benchmarks.grouped_attention [--depths 1024 2048 8192 32768] [--repeats 15]
+
+For attention shapes of real and benchmark models (query heads, KV heads, head
+size), a decode step's attention (one query over *depth* cached keys) through
+``mx.fast.scaled_dot_product_attention`` as mlx ships it and through
+``mlxcel.models.grouped_attention.grouped``, interleaved in one process on the
+same arrays; milliseconds each, the ratio, the largest difference, and whether
+the two are bit for bit equal. The fast BLAS (section 9) is loaded first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+from mlxcel.blas import load_fast_blas
+
+SHAPES = [(16, 4, 64), (8, 2, 128), (16, 2, 128), (32, 8, 128), (64, 32, 16), (16, 16, 64)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--depths", type=int, nargs="+", default=[1024, 2048, 8192, 32768])
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    print(load_fast_blas())
+    import mlx.core as mx
+
+    from mlxcel.models.grouped_attention import grouped
+
+    mlx_attention = mx.fast.scaled_dot_product_attention
+    if getattr(mlx_attention, "groups_queries", False):
+        raise SystemExit("mx.fast.scaled_dot_product_attention is already wrapped")
+    print(f"{'heads':>5} {'kv':>3} {'dim':>4} {'depth':>6} {'mlx ms':>7} {'grouped ms':>10} {'ratio':>6} "
+          f"{'max diff':>9} {'equal':>5}")
+    for heads, kv_heads, dim in SHAPES:
+        for depth in args.depths:
+            print(_row(mx, mlx_attention, grouped, heads, kv_heads, dim, depth, args.repeats))
+
+
+def _row(mx: Any, mlx_attention: Any, grouped: Any, heads: int, kv_heads: int, dim: int, depth: int,
+         repeats: int) -> str:
+    q = mx.random.normal((1, heads, 1, dim), key=mx.random.key(0))
+    k = mx.random.normal((1, kv_heads, depth, dim), key=mx.random.key(1))
+    v = mx.random.normal((1, kv_heads, depth, dim), key=mx.random.key(2))
+    mx.eval(q, k, v)
+    scale = dim ** -0.5
+    sides = {"mlx": lambda: mlx_attention(q, k, v, scale=scale), "grouped": lambda: grouped(q, k, v, scale)}
+    times: dict[str, list[float]] = {name: [] for name in sides}
+    for side in sides.values():
+        mx.eval(side())  # warm
+    for _ in range(repeats):
+        for name, side in sides.items():
+            start = time.perf_counter()
+            mx.eval(side())
+            times[name].append(time.perf_counter() - start)
+    ours, theirs = sides["grouped"](), sides["mlx"]()
+    mlx_ms, grouped_ms = (1e3 * statistics.median(times[name]) for name in ("mlx", "grouped"))
+    return (f"{heads:>5} {kv_heads:>3} {dim:>4} {depth:>6} {mlx_ms:>7.2f} {grouped_ms:>10.2f} "
+            f"{mlx_ms / grouped_ms:>6.2f} {mx.abs(ours - theirs).max().item():>9.1e} "
+            f"{'yes' if mx.array_equal(ours, theirs).item() else 'no':>5}")
+
+if __name__ == "__main__":
+    main()
