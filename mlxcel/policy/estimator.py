@@ -105,7 +105,17 @@ def estimate_speedup(samples: list[BurstSample]) -> float | None:
     return _tokens_per_round(samples) * statistics.median(classic) / round_time
 
 
-def estimate_depth_limit(samples: list[BurstSample]) -> int | None:
+@dataclass(frozen=True, slots=True)
+class DepthLimit:
+    """Where a pairing's burst stops paying: its lines of step and round time against depth meet."""
+
+    depth: int
+    """From this context length (tokens) on, the burst is estimated to lose."""
+    shallow_speedup: float
+    """The estimated speedup at the shallowest sample's depth, where the verdict is taken."""
+
+
+def estimate_depth_limit(samples: list[BurstSample]) -> DepthLimit | None:
     """The context depth from which the burst is estimated to stop paying, or None.
 
     A verify attends over the whole context for every position it checks, a
@@ -130,7 +140,11 @@ def estimate_depth_limit(samples: list[BurstSample]) -> int | None:
     if growth <= 0:
         return None
     limit = math.ceil((tokens * step_at0 - round_at0) / growth)
-    return limit if limit > min(d for d, _, _ in timed) else None
+    shallowest = min(d for d, _, _ in timed)
+    if limit <= shallowest:
+        return None
+    shallow = tokens * (step_at0 + step_slope * shallowest) / (round_at0 + round_slope * shallowest)
+    return DepthLimit(limit, shallow)
 
 
 def _tokens_per_round(samples: list[BurstSample]) -> float:

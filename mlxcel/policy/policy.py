@@ -211,8 +211,14 @@ class MtpPolicy:
         assert self._facts is not None and self._facts.pairing is not None
         rate = acceptance_rate(self._window)
         speedup = estimate_speedup(self._window)
+        depth = estimate_depth_limit(self._window)
+        if depth is not None:
+            # Samples on both sides of the crossing: the window's medians are right for neither side.
+            # The verdict is taken where the lines say the burst pays most (the shallowest traffic
+            # seen), and the limit keeps the burst off past the crossing.
+            speedup = depth.shallow_speedup
         verdict = decide(speedup, self._facts.host.static_mtp_gate)
-        limit = estimate_depth_limit(self._window) if verdict == ENABLE else None
+        limit = depth.depth if depth is not None and verdict == ENABLE else None
         self._verdict = Hint(key=self._facts.pairing, verdict=verdict,
                              acceptance_rate=round(rate if rate is not None else 0.0, 2),
                              samples=len(self._window),

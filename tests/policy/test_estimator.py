@@ -64,7 +64,10 @@ CROSSING = 10_000
 
 def test_the_depth_limit_is_where_the_burst_stops_paying() -> None:
     samples = [deep_sample(d) for d in (100, 2_000, 4_000, 6_000)]
-    assert estimate_depth_limit(samples) == pytest.approx(CROSSING, abs=1)
+    limit = estimate_depth_limit(samples)
+    assert limit is not None and limit.depth == pytest.approx(CROSSING, abs=1)
+    # At the shallowest sample: 2.5 x 10.1 ms / 15.35 ms.
+    assert limit.shallow_speedup == pytest.approx(2.5 * 10.1 / 15.35)
     # Checked against the speedup estimate of samples measured there and either side of it.
     assert estimate_speedup([deep_sample(CROSSING)]) == pytest.approx(1.0)
     assert estimate_speedup([deep_sample(CROSSING - 1_000)]) > 1.0 > estimate_speedup([deep_sample(CROSSING + 1_000)])
@@ -72,7 +75,8 @@ def test_the_depth_limit_is_where_the_burst_stops_paying() -> None:
 
 def test_a_first_burst_s_compile_cost_does_not_move_the_depth_limit_much() -> None:
     samples = [deep_sample(100, slowdown=5.0), *(deep_sample(d) for d in (2_000, 4_000, 6_000))]
-    assert estimate_depth_limit(samples) == pytest.approx(CROSSING, rel=0.1)
+    limit = estimate_depth_limit(samples)
+    assert limit is not None and limit.depth == pytest.approx(CROSSING, rel=0.1)
 
 
 def test_no_depth_limit_without_samples_far_enough_apart() -> None:

@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.policy import HINT_VERSION, BootFacts, HintStore, MtpPolicy, MtpPolicySnapshot, PairingKey, PolicySettings
+from mlxcel.policy import (
+    ENABLE_AT_OR_ABOVE,
+    HINT_VERSION,
+    BootFacts,
+    HintStore,
+    MtpPolicy,
+    MtpPolicySnapshot,
+    PairingKey,
+    PolicySettings,
+)
+from mlxcel.policy.estimator import estimate_speedup
 from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
 from tests.policy.helpers import deep_sample, sample
 
@@ -176,6 +186,22 @@ def test_an_enable_verdict_skips_the_burst_from_its_depth_limit_across_a_restart
     restarted = _profiling(cache_root, pairing)
     assert restarted.snapshot == policy.snapshot
     assert restarted.burst_pays_at(limit - 1) and not restarted.burst_pays_at(limit)
+
+
+def test_a_window_that_loses_on_the_whole_but_pays_when_shallow_enables_below_its_limit(
+        cache_root: Path, pairing: PairingKey) -> None:
+    # Mostly deep traffic: the window's medians estimate about 1.03x, which on a CPU host (no static
+    # gate) declines; the lines say 1.64x at 100 tokens of context and a loss from 10,000.
+    policy = MtpPolicy(PolicySettings(), HintStore(cache_root))
+    policy.on_worker_ready(BootFacts(host=LINUX_CPU, pairing=pairing))
+    window = [deep_sample(d) for d in (100, 8_000, 9_000, 9_500)]
+    assert 1.0 < estimate_speedup(window) < ENABLE_AT_OR_ABOVE  # type: ignore[operator]
+    for burst in window:
+        policy.on_sample(burst)
+    snap = policy.snapshot
+    assert (snap.verdict, snap.estimated_speedup) == ("enable", round(2.5 * 10.1 / 15.35, 2))
+    assert snap.depth_limit == pytest.approx(10_000, abs=1)
+    assert policy.burst_pays_at(100) and not policy.burst_pays_at(10_000)
 
 
 def test_a_decline_or_a_pin_ignores_depth(cache_root: Path, pairing: PairingKey) -> None:
