@@ -9,7 +9,9 @@ against the step at the same position (random arrays, 20 positions per depth),
 and timed against the two one-query forms (mlx's kernel, and mlxcel's grouped):
 
 - ``one product``: the K queries' rows (x the query heads of a KV head) in one
-  product over the cache, the rest of each query's keys merged by log-sum-exp;
+  product over the cache up to a multiple of 256 positions (the cut the step
+  at each position makes too), each query's own rest of its keys alone, the
+  two merged by log-sum-exp;
 - ``padded``: the same, with every product, the step's too, padded to the rows
   of 4 queries, so that a query's rows never see another kernel: the step then
   computes 4 queries' worth;
@@ -27,6 +29,7 @@ from typing import Any
 from mlxcel.blas import load_fast_blas
 
 SLOTS = 4
+BLOCK = 256
 
 
 def main() -> None:
@@ -83,20 +86,35 @@ def _row(mx: Any, mlx_attention: Any, grouped: Any, shape: tuple[int, int, int],
             f"{times['padded verify']:>6.2f} {times['mlx causal']:>10.2f}")
 
 def _split(mx: Any, q: Any, k: Any, v: Any, first: int, scale: float, rows_of: int) -> Any:
-    """Queries at positions first.. over their prefixes: keys before the first query in one product of
-    *rows_of* queries' rows (zero-padded), each query's own tail alone, merged by log-sum-exp."""
+    """Queries at positions first.. over their prefixes, the prefix cut at a multiple of :data:`BLOCK` (the
+    same cut for a query in a verify and for the step at its position): the keys before the cut in one
+    product of *rows_of* queries' rows (zero-padded; the queries sharing a cut), each query's own tail
+    alone, merged by log-sum-exp."""
     batch, heads, length, dim = q.shape
     kv_heads = k.shape[1]
     rep = heads // kv_heads
     grouped_q = (q * scale).reshape(batch, kv_heads, rep, length, dim).swapaxes(2, 3)  # (B, KV, L, rep, D)
-    padded = mx.concatenate([grouped_q, mx.zeros((batch, kv_heads, rows_of - length, rep, dim))], axis=2) \
-        if rows_of > length else grouped_q
-    shared = _partial(mx, padded.reshape(batch, kv_heads, rows_of * rep, dim), k[:, :, :first], v[:, :, :first])
     outs = []
-    for i in range(length):
-        tail = _partial(mx, grouped_q[:, :, i], k[:, :, first:first + i + 1], v[:, :, first:first + i + 1])
-        head = tuple(x[:, :, i * rep:(i + 1) * rep] for x in shared)
-        outs.append(_merge(mx, head, tail))
+    i = 0
+    while i < length:
+        cut = (first + i) // BLOCK * BLOCK
+        j = i
+        while j < length and (first + j) // BLOCK * BLOCK == cut:
+            j += 1
+        rows = grouped_q[:, :, i:j]
+        width = max(rows_of, j - i)
+        if width > j - i:
+            rows = mx.concatenate([rows, mx.zeros((batch, kv_heads, width - (j - i), rep, dim))], axis=2)
+        shared = _partial(mx, rows.reshape(batch, kv_heads, width * rep, dim), k[:, :, :cut], v[:, :, :cut]) \
+            if cut else None
+        for n in range(i, j):
+            end = first + n + 1
+            tail = _partial(mx, grouped_q[:, :, n], k[:, :, cut:end], v[:, :, cut:end])
+            if shared is None:
+                outs.append(tail[0] / tail[2])
+            else:
+                outs.append(_merge(mx, tuple(x[:, :, (n - i) * rep:(n - i + 1) * rep] for x in shared), tail))
+        i = j
     return mx.stack(outs, axis=3).reshape(batch, heads, length, dim)
 
 

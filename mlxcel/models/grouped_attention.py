@@ -4,10 +4,10 @@ mlx's CPU ``scaled_dot_product_attention`` is composed of ops: for a
 grouped-query model it broadcasts each KV head to its query heads and runs one
 matrix-vector product per *query* head, and the BLAS packs that head's whole
 key (and value) cache for each. Past a few thousand cached positions the packing
-is the step's attention: 7.0 ms a layer at 8k keys for 8 query heads over 2 KV
-heads of 128, where putting the query heads that share a KV head into the rows
-of one product reads each KV cache once, 3.1 ms (docs/benchmarks.md, "Decode
-at depth: the query heads grouped"). The sums are the same sums, grouped by the
+is the step's attention: 10.6 ms a layer at 8k keys for 8 query heads over 2
+KV heads of 128, where putting the query heads that share a KV head into the
+rows of one product reads each KV cache once, 4.9 ms (docs/benchmarks.md,
+"Decode at depth: the query heads grouped"). The sums are the same sums, grouped by the
 same BLAS, so the difference is rounding (1e-7 of values of order one).
 
 Only where it pays, and where it cannot change which text a model writes

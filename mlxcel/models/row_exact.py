@@ -22,8 +22,11 @@ equal at some cache lengths, not at others, on OpenBLAS and MKL alike), so no
 measurement at boot can vouch for every length. A ``rows`` verify therefore
 runs attention one query at a time, as the step at that position would: under
 a causal block each query over its own prefix, under a mask array (a sliding
-window's ring) each over every slot with its own row of the mask. K reads of
-the cache instead of one, cheap next to the weights at short contexts.
+window's ring) each over every slot with its own row of the mask, each through
+the attention in place (on the CPU, :mod:`~mlxcel.models.grouped_attention`'s,
+which the step goes through too). K reads of the cache instead of one, cheap
+next to the weights at short contexts; at depth, docs/benchmarks.md ("The
+verify's attention at depth") measures what reading it once would cost.
 The exactness probe still judges the whole verify.
 
 Scoped to one model: :func:`measure` swaps the class of just that model's layers
