@@ -7,17 +7,19 @@ key (and value) cache for each. Past a few thousand cached positions the packing
 is the step's attention: 10.6 ms a layer at 8k keys for 8 query heads over 2
 KV heads of 128, where putting the query heads that share a KV head into the
 rows of one product reads each KV cache once, 4.9 ms (docs/benchmarks.md,
-"Decode at depth: the query heads grouped"). The sums are the same sums, grouped by the
-same BLAS, so the difference is rounding (1e-7 of values of order one).
+"Decode at depth: the query heads grouped"). The sums are the same sums,
+grouped by the same BLAS, so the difference is rounding (1e-7 of values of
+order one).
 
 Only where it pays, and where it cannot change which text a model writes
 against mlx-lm's own decode at the short contexts its tests and ours compare:
 one query (a decode step, a drafter's draft, a ``rows`` verify's query, a
 batch's step), no attention sinks, more query heads than KV heads, and at
 least :data:`GROUPED_FROM` keys. A mask array (a batch's left padding, a
-sliding window's ring) is applied as mlx applies it. A verify's queries that attend one at a time go
-through the same rule at the same depth as the classic step they must equal,
-so the exactness probe's guarantee is unchanged (its 1,024 offset reaches it).
+sliding window's ring) is applied as mlx applies it. A verify's queries that
+attend one at a time go through the same rule at the same depth as the
+classic step they must equal, so the exactness probe's guarantee is unchanged
+(its 1,024 offset reaches it).
 
 The one seam mlx-lm offers is ``mx.fast.scaled_dot_product_attention``, which
 every family's attention calls: :func:`install` wraps it once per process on the

@@ -167,7 +167,7 @@ class MtpPolicy:
 
     def burst_pays_at(self, depth: int) -> bool:
         """Whether a B=1 request whose context is *depth* tokens runs the burst: the live gate
-        (:attr:`mtp_enabled`), and, under a measured enable verdict, a depth below its
+        (:attr:`mtp_enabled`), and, under a settled enable verdict, a depth below its
         ``depth_limit`` (from there on the samples estimate that the verify's attention over
         the context costs more than the drafts save). The published verdict stays the pairing's."""
         if not self.mtp_enabled:
