@@ -60,26 +60,40 @@ def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
 
 
+#: What mlx's ring backend prints when a port it was given was taken before it could bind it.
+RING_PORT_TAKEN = "Couldn't bind socket"
+
+
 @contextmanager
 def launched(model: Path, mode: str, log: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Two ranks of ``mlxcel serve --distributed MODE`` under mlx.launch; yields rank 0's URL and the launcher."""
-    port, ring = free_port(), free_port()
-    command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(ring), "--",
-               sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port", str(port),
-               "--distributed", mode, "--props", *extra]
-    # stdin a pipe left open: mlx.launch forwards its stdin to the ranks, and /dev/null would spin it.
-    # Its own session, so that cleanup can end the launcher and its ranks together.
-    with log.open("wb") as out, subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out,
-                                                 stderr=subprocess.STDOUT, env=dict(os.environ),
-                                                 start_new_session=True) as launcher:
-        url = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(url, launcher, 120, log)
-            yield url, launcher
-        finally:
-            # Whatever is left of the launcher's session (a test that failed midway, a rank that hung).
-            with suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGTERM)
-            launcher.wait(timeout=30)
+    """Two ranks of ``mlxcel serve --distributed MODE`` under mlx.launch; yields rank 0's URL and the launcher.
+
+    The ring's ports are free when chosen but handed to other processes to bind, so another test can take
+    one first: a launch that fails for that alone is started again on fresh ports (three tries)."""
+    for attempt in range(3):
+        port, ring = free_port(), free_port()
+        command = [str(LAUNCH), "-n", "2", "--backend", "ring", "--starting-port", str(ring), "--",
+                   sys.executable, "-m", "mlxcel", "serve", "--model", str(model), "--port", str(port),
+                   "--distributed", mode, "--props", *extra]
+        # stdin a pipe left open: mlx.launch forwards its stdin to the ranks, and /dev/null would spin it.
+        # Its own session, so that cleanup can end the launcher and its ranks together.
+        with log.open("wb") as out, subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out,
+                                                     stderr=subprocess.STDOUT, env=dict(os.environ),
+                                                     start_new_session=True) as launcher:
+            url = f"http://127.0.0.1:{port}"
+            try:
+                try:
+                    wait_healthy(url, launcher, 120, log)
+                except AssertionError:
+                    if attempt < 2 and RING_PORT_TAKEN in log.read_text(errors="replace"):
+                        continue
+                    raise
+                yield url, launcher
+                return
+            finally:
+                # Whatever is left of the launcher's session (a test that failed midway, a rank that hung).
+                with suppress(ProcessLookupError):
+                    os.killpg(launcher.pid, signal.SIGTERM)
+                launcher.wait(timeout=30)
 
 
