@@ -72,6 +72,14 @@ def processes(specs: Sequence[tuple[Sequence[str], dict[str, str] | None]], logs
         yield started
 
 
+def wait_for_every_node(router: Process, count: int, timeout: float = 60) -> None:
+    """Until *router* has probed all *count* nodes healthy: its own /health answers 200 from the first."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{router.url}/health", timeout=5).json()["healthy_nodes"] < count:
+        assert time.monotonic() < deadline, router.log.read_text()
+        time.sleep(0.05)
+
+
 def router_args(nodes: Sequence[Process], *extra: str) -> list[str]:
     return ["--node-role", "router", *[a for node in nodes for a in ("--backend", node.url)], *extra]
 

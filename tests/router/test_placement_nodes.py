@@ -9,7 +9,7 @@ import httpx
 import pytest
 import trio
 
-from tests.router.conftest import node_stats, processes, router_args, stats
+from tests.router.conftest import node_stats, processes, router_args, stats, wait_for_every_node
 
 pytestmark = pytest.mark.slow
 LONE = {"prompt": "def f(x):", "max_tokens": 16, "temperature": 0}
@@ -24,6 +24,7 @@ async def test_lone_requests_go_to_the_idle_burst_node_and_other_traffic_elsewhe
         (["--model", model, "--metrics"], None)]
     with processes(specs, tmp_path / "logs") as nodes, \
             processes([(router_args(nodes, "--health-interval", "0.2"), None)], tmp_path / "logs") as (router,):
+        wait_for_every_node(router, len(nodes))
         deadline = time.monotonic() + 30
         while not node_stats(router, "node-1")["runs_burst"]:
             assert time.monotonic() < deadline, stats(router)

@@ -22,7 +22,16 @@ import trio
 
 from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.testing.serving import free_port
-from tests.router.conftest import NODE_KEY, ROUTER_KEY, Process, node_stats, processes, router_args, texts
+from tests.router.conftest import (
+    NODE_KEY,
+    ROUTER_KEY,
+    Process,
+    node_stats,
+    processes,
+    router_args,
+    texts,
+    wait_for_every_node,
+)
 from tests.server.conftest import mlxcel
 
 pytestmark = pytest.mark.slow
@@ -39,6 +48,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
                     (["--model", model, "--api-key", NODE_KEY, "--slots"], None)], root / "logs") as nodes, \
             processes([(router_args(nodes, "--api-key", ROUTER_KEY, "--backend-api-key", NODE_KEY,
                                     "--health-interval", "0.5"), None)], root / "logs") as (router,):
+        wait_for_every_node(router, len(nodes))
         yield router, nodes
 
 
