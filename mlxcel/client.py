@@ -90,7 +90,12 @@ def _headline(body: dict[str, Any]) -> list[str]:
         what = "MTP enabled" if verdict == "enable" else "MTP declined"
         samples = _int(body, "samples")
         line = f"{what}: measured on this machine ({_rate(body)}"
-        return [line + (f" over {samples} samples)" if samples is not None else ")")]
+        lines = [line + (f" over {samples} samples)" if samples is not None else ")")]
+        limit = _int(body, "depth_limit")
+        if verdict == "enable" and limit is not None:
+            lines.append(f"single requests from {limit} tokens of context decode classically (the burst stops "
+                         "paying there)")
+        return lines
     if state == "forced":
         enabled = body.get("mtp_enabled")
         if not isinstance(enabled, bool):

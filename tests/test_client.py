@@ -9,7 +9,7 @@ import pytest
 from mlxcel.client import NO_VERDICT, render
 from mlxcel.policy import BootFacts, MtpPolicy, PairingKey, PolicySettings
 from tests.conftest import APPLE_M5
-from tests.policy.helpers import sample
+from tests.policy.helpers import deep_sample, sample
 
 KEY = PairingKey("Gemma4-12B", "Gemma4-12B-MTP", "M5-16c", 4)
 DEFAULTS = PolicySettings()
@@ -34,6 +34,21 @@ def test_settled() -> None:
     text = render(_body(samples=4))
     assert text is not None
     assert text.splitlines()[0] == "MTP enabled: measured on this machine (acceptance 0.58 over 4 samples)"
+
+
+def test_a_depth_limit_is_shown_with_an_enable_verdict() -> None:
+    policy = MtpPolicy(DEFAULTS)
+    policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=KEY))
+    for depth in (100, 2_000, 4_000, 6_000):
+        policy.on_sample(deep_sample(depth))
+    body = policy.snapshot.to_wire()
+    limit = body["depth_limit"]
+    assert isinstance(limit, int)
+    text = render(body)
+    assert text is not None
+    assert text.splitlines()[1] == (f"single requests from {limit} tokens of context decode classically "
+                                    "(the burst stops paying there)")
+    assert str(limit) not in (render({**body, "verdict": "decline"}) or "")
 
 
 def test_pin_renders_as_a_pin_not_a_measurement() -> None:
