@@ -230,6 +230,22 @@ def tree_table(trees: list[Path], columns: list[str], measure: Callable[[Path], 
         print(f"| {tree} | " + " | ".join(measure(tree.resolve())) + " |", flush=True)
 
 
+def interleaved_ms(sides: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each MLX side (a function returning what to evaluate), warmed once, then
+    run in turns so that the machine's drift falls on every side alike."""
+    import mlx.core as mx
+
+    runs: dict[str, list[float]] = {name: [] for name in sides}
+    for side in sides.values():
+        mx.eval(side())
+    for _ in range(repeats):
+        for name, side in sides.items():
+            started = time.perf_counter()
+            mx.eval(side())
+            runs[name].append(time.perf_counter() - started)
+    return {name: 1e3 * statistics.median(values) for name, values in runs.items()}
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

@@ -13,10 +13,9 @@ the two are bit for bit equal. The fast BLAS (section 9) is loaded first.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
+from benchmarks._common import interleaved_ms
 from mlxcel.blas import load_fast_blas
 
 SHAPES = [(16, 4, 64), (8, 2, 128), (16, 2, 128), (32, 8, 128), (64, 32, 16), (16, 16, 64)]
@@ -50,16 +49,9 @@ def _row(mx: Any, mlx_attention: Any, grouped: Any, heads: int, kv_heads: int, d
     mx.eval(q, k, v)
     scale = dim ** -0.5
     sides = {"mlx": lambda: mlx_attention(q, k, v, scale=scale), "grouped": lambda: grouped(q, k, v, scale)}
-    times: dict[str, list[float]] = {name: [] for name in sides}
-    for side in sides.values():
-        mx.eval(side())  # warm
-    for _ in range(repeats):
-        for name, side in sides.items():
-            start = time.perf_counter()
-            mx.eval(side())
-            times[name].append(time.perf_counter() - start)
+    times = interleaved_ms(sides, repeats)
     ours, theirs = sides["grouped"](), sides["mlx"]()
-    mlx_ms, grouped_ms = (1e3 * statistics.median(times[name]) for name in ("mlx", "grouped"))
+    mlx_ms, grouped_ms = times["mlx"], times["grouped"]
     return (f"{heads:>5} {kv_heads:>3} {dim:>4} {depth:>6} {mlx_ms:>7.2f} {grouped_ms:>10.2f} "
             f"{mlx_ms / grouped_ms:>6.2f} {mx.abs(ours - theirs).max().item():>9.1e} "
             f"{'yes' if mx.array_equal(ours, theirs).item() else 'no':>5}")

@@ -22,10 +22,9 @@ and timed against the two one-query forms (mlx's kernel, and mlxcel's grouped):
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Any
 
+from benchmarks._common import interleaved_ms
 from mlxcel.blas import load_fast_blas
 
 SLOTS = 4
@@ -71,7 +70,7 @@ def _row(mx: Any, mlx_attention: Any, grouped: Any, shape: tuple[int, int, int],
                                                mx.concatenate(steps, axis=2)).item())
     end = depth + k_block
     one, many = q[:, :, end - 1:end], q[:, :, depth:end]
-    times = _times(mx, {
+    times = interleaved_ms({
         "mlx step": lambda: mlx_attention(one, k, v, scale=scale),
         "grouped step": lambda: grouped(one, k, v, scale),
         "padded step": lambda: _split(mx, one, k, v, end - 1, scale, SLOTS),
@@ -79,7 +78,7 @@ def _row(mx: Any, mlx_attention: Any, grouped: Any, shape: tuple[int, int, int],
                          for i in range(k_block)],
         "padded verify": lambda: _split(mx, many, k, v, depth, scale, SLOTS),
         "mlx causal": lambda: mlx_attention(many, k, v, scale=scale, mask="causal"),
-    })
+    }, repeats=9)
     name = ",".join(map(str, shape))
     return (f"{name:>10} {depth:>6} | {'':>12} {exact[0]:>11} {exact[1]:>6} | {times['mlx step']:>12.2f} "
             f"{times['grouped step']:>12.2f} {times['padded step']:>11.2f} | {'':>11} {times['rows']:>14.2f} "
@@ -129,19 +128,6 @@ def _merge(mx: Any, a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> Any:
     top = mx.maximum(a[1], b[1])
     wa, wb = mx.exp(a[1] - top), mx.exp(b[1] - top)
     return (a[0] * wa + b[0] * wb) / (a[2] * wa + b[2] * wb)
-
-
-def _times(mx: Any, sides: dict[str, Any], repeats: int = 9) -> dict[str, float]:
-    """Median milliseconds of each side, interleaved."""
-    runs: dict[str, list[float]] = {name: [] for name in sides}
-    for side in sides.values():
-        mx.eval(side())
-    for _ in range(repeats):
-        for name, side in sides.items():
-            start = time.perf_counter()
-            mx.eval(side())
-            runs[name].append(time.perf_counter() - start)
-    return {name: 1e3 * statistics.median(values) for name, values in runs.items()}
 
 
 if __name__ == "__main__":

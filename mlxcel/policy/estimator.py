@@ -130,8 +130,10 @@ def estimate_depth_limit(samples: list[BurstSample]) -> DepthLimit | None:
     estimate, and so the verdict, already speaks).
     """
     timed = [(s.depth, step, s.mean_round_seconds) for s in samples if (step := s.classic_step_seconds) is not None]
-    if len(timed) < 2 or max(d for d, _, _ in timed) - min(d for d, _, _ in timed) < MIN_DEPTH_SPREAD:
+    depths = [d for d, _, _ in timed]
+    if len(timed) < 2 or max(depths) - min(depths) < MIN_DEPTH_SPREAD:
         return None
+    shallowest = min(depths)
     step_at0, step_slope = _line([(d, step) for d, step, _ in timed])
     round_at0, round_slope = _line([(d, r) for d, _, r in timed])
     tokens = _tokens_per_round(samples)
@@ -140,7 +142,6 @@ def estimate_depth_limit(samples: list[BurstSample]) -> DepthLimit | None:
     if growth <= 0:
         return None
     limit = math.ceil((tokens * step_at0 - round_at0) / growth)
-    shallowest = min(d for d, _, _ in timed)
     if limit <= shallowest:
         return None
     shallow = tokens * (step_at0 + step_slope * shallowest) / (round_at0 + round_slope * shallowest)
