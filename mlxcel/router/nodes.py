@@ -117,17 +117,20 @@ class Node:
         was = self.healthy
         try:
             health = await client.get(f"{self.url}/health", headers=headers, timeout=timeout)
-            self.healthy = health.status_code == 200
-            self.last_error = None if self.healthy else f"/health answered {health.status_code}"
+            healthy = health.status_code == 200
+            error = None if healthy else f"/health answered {health.status_code}"
         except httpx.HTTPError as exc:
-            self.healthy, self.last_error = False, _describe(exc)
+            healthy, error = False, _describe(exc)
+        if healthy:
+            # Read before publishing health: a node that /router/stats and /health count as healthy
+            # shows the policy it answered this round, never the placeholder from before its first.
+            self.policy = await self._read_policy(client, headers, timeout)
+        self.healthy, self.last_error = healthy, error
         if self.healthy != was:
             logger.info("%s is %s%s", self.id, "healthy" if self.healthy else "unhealthy",
                         "" if self.healthy else f" ({self.last_error})")
-        if not self.healthy:
-            return
-        self.policy = await self._read_policy(client, headers, timeout)
-        await self._read_load(client, headers, timeout)
+        if self.healthy:
+            await self._read_load(client, headers, timeout)
 
     async def _read_policy(self, client: httpx.AsyncClient, headers: dict[str, str], timeout: float) -> PolicyView:
         try:
