@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from mlxcel.testing.checkpoints import build_mtp_checkpoint
-from mlxcel.testing.serving import free_port
+from mlxcel.testing.serving import child_env, free_port
 
 NODE_KEY = "node-secret"
 ROUTER_KEY = "router-secret"
@@ -33,7 +33,7 @@ class Process:
         with log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--port", str(self.port),
                                              *args], stdout=out, stderr=subprocess.STDOUT,
-                                            env={**os.environ, **(env or {})})
+                                            env=child_env({**os.environ, **(env or {})}))
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

@@ -19,6 +19,7 @@ from mlxcel.engine.instrument import Instrument
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
 from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
+from mlxcel.testing.serving import child_env
 from tests import openai_spec
 
 T = TypeVar("T")
@@ -131,9 +132,9 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
 
 
 def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the `mlxcel` command line to completion."""
+    """Run the `mlxcel` command line to completion (in *env*, by default this process's; torch hidden)."""
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout, check=False)
+                          env=child_env(env), timeout=timeout, check=False)
 
 
 async def open_stream(url: str, path: str, body: dict[str, object]) -> trio.SocketStream:

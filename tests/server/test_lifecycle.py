@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from mlxcel.engine.instrument import Hooks
-from mlxcel.testing.serving import free_port
+from mlxcel.testing.serving import child_env, free_port
 from tests.conftest import validate_wire
 from tests.server.conftest import mlxcel, running_server, wait_ready
 
@@ -138,7 +138,7 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(llama: Path, tmp
     events: list[str] = []
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--model", str(llama), "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT) as server:
+            stdout=out, stderr=subprocess.STDOUT, env=child_env()) as server:
         try:
             with httpx.Client(timeout=60) as client:
                 deadline = time.monotonic() + 60

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.testing.serving import free_port, wait_healthy
+from mlxcel.testing.serving import child_env, free_port, wait_healthy
 from tests.server.conftest import mlxcel
 
 
@@ -111,7 +111,7 @@ def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofil
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+            stdout=out, stderr=subprocess.STDOUT, env=child_env({**os.environ, **env}),
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
     ) as process:
         try:
@@ -232,3 +232,13 @@ def test_a_model_that_fails_to_load_after_binding_exits_2_with_one_line(llama: P
     assert "Traceback" not in result.stderr
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("mlxcel serve:")]
     assert line.startswith(f"mlxcel serve: stopped: cannot load {broken}")
+
+
+def test_test_servers_import_what_a_users_install_has_no_torch() -> None:
+    # The dev extra installs torch for the parity references; a child started with child_env must not see
+    # it (transformers would import it on the way to AutoTokenizer), and must load a tokenizer without it.
+    script = ("import sys, importlib.util; from transformers import AutoTokenizer; "
+              "print(importlib.util.find_spec('torch'), sys.modules.get('torch'))")
+    hidden = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
+                            timeout=120, check=True)
+    assert hidden.stdout.split() == ["None", "None"], hidden.stderr
