@@ -14,9 +14,9 @@ import pytest
 
 from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.serve_cli import BUNDLED_BLOCK_SIZE, BUNDLED_MODEL
-from mlxcel.testing.serving import serve_subprocess
+from mlxcel.testing.serving import child_env, serve_subprocess
 from tests.conftest import validate_wire
-from tests.server.conftest import running_server
+from tests.server.conftest import running_server, server_on_a_thread
 
 PROMPTS = ["def read_config(path):", "class Queue:", "import os\n\n\ndef main():"]
 
@@ -30,9 +30,10 @@ def test_the_bundled_pairing_is_an_ordinary_checkpoint() -> None:
     assert config["mtp_num_hidden_layers"] == 1
 
 
-# The burst tests run the server with the machine's default BLAS, as `mlxcel serve` does. OpenBLAS on
-# the AMD EPYC CI runs on multiplies the pairing's 192-wide products, and its attention over 2+
-# queries, differently from one row: the probe picks the row-split verify there (docs/mtp.md).
+# The burst tests run the server with the machine's default BLAS, as `mlxcel serve` does (the suite's
+# process loads the one `mlxcel serve` would). OpenBLAS on the AMD EPYC CI runs on multiplies the
+# pairing's 192-wide products, and its attention over 2+ queries, differently from one row: the probe
+# picks the row-split verify there (docs/mtp.md).
 EXACT: dict[str, str] = {}
 
 
@@ -65,7 +66,7 @@ async def test_the_bundled_pairing_block_size_can_still_be_chosen(monkeypatch: p
 
 def _texts(tmp_path: Path, pin: str, block_size: int) -> list[dict[str, object]]:
     env = {**EXACT, "MLXCEL_ENABLE_MTP_B1": pin, "MLXCEL_DRAFT_BLOCK_SIZE": str(block_size)}
-    with serve_subprocess([], env, tmp_path / f"serve-{pin}.log") as url, httpx.Client(timeout=60) as client:
+    with server_on_a_thread([], env) as url, httpx.Client(timeout=60) as client:
         return [client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 80, "temperature": 0}
                             ).json() for prompt in PROMPTS]
 
@@ -82,7 +83,7 @@ def test_temperature_zero_text_is_the_same_with_mtp_on_and_off(tmp_path: Path, b
 def test_a_quick_profiling_run_settles_and_persists(tmp_path: Path) -> None:
     # The documented setting, not a patched internal.
     env = {**EXACT, "MLXCEL_MTP_PROFILE_SAMPLES": "2"}
-    with serve_subprocess([], env, tmp_path / "serve.log") as url, httpx.Client(timeout=60) as client:
+    with server_on_a_thread([], env) as url, httpx.Client(timeout=60) as client:
         for prompt in PROMPTS[:2]:
             client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 64, "temperature": 0})
         policy = client.get(f"{url}/v1/internal/mtp-policy").json()
@@ -99,7 +100,7 @@ def test_the_training_script_is_deterministic_given_its_seed(tmp_path: Path) -> 
         out = tmp_path / run
         subprocess.run([sys.executable, "-m", "mlxcel.families.qwen3_5.train_default", "--steps", "2", "--batch", "2",
                         "--length", "64", "--seed", "3", "--files", "40", "--out", str(out)],
-                       check=True, capture_output=True, timeout=600)
+                       check=True, capture_output=True, timeout=600, env=child_env())
         digests.append({f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(out.iterdir())})
     assert digests[0] == digests[1]
     assert set(digests[0]) == {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -122,6 +124,55 @@ async def running_server(argv: Sequence[str], *, ready: bool = True,
             await wait_ready(url)
         yield url
         nursery.cancel_scope.cancel()
+
+
+@contextmanager
+def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str]) -> Iterator[str]:
+    """:func:`running_server` for a synchronous test: the same in-process server, its trio loop on a thread.
+
+    *env* is in ``os.environ`` while the server lives (`mlxcel serve` reads its ``MLXCEL_*`` settings as it
+    starts). Leaving the block shuts the server down as SIGTERM would: in-flight requests end, the worker
+    stops. Cheaper than a server process (no interpreter, no imports) wherever nothing process-wide, such
+    as the BLAS, differs from this process's.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in env.items():
+            patch.setenv(name, value)
+        config = serve_config(argv)
+        shutdown_requested = threading.Event()
+        started = threading.Event()
+        state: dict[str, Any] = {}
+
+        async def serve() -> None:
+            shutdown = trio.Event()
+            async with trio.open_nursery() as nursery:
+                (state["url"],) = await nursery.start(functools.partial(run_server, config, shutdown=shutdown))
+                await wait_ready(state["url"])
+                started.set()
+                await trio.to_thread.run_sync(shutdown_requested.wait, abandon_on_cancel=True)
+                shutdown.set()
+
+        def loop() -> None:
+            try:
+                trio.run(serve)
+            except BaseException as exc:
+                state["error"] = exc
+            finally:
+                started.set()
+
+        thread = threading.Thread(target=loop, name="test-server-loop")
+        thread.start()
+        try:
+            started.wait()
+            if "error" in state:
+                raise AssertionError("the server did not start") from state["error"]
+            yield state["url"]
+        finally:
+            shutdown_requested.set()
+            thread.join(timeout=60)
+        assert not thread.is_alive(), "the server did not stop within 60 s"
+        if "error" in state:
+            raise AssertionError("the server failed") from state["error"]
 
 
 async def wait_ready(url: str, timeout: float = 60) -> None:

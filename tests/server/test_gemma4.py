@@ -1,9 +1,9 @@
 """Gemma 4 with its assistant through the real CLI, server and HTTP.
 
-The bursts run in servers of their own process with the machine's default BLAS. This machine's OpenBLAS
-multiplies a 2-row block of these shapes with another kernel than one row, and its attention over 2+
-queries differs from one query's, so the wide verify is inexact; the probe's row-split verify is not
-(tested in-process, where OpenBLAS is loaded).
+The servers run in this process, under the BLAS it loaded (the one `mlxcel serve` would load on this
+machine). This machine's OpenBLAS multiplies a 2-row block of these shapes with another kernel than one
+row, and its attention over 2+ queries differs from one query's, so the wide verify is inexact; the
+probe's row-split verify is not, and the probe finds it.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 import trio
 
 from mlxcel.testing.gemma4 import build_assistant, build_target
-from mlxcel.testing.serving import free_port, serve_subprocess
-from tests.server.conftest import mlxcel, running_server
+from mlxcel.testing.serving import free_port
+from tests.server.conftest import mlxcel, running_server, server_on_a_thread
 
 pytest.importorskip("torch")
 
@@ -44,9 +44,8 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @contextmanager
 def _exact_server(target: Path, assistant: Path, tmp_path: Path, **env: str) -> Iterator[httpx.Client]:
-    log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
     settings = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
-    with serve_subprocess(["--model", str(target), "--draft-model", str(assistant)], settings, log) as url, \
+    with server_on_a_thread(["--model", str(target), "--draft-model", str(assistant)], settings) as url, \
             httpx.Client(base_url=url, timeout=120) as client:
         yield client
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from mlxcel.testing.inkling import UNPADDED, build_target, load_reference
-from tests.server.conftest import mlxcel, running_server
+from tests.server.conftest import mlxcel, running_server, server_on_a_thread
 
 torch = pytest.importorskip("torch")
 
@@ -84,13 +84,18 @@ def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _served_texts(target: Path, tmp_path: Path, args: list[str], prompts: list[list[int]] = PROMPTS,
                   **env: str) -> tuple[list[dict[str, Any]], Any]:
-    """Completions of *prompts* at temperature 0 from a server in its own process, and its policy afterwards."""
+    """Completions of *prompts* at temperature 0, and the server's policy afterwards.
+
+    The server runs in a process of its own when *env* chooses the BLAS (a process-wide choice), else in
+    this one.
+    """
     from mlxcel.testing.serving import serve_subprocess
 
     log = tmp_path / f"serve-{len(list(tmp_path.glob('serve-*')))}.log"
     settings = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"), **env}
-    with serve_subprocess(["--model", str(target), *args], settings, log) as url, \
-            httpx.Client(base_url=url, timeout=120) as client:
+    argv = ["--model", str(target), *args]
+    server = serve_subprocess(argv, settings, log) if "MLXCEL_BLAS" in env else server_on_a_thread(argv, settings)
+    with server as url, httpx.Client(base_url=url, timeout=120) as client:
         bodies = []
         for prompt in prompts:
             response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 24, "temperature": 0})

@@ -134,8 +134,10 @@ async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
     model = mtp_models["partial"]
     async with running_server(["--model", str(model), "--mtp", "--metrics"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
-        body = {"prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0}
-        alone = await _complete(client, url, PROMPTS[0], 1500)
+        # Long enough that the burst is still running when the second request arrives (it is sent as the
+        # first text arrives); the handoff counter below says it was.
+        body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
+        alone = await _complete(client, url, PROMPTS[0], 400)
         interrupted, second = await stream_interrupted(client, url, body,
                                                        lambda: _complete(client, url, PROMPTS[1], 30))
         assert "mlxcel_solo_handoffs_total 1.0" in (await client.get(f"{url}/metrics")).text
