@@ -138,7 +138,7 @@ def test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte
 
     if blas_kind() != "reference":
         test = f"{__file__}::test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte"
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],
                                 env={**os.environ, "MLXCEL_BLAS": "off"}, capture_output=True, text=True,
                                 timeout=600, check=False)
         assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
