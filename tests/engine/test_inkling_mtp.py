@@ -160,6 +160,9 @@ def test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte
             after = [np.array(target.forward(mx.array([[55]]), c)[0]) for c in (verified, stepped)]
             assert after[0].tobytes() == after[1].tobytes(), (split, kept)  # and the next step reads them alike
     monkeypatch.setattr(exactness, "OFFSETS", (12, 300))
+    # The deep case is tests/engine/test_rollback.py's subject; here it only needs to lie past the other
+    # offsets (this family's cache is prefilled for real: seconds at the default depth on this BLAS).
+    monkeypatch.setattr(exactness, "DEEP_OFFSET", 1024)
     for k in (2, 3, 4):
         result = exactness.probe_exactness(target, model, model.make_cache, k, UNPADDED, 4096)
         assert (result.split, result.detail) == ("wide", None), k
