@@ -120,7 +120,10 @@ def permutation_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
     from mlxcel.testing.inkling import build_mtp
 
     root = tmp_path_factory.mktemp("inkling-permutation-serve")
-    target = build_target(root / "inkling-permutation", kind="permutation", mtp_layers=1)
+    # A 1,100-token context: the servers below run under the reference BLAS, where each start's exactness
+    # probe prefills its deep case (as deep as the context allows) for real: ~6 s at 4,096 positions.
+    target = build_target(root / "inkling-permutation", kind="permutation", mtp_layers=1,
+                          max_position_embeddings=1100)
     pairs = {}
     for kind in ("agreeing", "random"):
         pairs[kind] = root / f"inkling-permutation-{kind}"
