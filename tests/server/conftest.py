@@ -182,6 +182,33 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
                 await trio.sleep(0.02)
 
 
+def refused(*argv: str) -> str:
+    """What ``mlxcel serve *argv*`` writes to stderr as it refuses to start (exit status 2, before binding).
+
+    The command line's own entry point (:func:`mlxcel.cli.main`, what the console script calls), run in
+    this process: a refusal is decided before anything process-wide (the BLAS, signals, the port), so a
+    new interpreter would add only its imports. Serving instead of refusing fails the test at once.
+    """
+    import io
+    from contextlib import redirect_stderr
+
+    import mlxcel.serve
+    from mlxcel.cli import main
+
+    def serve(config: ServeConfig) -> None:
+        raise AssertionError(f"mlxcel serve {' '.join(argv)} started serving instead of refusing")
+
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stderr(stderr):
+        patch.setattr(mlxcel.serve, "main", serve)
+        try:
+            status = main(["serve", *argv, "--port", "0"])
+        except SystemExit as exit:  # argparse's own refusals
+            status = exit.code
+    assert status == 2, stderr.getvalue()
+    return stderr.getvalue()
+
+
 def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run the `mlxcel` command line to completion (in *env*, by default this process's; torch hidden)."""
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.server.conftest import mlxcel, running_server
+from tests.server.conftest import refused, running_server
 
 
 async def test_served_names_the_directory_and_default_are_accepted_and_the_first_is_the_models(
@@ -38,6 +38,5 @@ async def test_served_names_the_directory_and_default_are_accepted_and_the_first
 
 
 def test_a_served_name_with_a_space_is_refused_before_anything_starts(hello_model: Path) -> None:
-    result = mlxcel("serve", "--model", str(hello_model), "--served-model-name", "two words")
-    assert result.returncode == 2
-    assert "--served-model-name must be 1 to 256 printable characters without spaces" in result.stderr
+    stderr = refused("--model", str(hello_model), "--served-model-name", "two words")
+    assert "--served-model-name must be 1 to 256 printable characters without spaces" in stderr
