@@ -13,4 +13,4 @@ makes ``find_spec`` answer None and ``import torch`` fail, exactly as without it
 
 import sys
 
-sys.modules.setdefault("torch", None)  # type: ignore[assignment]
+sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # None: "not importable", as documented
