@@ -53,7 +53,9 @@ PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sy
 BLOCKERS = ["# A long comment that keeps the batch busy", "x = 1\n", "    def __init__(self):", "return [",
             "for i in range(10):", "if __name__ == ", "for line in lines:", "import os\n", "def f(x):",
             "while True:", "class A:", "print("]
-BLOCKER_TOKENS = 200
+# The batch of three 8-token requests ends with the blocker 15-17 tokens in, for every family (measured,
+# 2026-12-03): 80 leaves it five times that, and the oracle checks 80 tokens of it, not 200.
+BLOCKER_TOKENS = 80
 MAX_TOKENS = 8
 TOLERANCE = 1e-4  # float32 logits; the batch and the oracle differ only in summation order
 
