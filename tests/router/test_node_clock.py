@@ -58,3 +58,26 @@ async def test_the_watcher_probes_every_interval_and_brings_a_node_back_when_hea
         assert node.healthy and node.last_error is None
         nursery.cancel_scope.cancel()
     assert [t - start for t in health_calls] == pytest.approx([0.0, 2.0, 4.0, 6.0])
+
+
+async def test_a_node_counts_as_healthy_only_with_the_policy_it_answered_that_round(
+        autojump_clock: trio.abc.Clock) -> None:
+    policy_asked, policy_released = trio.Event(), trio.Event()
+
+    async def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/v1/internal/mtp-policy":
+            policy_asked.set()
+            await policy_released.wait()
+            return httpx.Response(200, json={"schema_version": 1, "state": "unavailable"})
+        return httpx.Response(404)
+
+    node = Node(id="node-0", url="http://node")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client, trio.open_nursery() as nursery:
+        nursery.start_soon(node.probe, client, {}, 5.0)
+        await policy_asked.wait()
+        # /health has answered 200, the policy not yet: what /router/stats and /health show stays as before.
+        assert not node.healthy and node.policy.label() == "unreadable"
+        policy_released.set()
+    assert node.healthy and node.policy.label() == "unavailable"
