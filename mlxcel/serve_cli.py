@@ -190,7 +190,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     from .engine import WorkerSettings
     from .http.auth import KeyFileError, read_keys
     from .http.listener import connection_limits
-    from .models.loader import CheckpointError, inspect_checkpoint
+    from .models.loader import CheckpointError, import_mlx_lm, inspect_checkpoint
     from .serve import ServeConfig
     from .server import ServerOptions
 
@@ -207,6 +207,17 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from exc
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from exc
+    if (args.api_key or args.api_key_file) and not keys:
+        raise UsageError("--api-key/--api-key-file given, but no key in them")
+    if args.kv_bits is not None and args.distributed:
+        raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
+    # The checks above need no mlx-lm, so a start they refuse exits at once; what follows (drafters, the
+    # group, the load) does: imported here, on this thread, before any other starts.
+    import_mlx_lm()
     drafter = None
     block_size = chosen_block_size or default_block_size
     if args.mtp or args.draft_model is not None:
@@ -228,14 +239,6 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     if not (args.mtp or args.draft_model is not None) and args.draft_block_size is not None:
         logger.warning("--draft-block-size %s has no effect without a drafter (--mtp or --draft-model)",
                        args.draft_block_size)
-    try:
-        keys = read_keys(args.api_key, args.api_key_file)
-    except KeyFileError as exc:
-        raise UsageError(str(exc)) from exc
-    if (args.api_key or args.api_key_file) and not keys:
-        raise UsageError("--api-key/--api-key-file given, but no key in them")
-    if args.kv_bits is not None and args.distributed:
-        raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
     sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
     parallel = 1 if args.no_batch or sharding else args.parallel

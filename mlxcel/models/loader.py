@@ -50,8 +50,8 @@ def _mlx_lm_utils() -> Any:
     higher hard limit is lowered for good (the server then has 2048
     descriptors, one per connection), and where the hard limit is below 4096
     the import raises ValueError and startup fails. The server sets the limit
-    itself (``serve.raise_open_file_limit``). This is the first import of
-    ``mlx_lm.utils`` in ``mlxcel serve``, before any thread starts.
+    itself (``serve.raise_open_file_limit``). ``mlxcel serve`` makes this the
+    first import of mlx-lm, before any thread starts (:func:`import_mlx_lm`).
     """
     if "mlx_lm.utils" not in sys.modules:
         real_setrlimit = resource.setrlimit
@@ -68,6 +68,13 @@ def _mlx_lm_utils() -> Any:
     return sys.modules["mlx_lm.utils"]
 
 
+def import_mlx_lm() -> None:
+    """Import mlx-lm now, on this thread, without its side effect on the open-file limit (see
+    :func:`_mlx_lm_utils`): ``mlxcel serve`` calls it once the checks before binding have passed, so
+    that a refused start never waits for mlx-lm's imports (transformers among them)."""
+    _mlx_lm_utils()
+
+
 def mlx_lm_module(model_type: str) -> Any:
     """mlx-lm's module for *model_type* (after its remapping), or None when mlx-lm has none."""
     name = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
@@ -79,10 +86,22 @@ def mlx_lm_module(model_type: str) -> Any:
 def _supported(model_type: str) -> bool:
     from ..families import family
 
-    if family(model_type).own_model:
+    if family(model_type).own_model or _has_model_file(model_type):
         return True
     module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
+
+
+def _has_model_file(model_type: str) -> bool:
+    """Whether mlx-lm has a model file of exactly this name, found without importing mlx-lm.
+
+    Importing any of mlx-lm runs its package, which imports transformers (and torch, where installed):
+    seconds that a start refused before binding (a bad key file, unreadable weights) should not wait
+    for. A remapped name (mlx-lm's ``MODEL_REMAPPING``) still needs the import.
+    """
+    spec = importlib.util.find_spec("mlx_lm")  # a top-level name: located, not run
+    locations = spec.submodule_search_locations if spec is not None else None
+    return any((Path(location) / "models" / f"{model_type}.py").is_file() for location in locations or ())
 
 
 def _context_length(config: dict[str, Any]) -> int:
@@ -193,8 +212,8 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.utils import load
 
+    load = _mlx_lm_utils().load  # already imported where `mlxcel serve` started this; for other callers too
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
     from ..families import family

@@ -179,9 +179,13 @@ def _open_files_limit(pid: int) -> tuple[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/limits").exists(), reason="reads /proc")
-def test_the_soft_open_file_limit_is_raised_to_the_hard_one(llama: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("served", ["llama", "the bundled pairing, with its drafter"])
+def test_the_soft_open_file_limit_is_raised_to_the_hard_one(llama: Path, tmp_path: Path, served: str) -> None:
+    # Importing mlx-lm lowers the limit, or fails under a hard limit below 4096, unless mlxcel disarms it:
+    # the drafter's path imports mlx-lm too, so both are started.
     seen: list[tuple[int, int]] = []
-    _, log = _serve_until_ready(["--model", str(llama)], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
+    args = ["--model", str(llama)] if served == "llama" else []
+    _, log = _serve_until_ready(args, {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
                                 tmp_path / "serve.log", nofile=(256, 1500),
                                 while_ready=lambda _port, pid: seen.append(_open_files_limit(pid)))
     assert seen == [(1500, 1500)], log
@@ -242,3 +246,14 @@ def test_test_servers_import_what_a_users_install_has_no_torch() -> None:
     hidden = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
                             timeout=120, check=True)
     assert hidden.stdout.split() == ["None", "None"], hidden.stderr
+
+
+def test_a_start_refused_before_binding_does_not_wait_for_mlx_lm(llama: Path, tmp_path: Path) -> None:
+    # mlx-lm's package imports transformers (and torch, where installed): seconds a refusal need not take.
+    script = ("import sys; from mlxcel.cli import main; "
+              f"status = main(['serve', '--model', {str(llama)!r}, '--api-key-file', {str(tmp_path / 'none')!r}]); "
+              "print(status, 'mlx_lm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
+                          timeout=120, check=True)
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert "cannot read --api-key-file" in done.stderr
