@@ -211,8 +211,6 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         keys = read_keys(args.api_key, args.api_key_file)
     except KeyFileError as exc:
         raise UsageError(str(exc)) from exc
-    if (args.api_key or args.api_key_file) and not keys:
-        raise UsageError("--api-key/--api-key-file given, but no key in them")
     if args.kv_bits is not None and args.distributed:
         raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
     # The checks above need no mlx-lm, so a start they refuse exits at once; what follows (drafters, the

@@ -45,14 +45,22 @@ def _read_key_file(path: Path) -> str:
 
 
 def read_keys(inline: Iterable[str] = (), key_file: Path | None = None) -> tuple[str, ...]:
-    """Keys from comma lists and from a file (one per line, ``#`` comments); :class:`KeyFileError` if unusable."""
+    """Keys from comma lists and from a file (one per line, ``#`` comments).
+
+    :class:`KeyFileError` if the file is unusable, or if keys were asked for and none was given (a server
+    that would then be open to everyone).
+    """
+    inline = list(inline)
     keys = [k.strip() for item in inline for k in item.split(",")]
     if key_file is not None:
         for line in _read_key_file(key_file).splitlines():
             line = line.split("#", 1)[0].strip()
             if line:
                 keys.append(line)
-    return tuple(k for k in keys if k)
+    found = tuple(k for k in keys if k)
+    if (inline or key_file is not None) and not found:
+        raise KeyFileError("--api-key/--api-key-file given, but no key in them")
+    return found
 
 
 def credential(authorization: str | None, x_api_key: str | None) -> str | None:

@@ -121,8 +121,6 @@ def build_router_config(args: argparse.Namespace, env: Mapping[str, str] | None 
         keys = read_keys(args.api_key, args.api_key_file)
     except KeyFileError as exc:
         raise UsageError(str(exc)) from exc
-    if (args.api_key or args.api_key_file) and not keys:
-        raise UsageError("--api-key/--api-key-file given, but no key in them")
     backend_key = (args.backend_api_key or env.get("MLXCEL_ROUTER_BACKEND_API_KEY", "")).strip() or None
     return RouterConfig(
         backends=tuple(backends), host=args.host, port=args.port, api_keys=keys, backend_api_key=backend_key,

@@ -192,15 +192,17 @@ def refused(*argv: str) -> str:
     import io
     from contextlib import redirect_stderr
 
+    import mlxcel.router.serve
     import mlxcel.serve
     from mlxcel.cli import main
 
-    def serve(config: ServeConfig) -> None:
+    def serve(config: object) -> None:
         raise AssertionError(f"mlxcel serve {' '.join(argv)} started serving instead of refusing")
 
     stderr = io.StringIO()
     with pytest.MonkeyPatch.context() as patch, redirect_stderr(stderr):
         patch.setattr(mlxcel.serve, "main", serve)
+        patch.setattr(mlxcel.router.serve, "main", serve)  # the router role's
         try:
             status = main(["serve", *argv, "--port", "0"])
         except SystemExit as exit:  # argparse's own refusals

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mlxcel.testing.serving import child_env, free_port, wait_healthy
-from tests.server.conftest import mlxcel
+from tests.server.conftest import mlxcel, refused
 
 
 def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
@@ -257,3 +257,12 @@ def test_a_start_refused_before_binding_does_not_wait_for_mlx_lm(llama: Path, tm
                           timeout=120, check=True)
     assert done.stdout.split() == ["2", "False"], done.stderr
     assert "cannot read --api-key-file" in done.stderr
+
+
+@pytest.mark.parametrize("role", ["node", "router"])
+def test_key_options_that_name_no_key_are_refused(llama: Path, tmp_path: Path, role: str) -> None:
+    comments = tmp_path / "keys"
+    comments.write_text("# no key yet\n\n")
+    served = ["--model", str(llama)] if role == "node" else ["--node-role", "router", "--backend", "http://127.0.0.1:9"]
+    for keys in (["--api-key", " , "], ["--api-key-file", str(comments)]):
+        assert "--api-key/--api-key-file given, but no key in them" in refused(*served, *keys)
