@@ -1,6 +1,6 @@
 """OpenAI's published OpenAPI document as a validator of what the server sends.
 
-The document is the subset in ``tests/data/`` (a verbatim copy of ``../shared/openai-openapi/``,
+The document is the subset in ``tests/data/`` (a verbatim copy of OpenAI's published schemas,
 committed so that CI's clean clone has it; provenance in ``tests/data/openai-openapi-README.md``),
 read with ``jsonschema``'s Draft 2020-12 validator (the dialect of OpenAPI
 3.1). Two readings the README names: OpenAPI 3.0's ``nullable: true`` is "or

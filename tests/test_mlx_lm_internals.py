@@ -302,7 +302,7 @@ def test_the_samplers_mlxcel_builds() -> None:
     assert make_sampler(temp=0.0) is greedy_sampler
     assert int(greedy_sampler(logprobs).item()) == 1
     assert mx.isinf(apply_top_k(logprobs, 2)).tolist() == [[True, False, False, True]]  # the 2 likeliest kept
-    with pytest.raises(ValueError):  # top_k must stay below the vocab: mlxcel has to keep it there (review D1)
+    with pytest.raises(ValueError):  # top_k must stay below the vocab: mlxcel has to keep it there
         apply_top_k(logprobs, 4)
 
 

@@ -241,7 +241,7 @@ async def _metric(client: httpx.AsyncClient, url: str, name: str) -> float:
 
 
 async def test_a_client_that_leaves_at_once_leaves_nothing_decoding(llama: Path) -> None:
-    """Review D15, and a Cancel that overtakes its Submit: the client sends a stream request and leaves.
+    """A client that leaves at once (a Cancel may overtake its Submit): it sends a stream request and leaves.
 
     Where it leaves decides which path the server takes: before the body is
     read, while the prompt is tokenized, between submission and the first
