@@ -213,7 +213,7 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    load = _mlx_lm_utils().load  # already imported where `mlxcel serve` started this; for other callers too
+    load = _mlx_lm_utils().load  # `mlxcel serve` imported it before binding; a caller that did not, here
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
     from ..families import family

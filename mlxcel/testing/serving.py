@@ -19,13 +19,13 @@ import httpx
 WITHOUT_TORCH = Path(__file__).parent / "without_torch"
 
 
-def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """*env* (by default this process's environment) for a test's ``mlxcel`` child process, torch hidden.
+def child_env(settings: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment for a test's ``mlxcel`` child process: this process's, *settings* added, torch hidden.
 
     The child then imports what a user's install has: the dev extra's torch (there for the parity
     references) costs every child ~2.5 s of start-up that a user's server never spends.
     """
-    env = dict(os.environ if env is None else env)
+    env = {**os.environ, **(settings or {})}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(WITHOUT_TORCH), env.get("PYTHONPATH"))))
     return env
 
@@ -60,7 +60,7 @@ def serve_subprocess(args: Sequence[str], env: dict[str, str], log: Path, start_
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env=child_env({**os.environ, **env}), cwd=cwd) as process:
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(env), cwd=cwd) as process:
         url = f"http://127.0.0.1:{port}"
         try:
             wait_healthy(url, process, start_timeout, log)

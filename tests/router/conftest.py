@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ class Process:
         with log.open("w") as out:
             self.process = subprocess.Popen([sys.executable, "-m", "mlxcel", "serve", "--port", str(self.port),
                                              *args], stdout=out, stderr=subprocess.STDOUT,
-                                            env=child_env({**os.environ, **(env or {})}))
+                                            env=child_env(env))
 
     def wait_healthy(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout

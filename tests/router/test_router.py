@@ -193,9 +193,7 @@ def test_the_router_process_never_imports_mlx_and_takes_its_settings_from_the_en
      "MLXCEL_ROUTER_STATS_VERBOSE='maybe' is not valid"),
 ])
 def test_bad_router_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str], expected: str) -> None:
-    import os
-
-    result = mlxcel("serve", "--port", str(free_port()), *argv, env={**os.environ, **env}, timeout=60)
+    result = mlxcel("serve", "--port", str(free_port()), *argv, env=env, timeout=60)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel")]
     assert len(lines) == 1 and expected in lines[0], result.stderr

@@ -212,7 +212,7 @@ def refused(*argv: str) -> str:
 
 
 def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run the `mlxcel` command line to completion (in *env*, by default this process's; torch hidden)."""
+    """Run the `mlxcel` command line to completion (this process's environment with *env* added; torch hidden)."""
     return subprocess.run([sys.executable, "-m", "mlxcel", *args], capture_output=True, text=True,
                           env=child_env(env), timeout=timeout, check=False)
 

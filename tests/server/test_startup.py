@@ -111,7 +111,7 @@ def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofil
     port = free_port()
     with log.open("w") as out, subprocess.Popen(
             [sys.executable, "-m", "mlxcel", "serve", "--port", str(port), *args],
-            stdout=out, stderr=subprocess.STDOUT, env=child_env({**os.environ, **env}),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(env),
             preexec_fn=None if nofile is None else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, nofile),
     ) as process:
         try:
