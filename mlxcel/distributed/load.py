@@ -6,7 +6,6 @@ import logging
 import time
 from typing import Any
 
-from ..models import grouped_attention
 from ..models.loader import CheckpointError, CheckpointInfo, declared_tokenizer
 from .world import World
 
@@ -63,7 +62,6 @@ def load_shard(checkpoint: CheckpointInfo, world: World) -> tuple[Any, Any]:
     except Exception as exc:  # mlx-lm raises ValueError for a family without that sharding, ...
         raise CheckpointError(f"cannot load {checkpoint.path} sharded ({world.mode}): {exc}") from exc
     model.eval()
-    grouped_attention.install()  # every rank attends as a single process would
     logger.info("rank %d/%d: loaded its %s shard of %s in %.1fs", world.rank, world.size, world.mode,
                 checkpoint.name, time.perf_counter() - started)
     return model, declared_tokenizer(checkpoint.path, tokenizer)

@@ -9,7 +9,6 @@ from typing import Any
 
 from ..families import BATCH_BROKEN
 from ..hardware import HostInfo, detect_host
-from ..models import grouped_attention
 from ..models.loader import CheckpointInfo, load_checkpoint
 from ..policy import PairingKey
 from .batch import batchable
@@ -92,7 +91,6 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     import mlx.core as mx
 
     _warn_if_slow_here(model, checkpoint.name)
-    grouped_attention.install()  # before the probe: classic steps and verifies attend alike from here on
     host = detect_host()
     sharding = settings.sharding
     if sharding is not None:

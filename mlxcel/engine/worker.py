@@ -80,6 +80,12 @@ class Worker:
     # -- the thread -------------------------------------------------------------
 
     def run(self) -> None:
+        from ..models.attention import mlx_thread
+
+        with mlx_thread():  # from the load on (its probe included), this thread's attention is mlxcel's
+            self._serve()
+
+    def _serve(self) -> None:
         try:
             self._load()
         except LoadCancelled:

@@ -21,36 +21,18 @@ attend one at a time go through the same rule at the same depth as the
 classic step they must equal, so the exactness probe's guarantee is unchanged
 (its 1,024 offset reaches it).
 
-The one seam mlx-lm offers is ``mx.fast.scaled_dot_product_attention``, which
-every family's attention calls: :func:`install` wraps it once per process on the
-CPU backend (GPU backends have fused kernels, left alone), from the MLX thread
-that loads the model. The wrapper is a pure function of its arrays.
+The rule is applied where mlx-lm's families call attention, by the dispatcher
+:mod:`.attention` installs, on the MLX thread only. The functions here are pure
+functions of their arrays.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 #: Fewest cached keys at which a lone query attends grouped. Below it mlx's own kernel keeps its bytes
 #: (and mlx-lm's texts) and costs under a millisecond a layer either way.
 GROUPED_FROM = 1024
-
-_lock = threading.Lock()
-
-
-def install() -> bool:
-    """Wrap ``mx.fast.scaled_dot_product_attention`` with :func:`grouped_over` on the CPU backend, once.
-    True when the wrapper is in place (now or before)."""
-    import mlx.core as mx
-
-    if mx.default_device() != mx.cpu:
-        return False
-    with _lock:
-        current = mx.fast.scaled_dot_product_attention
-        if not getattr(current, "groups_queries", False):
-            mx.fast.scaled_dot_product_attention = grouped_over(current)
-    return True
 
 
 def grouped_over(attention: Any) -> Any:
@@ -66,7 +48,6 @@ def grouped_over(attention: Any) -> Any:
             kwargs["sinks"] = sinks
         return attention(q, k, v, scale=scale, mask=mask, **kwargs)
 
-    scaled_dot_product_attention.groups_queries = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 

@@ -33,9 +33,10 @@ Scoped to one model: :func:`measure` swaps the class of just that model's layers
 of the inexact shapes for a subclass that multiplies a row at a time while the
 model's own :class:`RowSplit` is active, and only :func:`rows_apart` activates it.
 Attention has no per-model seam in mlx-lm (every family calls
-``mx.fast.scaled_dot_product_attention``), so that one function is replaced while
-:func:`rows_apart` is open, and only on the thread that measured the model (the
-MLX thread): :meth:`RowSplit.apart` asserts it.
+``mx.fast.scaled_dot_product_attention``), so :mod:`.attention`'s dispatcher
+attends a query at a time while :func:`rows_apart` is open, and only on the
+thread that measured the model, the MLX thread: :meth:`RowSplit.apart` and
+:func:`.attention.one_query_at_a_time` assert it.
 """
 
 from __future__ import annotations
@@ -64,23 +65,15 @@ class RowSplit:
     def apart(self) -> Iterator[None]:
         """While open, this model's measured layers multiply one row at a time, and attention over a cache
         (causal, or under a mask array) attends one query at a time."""
-        import mlx.core as mx
+        from .attention import one_query_at_a_time
 
         assert threading.get_ident() == self._thread, "a rows verify runs on the MLX thread that measured it"
-        attention = mx.fast.scaled_dot_product_attention
-
-        def by_queries(q: Any, k: Any, v: Any, *, mask: Any = None, **kwargs: Any) -> Any:
-            if q.shape[2] > 1 and (mask == "causal" if isinstance(mask, str) else mask is not None):
-                return _one_query_at_a_time(attention, q, k, v, mask, **kwargs)
-            return attention(q, k, v, mask=mask, **kwargs)
-
-        self.active = True
-        mx.fast.scaled_dot_product_attention = by_queries
-        try:
-            yield
-        finally:
-            mx.fast.scaled_dot_product_attention = attention
-            self.active = False
+        with one_query_at_a_time():
+            self.active = True
+            try:
+                yield
+            finally:
+                self.active = False
 
 
 def measure(model: Any, max_rows: int) -> RowSplit:
@@ -136,21 +129,6 @@ def _by_rows(cls: Any) -> type:
 
     name = "as_linear" if issubclass(cls, nn.Embedding) else "__call__"
     return type(f"RowSplit{cls.__name__}", (cls,), {name: by_rows(getattr(cls, name))})
-
-
-def _one_query_at_a_time(attention: Any, q: Any, k: Any, v: Any, mask: Any = "causal", **kwargs: Any) -> Any:
-    """q's L queries attending one at a time: under a causal block (the last L of k's S positions), each
-    over its own prefix, unmasked; under a mask array (a sliding window's ring), each over every
-    position with its own row of the mask. Either way, what the step at that position computes."""
-    import mlx.core as mx
-
-    length, cached = q.shape[2], k.shape[2]
-    if isinstance(mask, str):
-        return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
-                                         v[:, :, :cached - length + i + 1], **kwargs, mask=None)
-                               for i in range(length)], axis=2)
-    return mx.concatenate([attention(q[:, :, i:i + 1], k, v, **kwargs, mask=mask[..., i:i + 1, :])
-                           for i in range(length)], axis=2)
 
 
 @contextmanager

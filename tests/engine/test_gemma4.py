@@ -18,6 +18,8 @@ import pytest
 
 from mlxcel.testing.gemma4 import PERMUTATION, WINDOW, build_assistant, build_target
 
+pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
+
 torch = pytest.importorskip("torch")
 
 # Prompt lengths: inside the sliding window, at its edge, past it, and past the ring's slack.

@@ -72,4 +72,3 @@ def test_only_a_lone_grouped_query_over_a_deep_cache_is_grouped() -> None:
     attention(q1, deep, deep, scale=0.25, sinks=mx.zeros((4,)))  # attention sinks
     assert [(length, keys) for length, keys, _ in calls] == [
         (1, GROUPED_FROM - 1), (3, GROUPED_FROM), (1, GROUPED_FROM), (1, GROUPED_FROM)]
-    assert grouped_over(mlx_attention).groups_queries

@@ -22,6 +22,8 @@ from mlxcel.testing.inkling import (
     load_reference,
 )
 
+pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
+
 torch = pytest.importorskip("torch")
 
 PROMPT = [int(t) for t in np.random.default_rng(4).integers(3, UNPADDED, EXTENT + WINDOW)]

@@ -15,6 +15,8 @@ from mlxcel.engine.exactness import probe_exactness
 from mlxcel.families.qwen3_5.target import Qwen35Target, _gated_delta_block
 from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
+pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
+
 BLOCK = [5, 17, 99]
 
 

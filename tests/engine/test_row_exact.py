@@ -9,12 +9,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mlxcel.models import row_exact
+from mlxcel.models import attention, row_exact
 from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
 
 @pytest.mark.requires_openblas  # the inexact shapes are OpenBLAS's; CI requires it
-def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: Path) -> None:
+def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: Path, on_an_mlx_thread: None) -> None:
     from mlx_lm import load
 
     model, _ = load(str(build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)))
@@ -63,39 +63,39 @@ def test_a_rows_verify_refuses_to_run_off_the_thread_that_measured_it() -> None:
     assert len(failures) == 1 and not split.active
 
 
-def test_inside_rows_apart_each_query_attends_as_its_own_step_would(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
     # 3 heads of 64 over one KV head (the bundled pairing's attention): a causal block of 2 queries over
     # 12 cached positions. Whether a block groups its sums as its steps do is the CPU's kernels' choice
     # (it differs under OpenBLAS on some x86 cores, not on others), so what is checked is the calls the
     # attention receives: one query at a time, each over its own prefix, as the step at that position.
-    attention = mx.fast.scaled_dot_product_attention
+    mlx_own = mx.fast.scaled_dot_product_attention  # outside mlx_thread(): mlx's own, dispatcher or not
     calls: list[tuple[int, int, object]] = []
 
     def recorded(q: mx.array, k: mx.array, v: mx.array, **kwargs: object) -> mx.array:
         mask = kwargs.get("mask")
         calls.append((q.shape[2], k.shape[2], mask if mask is None or isinstance(mask, str) else "array"))
-        return attention(q, k, v, **kwargs)  # type: ignore[arg-type]
+        return mlx_own(q, k, v, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    attend = attention.dispatching(recorded)  # what mlx_thread() installs, over a recorder
     q = mx.random.normal((1, 3, 2, 64), key=mx.random.key(0))
     k, v = (mx.random.normal((1, 1, 12, 64), key=mx.random.key(i)) for i in (1, 2))
-    steps = mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
+    steps = mx.concatenate([mlx_own(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
                             for i in range(2)], axis=2)
-    with row_exact.rows_apart(None):
-        assert mx.fast.scaled_dot_product_attention is not recorded
-        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal"),
-                              steps).item()
+    window = mx.arange(12)[None] <= mx.array([[10], [11]])
+    rows = mx.concatenate([mlx_own(q[:, :, i:i + 1], k, v, scale=0.125, mask=window[i:i + 1]) for i in range(2)],
+                          axis=2)
+    first = mlx_own(q[:, :, :1], k, v, scale=0.125)
+    with attention.mlx_thread(), row_exact.rows_apart(None):
+        assert mx.array_equal(attend(q, k, v, scale=0.125, mask="causal"), steps).item()
         assert calls == [(1, 11, None), (1, 12, None)]
         # Under a mask array (a sliding window's ring), each query keeps every position and its own row.
         calls.clear()
-        window = mx.arange(12)[None] <= mx.array([[10], [11]])
-        rows = mx.concatenate([attention(q[:, :, i:i + 1], k, v, scale=0.125, mask=window[i:i + 1])
-                               for i in range(2)], axis=2)
-        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=window),
-                              rows).item()
+        assert mx.array_equal(attend(q, k, v, scale=0.125, mask=window), rows).item()
         assert calls == [(1, 12, "array"), (1, 12, "array")]
         calls.clear()
-        assert mx.array_equal(mx.fast.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.125),
-                              attention(q[:, :, :1], k, v, scale=0.125)).item()  # one query: untouched
+        assert mx.array_equal(attend(q[:, :, :1], k, v, scale=0.125), first).item()  # one query: untouched
         assert calls == [(1, 12, None)]
-    assert mx.fast.scaled_dot_product_attention is recorded  # the patch is gone again
+        calls.clear()
+    with attention.mlx_thread():  # the rows verify closed: the block attends whole again
+        attend(q, k, v, scale=0.125, mask="causal")
+    assert calls == [(2, 12, "causal")]
