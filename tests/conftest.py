@@ -15,6 +15,14 @@ from mlxcel.blas import blas_kind, load_fast_blas
 # Before anything imports mlx: the fast BLAS, as `mlxcel serve` does.
 load_fast_blas()
 
+# Every httpx client (the tests', the openai and anthropic SDKs', a test router's) builds an SSL
+# context, parsing the whole trust store (certifi's, or SSL_CERT_FILE's) each time: ~30 ms a client,
+# and the suite makes ~1,700, every one to a plain-http server on 127.0.0.1. A CA *directory* is read
+# only at a TLS handshake, which none of them makes (one that tried would fail to verify: tests reach
+# no network). httpx reads both variables from the environment, and the tests' children inherit it.
+os.environ.pop("SSL_CERT_FILE", None)
+os.environ["SSL_CERT_DIR"] = "/nonexistent/mlxcel-tests-make-no-tls-connections"
+
 from mlxcel.policy import HintStore, HostInfo, PairingKey  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -41,14 +41,15 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: 
     import time
 
     deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.05)
+    with httpx.Client() as client:  # one for every poll: each new client parses the whole CA store
+        while True:
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
 
 
 @contextmanager

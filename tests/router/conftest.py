@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from mlxcel.testing.checkpoints import build_mtp_checkpoint
-from mlxcel.testing.serving import child_env, free_port
+from mlxcel.testing.serving import child_env, free_port, wait_healthy
 
 NODE_KEY = "node-secret"
 ROUTER_KEY = "router-secret"
@@ -35,15 +35,7 @@ class Process:
                                             env=child_env(env))
 
     def wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert self.process.poll() is None and time.monotonic() < deadline, self.log.read_text()
-            time.sleep(0.05)
+        wait_healthy(self.url, self.process, timeout, self.log)
 
     def stop(self) -> None:
         if self.process.poll() is None:
