@@ -182,8 +182,8 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
                 await trio.sleep(0.02)
 
 
-def refused(*argv: str) -> str:
-    """What ``mlxcel serve *argv*`` writes to stderr as it refuses to start (exit status 2, before binding).
+def refused(*argv: str, command: str = "serve") -> str:
+    """What ``mlxcel COMMAND *argv*`` writes to stderr as it refuses (exit status 2; ``serve``: before binding).
 
     The command line's own entry point (:func:`mlxcel.cli.main`, what the console script calls), run in
     this process: a refusal is decided before anything process-wide (the BLAS, signals, the port), so a
@@ -204,7 +204,7 @@ def refused(*argv: str) -> str:
         patch.setattr(mlxcel.serve, "main", serve)
         patch.setattr(mlxcel.router.serve, "main", serve)  # the router role's
         try:
-            status = main(["serve", *argv, "--port", "0"])
+            status = main([command, *argv, *(["--port", "0"] if command == "serve" else [])])
         except SystemExit as exit:  # argparse's own refusals
             status = exit.code
     assert status == 2, stderr.getvalue()

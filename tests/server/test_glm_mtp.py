@@ -209,10 +209,9 @@ def test_split_mtp_refuses_clearly(glm: dict[str, Path], tmp_path: Path) -> None
         (["-m", str(qwen), "-o", str(tmp_path / "h"), "--q-bits", "4"], "--q-bits quantizes GLM-4.7-Flash's"),
     ]
     for argv, expected in cases:
-        result = mlxcel("split-mtp", *argv)
-        assert result.returncode == 2, (argv, result.stderr)
-        line = result.stderr.strip().splitlines()[-1]  # after any progress lines: one line saying why
-        assert line.startswith("mlxcel split-mtp: ") and expected in line and "Traceback" not in result.stderr, line
+        stderr = refused(*argv, command="split-mtp")
+        line = stderr.strip().splitlines()[-1]  # after any progress lines: one line saying why
+        assert line.startswith("mlxcel split-mtp: ") and expected in line and "Traceback" not in stderr, line
     assert json.loads((llama / "config.json").read_text())["model_type"] == "llama"  # untouched
     assert (crowded / "model-00001-of-00002.safetensors").read_bytes() == b"someone's weights"
 

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from mlxcel.testing.inkling import UNPADDED, build_target, load_reference
-from tests.server.conftest import mlxcel, running_server, server_on_a_thread
+from tests.server.conftest import refused, running_server, server_on_a_thread
 
 torch = pytest.importorskip("torch")
 
@@ -66,9 +66,7 @@ def test_a_directory_with_only_the_mtp_file_is_refused_as_a_target_in_one_line(c
     only.mkdir()
     shutil.copy(checkpoint / "config.json", only)
     shutil.copy(checkpoint / "model.safetensors", only / "mtp.safetensors")  # any valid safetensors file
-    result = mlxcel("serve", "--model", str(only), "--port", "0")
-    assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1].endswith(
+    assert refused("--model", str(only)).strip().splitlines()[-1].endswith(
         "holds only an MTP drafter (mtp.safetensors), no target weights: pass it as --draft-model, "
         "with the target checkpoint as --model")
 
