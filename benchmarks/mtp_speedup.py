@@ -74,7 +74,7 @@ def main() -> None:
         env = {**extra, "MLXCEL_DRAFT_BLOCK_SIZE": str(k)}
         with server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "0"}) as off, \
                 server(model, "--mtp", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}) as on, \
-                httpx.Client(timeout=600) as client:
+                httpx.Client(timeout=7200) as client:  # an 8k prefill of the 0.87 GB pairing takes over 10 min
             complete(client, off, "warm up", 8, **fields)
             complete(client, on, "warm up", 8, **fields)
             off_rates, on_rates, proposed, accepted, rounds, emitted = [], [], 0, 0, 0, 0

@@ -106,7 +106,7 @@ def _corpus() -> list[str]:
 
 
 def write_tokenizer(directory: Path, chat_template: str = CHATML, added: tuple[str, ...] = (),
-                    vocab_size: int = VOCAB_SIZE) -> None:
+                    vocab_size: int = VOCAB_SIZE, model_max_length: int = 4096) -> None:
     """A byte-level BPE tokenizer of *vocab_size* tokens, then *added*: extra tokens (not special: they decode
     as their text)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -126,7 +126,7 @@ def write_tokenizer(directory: Path, chat_template: str = CHATML, added: tuple[s
         "pad_token": "<|endoftext|>",
         "bos_token": None,
         "chat_template": chat_template,
-        "model_max_length": 4096,
+        "model_max_length": model_max_length,  # the model's context window, as a real checkpoint's says
     }, indent=2))
 
 
@@ -179,7 +179,9 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
     directory.mkdir(parents=True, exist_ok=True)
     config = {**CONFIGS[family], **overrides}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(directory, chat_template, added=markers, vocab_size=VOCAB_SIZE - len(markers))
+    window = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings", 4096))
+    write_tokenizer(directory, chat_template, added=markers, vocab_size=VOCAB_SIZE - len(markers),
+                    model_max_length=window)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
@@ -229,7 +231,7 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
         text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden,
                     shared_expert_intermediate_size=hidden, norm_topk_prob=True, decoder_sparse_step=1)
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    write_tokenizer(directory)
+    write_tokenizer(directory, model_max_length=positions)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
