@@ -104,7 +104,8 @@ def _has_model_file(model_type: str) -> bool:
     return any((Path(location) / "models" / f"{model_type}.py").is_file() for location in locations or ())
 
 
-def _context_length(config: dict[str, Any]) -> int:
+def context_length(config: dict[str, Any]) -> int:
+    """A config.json's context window (its own keys, or its text_config's), 4,096 where it names none."""
     for source in (config, config.get("text_config") or {}):
         for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
             value = source.get(key)
@@ -199,7 +200,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
         except OSError as exc:
             raise _unreadable(file, exc) from exc
     return CheckpointInfo(path=directory, name=directory.resolve().name, model_type=model_type,
-                          context_length=_context_length(config), weight_files=weights,
+                          context_length=context_length(config), weight_files=weights,
                           weight_bytes=sum(f.stat().st_size for f in weights), config=config)
 
 

@@ -179,9 +179,10 @@ def build_checkpoint(directory: Path, family: str, seed: int = 0, scale: float =
     directory.mkdir(parents=True, exist_ok=True)
     config = {**CONFIGS[family], **overrides}
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    window = config.get("max_position_embeddings", config.get("text_config", {}).get("max_position_embeddings", 4096))
+    from mlxcel.models.loader import context_length
+
     write_tokenizer(directory, chat_template, added=markers, vocab_size=VOCAB_SIZE - len(markers),
-                    model_max_length=window)
+                    model_max_length=context_length(config))
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
