@@ -25,7 +25,8 @@ from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 from benchmarks._common import mtp_model  # noqa: E402
 from mlxcel.engine.burst import Burst  # noqa: E402
 from mlxcel.engine.solo import SoloDecoder  # noqa: E402
-from mlxcel.models.drafters import DrafterSpec, load_drafter  # noqa: E402
+from mlxcel.models.attention import mlx_thread  # noqa: E402
+from mlxcel.models.drafters.loader import inspect_drafter, load_drafter  # noqa: E402
 from mlxcel.models.loader import inspect_checkpoint  # noqa: E402
 from mlxcel.models.speculative import speculative_target  # noqa: E402
 
@@ -42,7 +43,7 @@ def main() -> None:
     path = mtp_model("aligned", args.context)
     model, tokenizer = load(str(path))
     target = speculative_target("qwen3_5", model)
-    spec = DrafterSpec(path=path, name=f"{path.name}#mtp", in_checkpoint=True, model_type="qwen3_5")
+    spec = inspect_drafter(inspect_checkpoint(path), mtp=True, draft_model=None)
     drafters = {label: load_drafter(spec, inspect_checkpoint(path), model, quantize=bits) for label, bits in
                 (("as stored (fp32)", None), ("8-bit", 8), ("4-bit", 4))}
     stream = mx.default_stream(mx.default_device())
@@ -51,8 +52,9 @@ def main() -> None:
     for _ in range(args.passes):
         for prompt in PROMPTS:
             for label, head in drafters.items():  # interleaved: every drafter sees the same machine state
-                burst = Burst(target, head.new_sequence(), "half", None)
-                solo = SoloDecoder(model, stream, None, make_prompt_cache(model), [], tokenizer.encode(prompt), burst)
+                cache = make_prompt_cache(model)
+                burst = Burst(target, head.new_sequence(cache), "half", None)
+                solo = SoloDecoder(model, stream, None, cache, [], tokenizer.encode(prompt), burst)
                 while not solo.prefilled:
                     solo.prefill_chunk(512)
                 emitted: list[int] = []
@@ -64,8 +66,9 @@ def main() -> None:
                 results[label]["rate"].append(len(emitted) / (time.perf_counter() - started))
                 results[label]["accepted"].append(burst.stats.accepted)
                 results[label]["proposed"].append(burst.stats.proposed)
-                sequence = head.new_sequence()  # the draft alone: the same chain, evaluated, nothing else
-                _, hidden = target.forward(mx.array([[emitted[-2]]]), make_prompt_cache(model))
+                draft_cache = make_prompt_cache(model)  # the draft alone: the same chain, evaluated, nothing else
+                sequence = head.new_sequence(draft_cache)
+                _, hidden = target.forward(mx.array([[emitted[-2]]]), draft_cache)
                 sequence.catch_up(hidden, mx.array([[emitted[-1]]]))
                 mx.eval(sequence.settle())
                 started = time.perf_counter()
@@ -79,4 +82,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with mlx_thread():  # the engine's attention rules, as the worker's thread has them
+        main()

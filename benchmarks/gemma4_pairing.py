@@ -109,7 +109,10 @@ def main() -> None:
     args = parser.parse_args()
     paths = pairing(args.hidden, args.layers, args.window)
     if args.step_costs:
-        print(json.dumps(step_costs(paths, args.k)))
+        from mlxcel.models.attention import mlx_thread
+
+        with mlx_thread():  # the engine's attention rules (a `rows` verify's among them), as the worker has them
+            print(json.dumps(step_costs(paths, args.k)))
         return
     size = sum(f.stat().st_size for f in paths["target"].glob("*.safetensors")) / 1e6
     print(f"target: permutation, hidden {args.hidden}, {args.layers} layers, window {args.window}, {size:.0f} MB; "
