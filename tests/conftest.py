@@ -43,18 +43,6 @@ def validate_wire(body: dict[str, Any]) -> None:
     _WIRE_VALIDATOR.validate(body)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Modules with a ``slow`` test run first, each module's tests in their own order.
-
-    Under ``--dist loadscope`` a worker takes whole modules in collection order, so a long module
-    collected last (``test_default_model.py`` trains a drafter twice) leaves the other worker idle
-    at the end. Simulated from one run's per-test times on two workers: the two finish 32 s apart
-    in collection order, 2 s apart with the slow modules first (docs/benchmarks.md).
-    """
-    slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow)  # stable: the rest keeps its order
-
-
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """``requires_openblas``: skip without the system OpenBLAS, unless CI requires it.
 
