@@ -1,7 +1,7 @@
 """Long contexts: prefill and decode at depth, mlxcel against mlx-lm on the same model and BLAS.
 
     python -m benchmarks.long_context [--families llama qwen3_5] [--hidden 1024] [--layers 12]
-        [--depths 0 2048 8192] [--tokens 32] [--chunks 512 2048] [--mlx-lm-server]
+        [--depths 0 2048 8192] [--tokens 32] [--chunks 512 2048] [--mlx-lm-server] [--repeats 1]
 
 For each model (fp32, random weights, a context window to match the deepest
 prompt) and each depth: a prompt of that many tokens (0: a short line), then
@@ -16,7 +16,10 @@ prompt) and each depth: a prompt of that many tokens (0: a short line), then
 - with ``--mlx-lm-server``: ``mlx_lm.server``, streamed; prefill tokens/s as
   prompt tokens / time to the first token, decode as the stream's rate.
 
-Prints one row per (family, depth, chunk) and the ratios mlxcel / mlx-lm.
+Prints one row per (family, depth, chunk) and the ratios mlxcel / mlx-lm. With
+``--repeats N`` each cell runs N pairs, the two sides alternating; the row then
+holds each figure's median, the ratios are the pairs' median ratios, and the
+pairs' prefill ratios follow the row.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import context_model, mlx_lm_server, peak_mb, server, words  # noqa: E402
+from benchmarks._common import context_model, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
 
 #: What the mlx-lm side runs in its own process: the same BLAS first, then one warm-up and one measured run.
 _MLX_LM = """
@@ -115,6 +118,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--chunks", type=int, nargs="+", default=[512])
     parser.add_argument("--mlx-lm-server", action="store_true")
+    parser.add_argument("--repeats", type=int, default=1, help="pairs of runs per cell, the sides alternating")
     args = parser.parse_args()
     context = 1 << (max(args.depths) + args.tokens + 256).bit_length()
     print("family   depth chunk | prefill tok/s: mlxcel  mlx-lm  ratio | decode tok/s: mlxcel  mlx-lm  ratio "
@@ -126,13 +130,20 @@ def main() -> None:
         for depth in args.depths:
             ids = prompt_ids(checkpoint, depth)
             for chunk in args.chunks:
-                a, b = ours(checkpoint, ids, args.tokens, chunk), theirs(checkpoint, ids, args.tokens, chunk)
+                pairs = [(ours(checkpoint, ids, args.tokens, chunk), theirs(checkpoint, ids, args.tokens, chunk))
+                         for _ in range(args.repeats)]
+                a, b = ({key: median([run[key] for run in runs]) for key in runs[0]}
+                        for runs in zip(*pairs, strict=True))
+                prefill = [x["prefill"] / y["prefill"] for x, y in pairs]
+                decode = median([x["decode"] / y["decode"] for x, y in pairs])
                 row: Any = (f"{family:8s} {len(ids):5d} {chunk:5d} | {a['prefill']:14.1f} {b['prefill']:7.1f} "
-                            f"{a['prefill'] / b['prefill']:6.2f} | {a['decode']:13.1f} {b['decode']:7.1f} "
-                            f"{a['decode'] / b['decode']:6.2f} | {a['peak_mb']:8.0f} {b['peak_mb']:6.0f}")
+                            f"{median(prefill):6.2f} | {a['decode']:13.1f} {b['decode']:7.1f} "
+                            f"{decode:6.2f} | {a['peak_mb']:8.0f} {b['peak_mb']:6.0f}")
                 if args.mlx_lm_server and chunk == args.chunks[0]:
                     c = their_server(checkpoint, ids, args.tokens)
                     row += f" | {c['prefill']:8.1f} {c['decode']:6.1f}"
+                if args.repeats > 1:
+                    row += "  (prefill ratios: " + " ".join(f"{r:.2f}" for r in prefill) + ")"
                 print(row, flush=True)
 
 
