@@ -76,7 +76,6 @@ class Served:
     model: Any
     target: Any
     head: Any
-    prompt: list[int]
     reference: Any
     tokenizer: Any
     stream: Any = field(default_factory=lambda: mx.new_stream(mx.default_device()))
@@ -84,11 +83,10 @@ class Served:
 
 def load(path: Path) -> Served:
     info = inspect_checkpoint(path)
-    model, tokenizer = load_checkpoint(info)
+    model, _ = load_checkpoint(info)
     head = load_drafter(inspect_drafter(info, mtp=True, draft_model=None), info, model)
     reference, reference_tokenizer = mlx_lm.load(str(path))
-    return Served(model, speculative_target(info.model_type, model), head, tokenizer.encode(PROMPT), reference,
-                  reference_tokenizer)
+    return Served(model, speculative_target(info.model_type, model), head, reference, reference_tokenizer)
 
 
 def deep_prompt(served: Served, depth: int) -> list[int]:
