@@ -107,6 +107,10 @@ def main() -> None:
     parser.add_argument("--blas", nargs="+", default=["off", "auto"])
     parser.add_argument("--step-costs", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = parser.parse_args()
+    if args.step_costs:  # the child's BLAS, before the checkpoint builders import mlx
+        from mlxcel.blas import load_fast_blas
+
+        load_fast_blas()
     paths = pairing(args.hidden, args.layers, args.window)
     if args.step_costs:
         from mlxcel.models.attention import mlx_thread
