@@ -32,8 +32,8 @@ def main() -> None:
     from mlxcel.models.grouped_attention import grouped
 
     mlx_attention = mx.fast.scaled_dot_product_attention
-    if getattr(mlx_attention, "groups_queries", False):
-        raise SystemExit("mx.fast.scaled_dot_product_attention is already wrapped")
+    if getattr(mlx_attention, "mlxcel_dispatch", False):  # mlxcel.models.attention's dispatcher is not mlx's
+        raise SystemExit("mx.fast.scaled_dot_product_attention is already replaced")
     print(f"{'heads':>5} {'kv':>3} {'dim':>4} {'depth':>6} {'mlx ms':>7} {'grouped ms':>10} {'ratio':>6} "
           f"{'max diff':>9} {'equal':>5}")
     for heads, kv_heads, dim in SHAPES:
