@@ -198,7 +198,10 @@ class Stages:
         """Evaluate *arrays* now; the time since *started* (default: now) goes to *stage*."""
         started = time.perf_counter() if started is None else started
         mx.eval(arrays)
-        self.current[stage] = self.current.get(stage, 0.0) + time.perf_counter() - started
+        self.add(stage, time.perf_counter() - started)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.current[stage] = self.current.get(stage, 0.0) + seconds
 
     def round_done(self, seconds: float) -> None:
         if self.width == self.k:
@@ -250,9 +253,8 @@ class TimedTarget:
             result = self.inner.verify(tokens, cache, split)
             mx.eval(result.logits)
         self.stages.width = tokens.shape[1]
-        self.stages.current["attention"] = self.stages.current.get("attention", 0.0) + clock.seconds
-        self.stages.current["verify"] = (self.stages.current.get("verify", 0.0) + time.perf_counter() - started
-                                         - clock.seconds)
+        self.stages.add("attention", clock.seconds)
+        self.stages.add("verify", time.perf_counter() - started - clock.seconds)
         return result
 
     def rollback(self, cache: list[Any], verify: Any, kept: int) -> None:
