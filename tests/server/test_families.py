@@ -48,13 +48,10 @@ FAMILIES = (
 SERVED = (*FAMILIES, *BATCH_BROKEN)
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
-# Candidates for the request that keeps the batch busy; the first whose greedy continuation
-# has no end-of-sequence token for BLOCKER_TOKENS tokens is used.
-BLOCKERS = ["# A long comment that keeps the batch busy", "x = 1\n", "    def __init__(self):", "return [",
-            "for i in range(10):", "if __name__ == ", "for line in lines:", "import os\n", "def f(x):",
-            "while True:", "class A:", "print("]
-# The batch of three 8-token requests ends with the blocker 15-17 tokens in, for every family (measured,
-# 2026-12-03): 80 leaves it five times that, and the oracle checks 80 tokens of it, not 200.
+# The request that keeps the batch busy, its end-of-sequence tokens biased away so that it runs to
+# BLOCKER_TOKENS. The batch of three 8-token requests ends with the blocker 15-17 tokens in, for every
+# family (measured, 2026-12-03): 80 leaves it five times that.
+BLOCKER = "# A long comment that keeps the batch busy"
 BLOCKER_TOKENS = 80
 MAX_TOKENS = 8
 TOLERANCE = 1e-4  # float32 logits; the batch and the oracle differ only in summation order
@@ -93,21 +90,6 @@ class Oracle:
                 logprobs.append(float(row[token].item()))
             self.cache[key] = (tokens, logprobs)
         return self.cache[key]
-
-    def ends_within(self, prompt: list[int], max_tokens: int) -> bool:
-        """Whether greedy decoding of *prompt* emits an end-of-sequence token within *max_tokens*."""
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
-
-        cache = make_prompt_cache(self.model)
-        logits = self.model(mx.array([prompt]), cache=cache)
-        for _ in range(max_tokens):
-            token = int(mx.argmax(logits[0, -1]).item())
-            if token in self.eos:
-                return True
-            logits = self.model(mx.array([[token]]), cache=cache)
-        return False
-
 
 @dataclass
 class Served:
@@ -200,10 +182,8 @@ async def _serve_batch(client: httpx.AsyncClient, url: str, directory: Path, pro
         else:
             # A long request already decoding means every test request joins the batch
             # from its prefill on, never starting solo and being handed over.
-            blocker_prompt = next((b for b in (_ids(directory, text) for text in BLOCKERS)
-                                   if not oracle.ends_within(b, BLOCKER_TOKENS)), None)
-            assert blocker_prompt is not None, "every blocker candidate ends early: add one"
-            body = {**_body(blocker_prompt, max_tokens=BLOCKER_TOKENS), "stream": True, "logprobs": None}
+            body = {**_body(_ids(directory, BLOCKER), max_tokens=BLOCKER_TOKENS), "stream": True,
+                    "logprobs": None, "logit_bias": {str(token): -100 for token in oracle.eos}}
             blocker = await open_stream(url, "/v1/completions", body)
             async with blocker:
                 async with trio.open_nursery() as nursery:
@@ -267,8 +247,8 @@ async def test_batched_requests_have_the_logprobs_of_the_models_forward(root: Pa
     served, oracle, prompts = await _results(root, family)
     _raise(family, "serving the batch", served.batch_error)
     assert served.blocker_outlived_batch in (True, None), (
-        f"{family}: the blocker ended before the batch did (it starts alone, on the solo path: "
-        "a solo path that disagrees with model(x) can reach an end-of-sequence token early)")
+        f"{family}: the blocker's {BLOCKER_TOKENS} tokens ended before the batch did, so the batch's "
+        "requests may not all have joined a running batch")
     _check(family, served.batched, oracle, prompts, _checkpoints[family])
 
 
