@@ -204,7 +204,7 @@ def refused(*argv: str, command: str = "serve") -> str:
         patch.setattr(mlxcel.serve, "main", serve)
         patch.setattr(mlxcel.router.serve, "main", serve)  # the router role's
         try:
-            status = main([command, *argv, *(["--port", "0"] if command == "serve" else [])])
+            status = main([command, *(["--port", "0"] if command == "serve" else []), *argv])  # argv's own wins
         except SystemExit as exit:  # argparse's own refusals
             status = exit.code
     assert status == 2, stderr.getvalue()

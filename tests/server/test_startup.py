@@ -1,5 +1,9 @@
 """Bad files and options at start, through the real command line: one line, exit status 2, before binding.
 
+A refusal is decided before anything process-wide, so most run the command line's entry point in this
+process; a process of its own runs the console script end to end, the cases a regression would block
+(a FIFO), and the starts that bind or serve.
+
 Tests run as root, for whom no permission bit makes a file unreadable, so the
 unreadable files here are a directory, a dangling link or a FIFO where a file
 should be: each raises (or, for a FIFO, would block in) ``open``.
@@ -25,13 +29,26 @@ from mlxcel.testing.serving import child_env, free_port, wait_healthy
 from tests.server.conftest import mlxcel, refused
 
 
-def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel")]
-    assert len(lines) == 1, result.stderr
-    assert "listening" not in result.stderr and "Running on" not in result.stderr
+def _one_error_line(status: int | str | None, stderr: str) -> str:
+    assert status == 2, stderr
+    assert "Traceback" not in stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("mlxcel")]
+    assert len(lines) == 1, stderr
+    assert "listening" not in stderr and "Running on" not in stderr
     return lines[0]
+
+
+def _exited(*argv: str) -> str:
+    """The one line a `mlxcel` process writes as it exits 2: a new interpreter, for the cases where a
+    regression would block (opening a FIFO), which must fail this test, not stall the test run."""
+    result = mlxcel(*argv, timeout=60)
+    return _one_error_line(result.returncode, result.stderr)
+
+
+def _refused(*argv: str) -> str:
+    """The one line `mlxcel serve *argv*` refuses with, from the command line's entry point in this process
+    (:func:`tests.server.conftest.refused`: what a new interpreter adds is its imports)."""
+    return _one_error_line(2, refused(*argv))
 
 
 def _broken_weights(llama: Path, root: Path, kind: str) -> Path:
@@ -52,7 +69,8 @@ def _broken_weights(llama: Path, root: Path, kind: str) -> Path:
 @pytest.mark.parametrize("kind", ["directory", "dangling-link", "fifo"])
 def test_unreadable_weights_exit_2(llama: Path, tmp_path: Path, kind: str) -> None:
     model = _broken_weights(llama, tmp_path, kind)
-    line = _one_error_line(mlxcel("serve", "--model", str(model), "--port", str(free_port()), timeout=60))
+    argv = ("--model", str(model))
+    line = _exited("serve", *argv, "--port", str(free_port())) if kind == "fifo" else _refused(*argv)
     assert f"{model / 'model.safetensors'} is not a regular file" in line
 
 
@@ -62,13 +80,14 @@ def test_unreadable_tokenizer_exits_2(llama: Path, tmp_path: Path) -> None:
     shutil.copytree(llama, model)
     (model / "tokenizer.json").unlink()
     (model / "tokenizer.json").symlink_to(tmp_path / "nowhere.json")
-    line = _one_error_line(mlxcel("serve", "--model", str(model), "--port", str(free_port()), timeout=60))
+    line = _refused("--model", str(model))
     assert "has no tokenizer" in line
 
 
 @pytest.mark.slow
 def test_model_that_is_a_file_says_so(llama: Path) -> None:
-    line = _one_error_line(mlxcel("serve", "--model", str(llama / "config.json"), "--port", str(free_port())))
+    # Through a process of its own, as every refusal once was: the console script's exit status and stderr.
+    line = _exited("serve", "--model", str(llama / "config.json"), "--port", str(free_port()))
     assert "is not a directory" in line and "does not exist" not in line
 
 
@@ -87,8 +106,8 @@ def test_bad_api_key_file_exits_2(llama: Path, tmp_path: Path, kind: str, expect
         os.mkfifo(keys)
     elif kind == "directory":
         keys.mkdir()
-    line = _one_error_line(mlxcel("serve", "--model", str(llama), "--port", str(free_port()),
-                                  "--api-key-file", str(keys), timeout=60))
+    argv = ("--model", str(llama), "--api-key-file", str(keys))
+    line = _exited("serve", *argv, "--port", str(free_port())) if kind == "fifo" else _refused(*argv)
     assert f"--api-key-file {keys}" in line and expected in line
 
 
@@ -98,7 +117,7 @@ def test_bad_api_key_file_exits_2(llama: Path, tmp_path: Path, kind: str, expect
     ("--prompt-cache-bytes", "lots"), ("--prompt-cache-bytes", "5Q"), ("--prefill-step-size", "8"),
 ])
 def test_out_of_range_options_are_refused_at_parse(option: str, value: str) -> None:
-    line = _one_error_line(mlxcel("serve", "--model", "/nonexistent", option, value, timeout=60))
+    line = _refused("--model", "/nonexistent", option, value)
     assert line.startswith(f"mlxcel serve: argument {option}: ") and repr(value) in line
 
 
