@@ -6,9 +6,6 @@ mlxcel loads them as a server does (``inspect_checkpoint``/``load_checkpoint``, 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +14,7 @@ import numpy as np
 import pytest
 
 from mlxcel.testing.gemma4 import PERMUTATION, WINDOW, build_assistant, build_target
+from tests.engine import reference_blas
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
 
@@ -127,43 +125,16 @@ def test_the_agreeing_pairing_agrees_inside_transformers(pairs: dict[str, Path])
 
 @pytest.mark.slow
 def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the_ring(
-        pairs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        pairs: dict[str, Path]) -> None:
     """Every width to K and every rollback prefix, at offsets where the block crosses the sliding
     window and where it crosses the ring's end: byte for byte the single-token chain. Without the
     slack (mlx-lm's own rotating cache of exactly the window), the same probe fails.
 
-    Under mlx's reference BLAS (this test re-runs itself in a process of its own): this machine's
+    Under mlx's reference BLAS, in a process of its own (tests/engine/reference_blas.py): this machine's
     OpenBLAS multiplies 2-row blocks of these shapes with another kernel than one row, so under it
     no verify of these models is exact, whatever the cache does.
     """
-    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
-
-    from mlxcel.blas import blas_kind
-    from mlxcel.engine import exactness
-    from mlxcel.families.gemma4.target import SLACK
-
-    if blas_kind() != "reference":
-        test = f"{__file__}::test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the_ring"
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],
-                                env={**os.environ, "MLXCEL_BLAS": "off"}, capture_output=True, text=True,
-                                timeout=600, check=False)
-        assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
-        return
-    model, target, _ = _load(pairs["target"], pairs["assistant"])
-    monkeypatch.setattr(exactness, "OFFSETS", (WINDOW - 2, WINDOW + SLACK - 2, 300))
-    # The deep case (what batched attention does over many keys) is tests/engine/test_rollback.py's
-    # subject; here it only needs to lie past the other offsets, and a ring cache is prefilled for real,
-    # which under the reference BLAS costs ~3 s at the default depth.
-    monkeypatch.setattr(exactness, "DEEP_OFFSET", 1024)
-    for block in (2, 3, 4):
-        result = exactness.probe_exactness(target, model, lambda: make_prompt_cache(model), block, 512, 4096)
-        assert (result.split, result.detail) == ("wide", None), block
-
-    def stock() -> list[Any]:
-        return [KVCache() if i % 2 else RotatingKVCache(max_size=WINDOW) for i in range(4)]
-
-    vetoed = exactness.probe_exactness(target, model, stock, 2, 512, 4096)
-    assert vetoed.split is None and vetoed.detail is not None and "differs from the single-token chain" in vetoed.detail
+    reference_blas.run("gemma4_probe", str(pairs["target"]), str(pairs["assistant"]), str(WINDOW))
 
 
 def test_a_stop_during_the_exactness_probe_abandons_it_instead_of_vetoing(pairs: dict[str, Path]) -> None:

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ from mlxcel.testing.inkling import (
     build_target,
     load_reference,
 )
+from tests.engine import reference_blas
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
 
@@ -114,60 +113,19 @@ def test_the_agreeing_pairing_agrees_inside_transformers(pairs: dict[str, tuple[
     assert _reference_drafts(hf, mtp, PROMPT, 4) == chain
 
 
-def _live(cache: list[Any]) -> list[np.ndarray]:
-    return [np.array(a) for c in cache for a in c.live_state()]
-
-
-def _equal_bytes(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and x.tobytes() == y.tobytes()
-                                    for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.slow
-def test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte(
-        pair: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte(pair: tuple[Path, Any]) -> None:
     """Both splits, every rollback prefix of a 4-wide block past the window and the relative extent:
     the logits, every cache's keys/values and convolution states, and the next step's logits are the
     single-token chain's bytes. And the exactness probe (every width to K, every rollback prefix, at
     its offsets and where a block crosses the window and the extent) finds the wide verify exact at
     K = 2, 3, 4.
 
-    Under mlx's reference BLAS (this test re-runs itself in a process of its own), where every split
-    is exact; OpenBLAS's are pinned by the next test.
+    Under mlx's reference BLAS, in a process of its own (tests/engine/reference_blas.py), where every
+    split is exact; OpenBLAS's are pinned by the next test.
     """
-    from mlxcel.blas import blas_kind
-    from mlxcel.engine import exactness
-
-    if blas_kind() != "reference":
-        test = f"{__file__}::test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte"
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],
-                                env={**os.environ, "MLXCEL_BLAS": "off"}, capture_output=True, text=True,
-                                timeout=600, check=False)
-        assert result.returncode == 0 and "1 passed" in result.stdout, result.stdout[-3000:]
-        return
-    model, target, _ = _load(pair[0])
-    assert target.probe_offsets == (WINDOW - 2, EXTENT - 2)
-    block = [11, 22, 33, 44]
-    for split in ("wide", "half"):
-        for kept in (1, 2, 3, 4):
-            stepped, verified = model.make_cache(), model.make_cache()
-            for c in (stepped, verified):
-                target.forward(mx.array([PROMPT]), c)
-            for token in block[:kept]:
-                step_logits, _ = target.forward(mx.array([[token]]), stepped)
-            verify = target.verify(mx.array([block]), verified, split)
-            target.rollback(verified, verify, kept)
-            assert np.array(verify.logits[0, kept - 1]).tobytes() == np.array(step_logits[0, -1]).tobytes()
-            assert _equal_bytes(_live(verified), _live(stepped)), (split, kept)
-            after = [np.array(target.forward(mx.array([[55]]), c)[0]) for c in (verified, stepped)]
-            assert after[0].tobytes() == after[1].tobytes(), (split, kept)  # and the next step reads them alike
-    monkeypatch.setattr(exactness, "OFFSETS", (12, 300))
-    # The deep case is tests/engine/test_rollback.py's subject; here it only needs to lie past the other
-    # offsets (this family's cache is prefilled for real: seconds at the default depth on this BLAS).
-    monkeypatch.setattr(exactness, "DEEP_OFFSET", 1024)
-    for k in (2, 3, 4):
-        result = exactness.probe_exactness(target, model, model.make_cache, k, UNPADDED, 4096)
-        assert (result.split, result.detail) == ("wide", None), k
+    reference_blas.run("inkling_verify_and_rollback", str(pair[0]), json.dumps(
+        {"prompt": PROMPT, "vocab": UNPADDED, "probe_offsets": [WINDOW - 2, EXTENT - 2]}))
 
 
 def test_the_drafters_chained_steps_are_undone_at_accept(pair: tuple[Path, Any]) -> None:
