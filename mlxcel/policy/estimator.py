@@ -93,7 +93,8 @@ def estimate_speedup(samples: list[BurstSample]) -> float | None:
     Acceptance is pooled over every round; the two times are medians across
     samples, because the first burst of a process carries one-off compile cost
     that a mean would smear over the whole window. None when no sample probed a
-    classic step or no round took measurable time.
+    classic step or no round took measurable time (a round time so small that
+    the ratio overflows included: no float, and no JSON number, holds it).
     """
     if not samples:
         return None
@@ -102,7 +103,8 @@ def estimate_speedup(samples: list[BurstSample]) -> float | None:
     round_time = statistics.median(rounds)
     if not classic or round_time <= 0:
         return None
-    return _tokens_per_round(samples) * statistics.median(classic) / round_time
+    speedup = _tokens_per_round(samples) * statistics.median(classic) / round_time
+    return speedup if math.isfinite(speedup) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +143,12 @@ def estimate_depth_limit(samples: list[BurstSample]) -> DepthLimit | None:
     growth = round_slope - tokens * step_slope
     if growth <= 0:
         return None
-    limit = math.ceil((tokens * step_at0 - round_at0) / growth)
-    if limit <= shallowest:
-        return None
-    shallow = tokens * (step_at0 + step_slope * shallowest) / (round_at0 + round_slope * shallowest)
-    return DepthLimit(limit, shallow)
+    crossing = (tokens * step_at0 - round_at0) / growth
+    round_at_shallowest = round_at0 + round_slope * shallowest
+    if not math.isfinite(crossing) or crossing <= shallowest or round_at_shallowest <= 0:
+        return None  # (not finite: times too small for their quotients to be floats)
+    shallow = tokens * (step_at0 + step_slope * shallowest) / round_at_shallowest
+    return DepthLimit(math.ceil(crossing), shallow) if math.isfinite(shallow) else None
 
 
 def _tokens_per_round(samples: list[BurstSample]) -> float:

@@ -42,6 +42,18 @@ def test_no_classic_probe_means_no_estimate() -> None:
     assert estimate_speedup([]) is None
 
 
+def test_times_too_small_for_their_ratio_to_be_a_float_give_no_estimate() -> None:
+    # 1.0 / 2.2e-311 overflows to infinity: a verdict from it would be persisted as "Infinity", which no
+    # JSON reader (the hint store's included) takes for a number, and so not restored (found by the
+    # policy's property test).
+    tiny = BurstSample(rounds=1, proposed=1, accepted=0, round_seconds=2.225073858507e-311, classic_steps=1,
+                       classic_seconds=1.0)
+    assert estimate_speedup([tiny]) is None
+    tiny_at_depth = [BurstSample(rounds=1, proposed=1, accepted=1, round_seconds=5e-324 * (1 + d), classic_steps=1,
+                                 classic_seconds=1.0, depth=d) for d in (0, 4096, 8192)]
+    assert estimate_depth_limit(tiny_at_depth) is None
+
+
 def test_acceptance_is_pooled() -> None:
     assert acceptance_rate([sample(accepted=1, proposed=4), sample(accepted=3, proposed=4)]) == 0.5
     assert acceptance_rate([]) is None
