@@ -73,9 +73,9 @@ def context_model(family: str, hidden: int, layers: int, context: int) -> Path:
 
 def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256, positions: int = 4096
               ) -> Path:
-    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/testing/checkpoints.py),
+    """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/families/qwen3_5/tiny.py),
     whose context window is *positions*."""
-    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     window = "" if positions == 4096 else f"-c{positions}"
     directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}{window}"

@@ -26,7 +26,8 @@ PROMPT = "def wrap(text, width=70, **kwargs):"
 
 
 def model_for(mode: str, hidden: int, layers: int) -> Path:
-    from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint, write_weight_index
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+    from mlxcel.testing.checkpoints import build_checkpoint, write_weight_index
 
     if mode == "pipeline":
         directory = BENCH_DIR / f"qwen35-h{hidden}-l{layers}-indexed"

@@ -3,7 +3,7 @@
     python -m benchmarks.gemma4_pairing [--hidden 768 --layers 12 --window 512] [--k 2 3 4]
                                         [--blas off auto] [--tokens 96]
 
-The pairing is mlxcel/testing/gemma4.py's at a realistic width: the permutation target (its next
+The pairing is mlxcel/families/gemma4/tiny.py's at a realistic width: the permutation target (its next
 token a fixed permutation of the current one, every layer still computed) and an assistant built to
 agree with it on all tokens, or on 60% of them (each 2 layers at the target's width). For each BLAS
 (``off``: mlx's reference BLAS; ``auto``: the system OpenBLAS when there is one):
@@ -37,7 +37,7 @@ ASSISTANTS = {"agreeing": 1.0, "partly": 0.6}
 
 
 def pairing(hidden: int, layers: int, window: int) -> dict[str, Path]:
-    from mlxcel.testing.gemma4 import build_assistant, build_target
+    from mlxcel.families.gemma4.tiny import build_assistant, build_target
 
     root = BENCH_DIR / f"gemma4-h{hidden}-l{layers}-w{window}"
     target = root / "target"

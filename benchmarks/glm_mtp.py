@@ -4,7 +4,7 @@
     python -m benchmarks.glm_mtp split [--experts 64 --vocab 32768]
 
 ``speedup``: a synthetic agreeing pairing (the target's next token depends
-only on the current one, the next-token layer predicts it: mlxcel/testing/glm.py,
+only on the current one, the next-token layer predicts it: mlxcel/families/glm4_moe_lite/tiny.py,
 context 0) and a random next-token layer, each split by `mlxcel split-mtp` and
 served pinned on and pinned off side by side; acceptance, tokens per round,
 both decode rates (median over the prompts) and the ratio.
@@ -38,7 +38,7 @@ BENCH_TEXT = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_si
 
 
 def _pairing(drafter: str) -> tuple[Path, Path]:
-    from mlxcel.testing.glm import build_glm_checkpoint
+    from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 
     raw = BENCH_DIR / f"glm-{drafter}-l8-h256"
     head = BENCH_DIR / f"glm-{drafter}-l8-h256-MTP"

@@ -30,9 +30,9 @@ def geometry(hidden: int, layers: int) -> dict[str, Any]:
 
 def inkling_model(hidden: int, layers: int, kind: str = "random") -> Path:
     """A random (or ``permutation``) fp32 Inkling target of :func:`geometry` whose config declares one
-    MTP block (the weights are not there: mlxcel/testing/inkling.py's ``build_mtp`` writes them),
+    MTP block (the weights are not there: mlxcel/families/inkling/tiny.py's ``build_mtp`` writes them),
     built once under .bench."""
-    from mlxcel.testing.inkling import build_target
+    from mlxcel.families.inkling.tiny import build_target
 
     directory = BENCH_DIR / f"inkling{'' if kind == 'random' else '-' + kind}-h{hidden}-l{layers}"
     if not (directory / "model.safetensors").exists():

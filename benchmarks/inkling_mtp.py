@@ -2,7 +2,7 @@
 
     python -m benchmarks.inkling_mtp [--hidden 512 --layers 8] [--k 2 3 4] [--blas auto] [--tokens 64]
 
-The pairing is mlxcel/testing/inkling.py's at benchmarks/inkling_decode.py's geometry: the
+The pairing is mlxcel/families/inkling/tiny.py's at benchmarks/inkling_decode.py's geometry: the
 permutation target (its next token a fixed permutation of the current one, every layer still
 computed) with a one-block head built to agree with it on every token (``agreeing``) or a random
 one (``random``), each in a copy of the target's directory (``--mtp``). For each BLAS, head and K:
@@ -30,7 +30,7 @@ HEADS = ("agreeing", "random")
 
 def pairings(hidden: int, layers: int) -> dict[str, Path]:
     """Per head kind, a copy of the permutation target's directory with that head's mtp.safetensors."""
-    from mlxcel.testing.inkling import build_mtp
+    from mlxcel.families.inkling.tiny import build_mtp
 
     target = inkling_model(hidden, layers, kind="permutation")
     paths = {}

@@ -7,7 +7,7 @@ mlx-lm's own ``Model`` built from that config (fixed seed, matrices scaled x2
 so greedy decoding has no near-ties), saved under mlx-lm's names: mlx-lm's
 ``load`` then runs ``sanitize`` on them, and :func:`build_family_checkpoint`
 checks that the model it loads has exactly the parameters written. The
-tokenizer is mlxcel/testing/checkpoints.py's (vocabulary 512).
+tokenizer is mlxcel/testing/base.py's (vocabulary 512).
 
 Families that cannot be served this way are in :data:`SKIPPED`, each with the
 reason. ``python -m tests.families`` builds every family and prints what
@@ -23,7 +23,7 @@ import pkgutil
 from pathlib import Path
 from typing import Any
 
-from mlxcel.testing.checkpoints import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.base import VOCAB_SIZE, write_tokenizer
 
 # Values by ModelArgs field name; a family takes the ones its dataclass has.
 TOY: dict[str, Any] = {

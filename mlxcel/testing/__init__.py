@@ -2,8 +2,10 @@
 
 No model hub is reachable from CI, so the tests build their models themselves,
 in the real Hugging Face layout, with transformers' own classes where it has
-them (:mod:`.checkpoints`, :mod:`.gemma4`, :mod:`.glm`, :mod:`.inkling`,
-:mod:`.tools`); the benchmarks build bigger ones the same way. Needs the
-``dev`` extra (transformers, CPU torch, tokenizers); nothing in the server
-imports this package.
+them: the shared tokenizer and sizes (:mod:`.base`), mlx-lm's own families
+(:mod:`.checkpoints`), a scripted tool caller (:mod:`.tools`); a family mlxcel
+knows more of builds its own in its folder (``mlxcel/families/<family>/tiny.py``).
+The benchmarks build bigger ones the same way. Needs the ``dev`` extra
+(transformers, CPU torch, tokenizers); nothing in the server imports this
+package or a family's ``tiny`` module.
 """

@@ -17,7 +17,8 @@ import itertools
 import json
 from pathlib import Path
 
-from mlxcel.testing.checkpoints import CONFIGS, TOOLS_CHATML, write_tokenizer
+from mlxcel.testing.base import TOOLS_CHATML, write_tokenizer
+from mlxcel.testing.checkpoints import CONFIGS
 
 SCRIPT = ("Checking.", "<tool_call>", '{"name":"get_weather",', '"arguments":{"city":"Paris"}}', "</tool_call>")
 """The answer, piece by piece: some content, then a call in the Hermes / Qwen format (mlx-lm's json_tools)."""

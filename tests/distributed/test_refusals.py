@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from mlxcel.cli import build_parser
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.serve_cli import build_serve_config
-from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.usage import UsageError
 
 

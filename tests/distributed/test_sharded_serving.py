@@ -19,7 +19,8 @@ import jsonschema
 import pytest
 import trio
 
-from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint, write_weight_index
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint, write_weight_index
 from mlxcel.testing.serving import launched
 from tests.server.conftest import running_server
 

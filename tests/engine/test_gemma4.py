@@ -1,6 +1,6 @@
 """Gemma 4 and its assistant through mlxcel, against transformers' reference on the same inputs.
 
-The checkpoints are transformers' own classes saved with ``save_pretrained`` (mlxcel/testing/gemma4.py);
+The checkpoints are transformers' own classes saved with ``save_pretrained`` (mlxcel/families/gemma4/tiny.py);
 mlxcel loads them as a server does (``inspect_checkpoint``/``load_checkpoint``, ``load_drafter``).
 """
 
@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.testing.gemma4 import PERMUTATION, WINDOW, build_assistant, build_target
+from mlxcel.families.gemma4.tiny import PERMUTATION, WINDOW, build_assistant, build_target
 from tests.engine import reference_blas
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it

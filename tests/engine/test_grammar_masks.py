@@ -16,7 +16,7 @@ import pytest
 
 from mlxcel.engine.grammar import GrammarProcessor, grammar_tokenizer
 from mlxcel.server.structured import JSON_OPTIONS
-from mlxcel.testing.checkpoints import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.base import VOCAB_SIZE, write_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
           "additionalProperties": False}

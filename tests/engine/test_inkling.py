@@ -1,7 +1,7 @@
 """Inkling through mlxcel's own model file, against transformers' ``inkling`` on the same inputs.
 
 The checkpoint is transformers' own ``InklingForConditionalGeneration`` saved with ``save_pretrained``
-(mlxcel/testing/inkling.py); mlxcel loads it as a server does (``inspect_checkpoint``/``load_checkpoint``).
+(mlxcel/families/inkling/tiny.py); mlxcel loads it as a server does (``inspect_checkpoint``/``load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.testing.inkling import EXTENT, UNPADDED, WINDOW, build_target, load_reference
+from mlxcel.families.inkling.tiny import EXTENT, UNPADDED, WINDOW, build_target, load_reference
 
 torch = pytest.importorskip("torch")
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.testing.inkling import (
+from mlxcel.families.inkling.tiny import (
     EXTENT,
     PERMUTATION,
     UNPADDED,

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.engine.exactness import probe_exactness
 from mlxcel.families.qwen3_5.target import Qwen35Target, _gated_delta_block
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
 

@@ -9,8 +9,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models import attention, row_exact
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
 
 
 @pytest.mark.requires_openblas  # the inexact shapes are OpenBLAS's; CI requires it

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.serving import child_env, free_port, wait_healthy
 
 NODE_KEY = "node-secret"

@@ -282,7 +282,8 @@ def caller_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cache_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A model of each kind of per-sequence state: a llama's KV cache, which rewinds; Qwen 3.5's gated-delta
     recurrence, Gemma 4's sliding-window ring and Inkling's convolutions, which do not."""
-    from mlxcel.testing import gemma4, inkling
+    from mlxcel.families.gemma4 import tiny as gemma4
+    from mlxcel.families.inkling import tiny as inkling
 
     root = tmp_path_factory.mktemp("prompt-cache")
     return {"llama": build_checkpoint(root / "llama", "llama", scale=2.0),

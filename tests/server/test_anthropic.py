@@ -213,7 +213,7 @@ async def _message_texts(model: Path, monkeypatch: pytest.MonkeyPatch, pin: str)
 
 async def test_temperature_zero_messages_and_responses_are_byte_identical_with_and_without_mtp(
         tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     model = build_mtp_checkpoint(tmp_path_factory.mktemp("anthropic") / "qwen35-partial", drafter="aligned",
                                  context_scale=0.05)

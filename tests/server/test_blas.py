@@ -24,7 +24,7 @@ needs_mkl = pytest.mark.skipif(blas.mkl_library() is None or sys.platform != "li
 def test_mkl_server_decodes_as_mlx_lm_and_labels_its_hardware(tmp_path: Path) -> None:
     from mlx_lm import generate, load
 
-    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     target = build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.0)
     model, tokenizer = load(str(target))  # this process's BLAS: the oracle for the greedy tokens

@@ -23,7 +23,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mlxcel.testing.checkpoints import VOCAB_SIZE
+from mlxcel.testing.base import VOCAB_SIZE
 from tests.server.conftest import running_server
 
 

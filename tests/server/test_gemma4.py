@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from mlxcel.testing.gemma4 import build_assistant, build_target
+from mlxcel.families.gemma4.tiny import build_assistant, build_target
 from tests.server.conftest import refused, running_server, server_on_a_thread
 
 pytest.importorskip("torch")

@@ -2,7 +2,7 @@
 
 The raw checkpoint is transformers' own model with the next-token layer at
 ``model.layers.{N}.*`` in the raw names, sharded with an index
-(:mod:`mlxcel.testing.glm`).
+(:mod:`mlxcel.families.glm4_moe_lite.tiny`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import trio
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
-from mlxcel.testing.glm import build_glm_checkpoint
+from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 from tests.server.conftest import mlxcel, refused, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]

@@ -219,7 +219,7 @@ async def test_a_grammar_with_a_tokenizer_llguidance_cannot_read_is_a_400(senten
 async def test_a_grammar_serves_a_model_whose_vocabulary_is_wider_than_its_logits(tmp_path: Path) -> None:
     """The tiny Inkling target: 512 tokenizer entries, 500 logits. The ids past the logits are cut off the mask."""
     pytest.importorskip("torch")
-    from mlxcel.testing.inkling import build_target
+    from mlxcel.families.inkling.tiny import build_target
 
     target = build_target(tmp_path / "inkling-tiny", seed=1)
     pet = {"type": "json_schema", "json_schema": {"name": "pet", "schema": {"enum": ["cat", "dog"]}}}

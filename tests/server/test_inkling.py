@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import trio
 
-from mlxcel.testing.inkling import UNPADDED, build_target, load_reference
+from mlxcel.families.inkling.tiny import UNPADDED, build_target, load_reference
 from tests.server.conftest import refused, running_server, server_on_a_thread
 
 torch = pytest.importorskip("torch")
@@ -73,7 +73,7 @@ def test_a_directory_with_only_the_mtp_file_is_refused_as_a_target_in_one_line(c
 
 @pytest.fixture(scope="module")
 def with_head(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from mlxcel.testing.inkling import build_mtp
+    from mlxcel.families.inkling.tiny import build_mtp
 
     target = build_target(tmp_path_factory.mktemp("inkling-mtp-serve") / "inkling-mtp-tiny", mtp_layers=1)
     build_mtp(target)
@@ -115,7 +115,7 @@ def test_temperature_0_text_with_mtp_is_classic_decode_byte_for_byte(with_head: 
 @pytest.fixture(scope="module")
 def permutation_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The permutation target, in two directories: one with the agreeing head, one with a random one."""
-    from mlxcel.testing.inkling import build_mtp
+    from mlxcel.families.inkling.tiny import build_mtp
 
     root = tmp_path_factory.mktemp("inkling-permutation-serve")
     # A 1,100-token context: the servers below run under the reference BLAS, where each start's exactness

@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 from tests.server.conftest import mlxcel, refused, running_server
 
 PROMPT = "def wrap(text, width=70):\n    lines = []\n"

@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from mlxcel.blas import load_fast_blas
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.conftest import validate_wire
 from tests.server.conftest import refused, running_server, stream_interrupted
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from mlxcel.blas import load_fast_blas
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.hardware import detect_host, kernel_versions
 from mlxcel.models.grouped_attention import GROUPED_FROM
 from mlxcel.policy import Hint, HintStore, PairingKey
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
 from tests.conftest import validate_wire
 from tests.server.conftest import running_server
 

@@ -20,7 +20,7 @@ import trio
 from tokenizers import Tokenizer
 
 from mlxcel.engine.instrument import Hooks
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.server.conftest import running_server
 from tests.server.test_structured import AS_PERSON, CHAT, PERSON
 

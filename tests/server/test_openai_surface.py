@@ -18,7 +18,7 @@ import openai
 import pytest
 import trio
 
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests import openai_spec
 from tests.server.conftest import running_server
 from tests.server.test_logprob_surface import openai_key

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel.testing.checkpoints import THINKING_CHATML, build_checkpoint
+from mlxcel.testing.base import THINKING_CHATML
+from mlxcel.testing.checkpoints import build_checkpoint
 from tests.server.conftest import running_server
 
 SYSTEM = {"role": "system", "content": "You are a coding agent working in a repository. " * 12}
@@ -162,7 +163,7 @@ async def test_messages_report_the_snapshot_hit_as_cache_reads(cache_models: dic
 async def test_the_mtp_burst_runs_on_a_resumed_prompt_and_changes_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Temperature 0, with and without the cache, with MTP on and off: one text per turn; and the same drafts."""
-    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     model = build_mtp_checkpoint(tmp_path / "qwen35-partial", drafter="aligned", context_scale=0.05)
     runs = {}

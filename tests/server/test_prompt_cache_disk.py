@@ -102,7 +102,7 @@ async def test_after_a_restart_the_drafter_resumes_where_it_was(tmp_path: Path, 
     """The MTP drafter's state is written beside the snapshot it went with: a prompt resumed from disk drafts
     as a prefilled one does (the same drafts as without a cache), and the text is classic decode's. (The
     state's round trip itself, byte for byte: tests/engine/test_prefix_cache.py.)"""
-    from mlxcel.testing.checkpoints import build_mtp_checkpoint
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     model = build_mtp_checkpoint(tmp_path / "qwen35-partial", drafter="aligned", context_scale=0.05)
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")

@@ -21,7 +21,7 @@ import openai
 import pytest
 import trio
 
-from mlxcel.testing.checkpoints import THINKING_CHATML
+from mlxcel.testing.base import THINKING_CHATML
 from tests.server.conftest import running_server
 
 SCRIPT = ("Let me see.", "</think>", "Hello", " there", ".")

@@ -30,7 +30,8 @@ from mlxcel.server.schema_bounds import (
     check_schema,
     pattern_repeats,
 )
-from mlxcel.testing.checkpoints import TOOLS_CHATML, build_checkpoint
+from mlxcel.testing.base import TOOLS_CHATML
+from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.testing.serving import serve_subprocess
 
 Link = Callable[[str], dict[str, Any]]

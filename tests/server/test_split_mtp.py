@@ -10,7 +10,8 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from mlxcel.testing.checkpoints import build_checkpoint, build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.testing.checkpoints import build_checkpoint
 from tests.server.conftest import mlxcel, refused, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]

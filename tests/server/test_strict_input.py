@@ -10,7 +10,7 @@ import pytest
 
 from mlxcel.engine import Finish
 from mlxcel.server.wire import finish_error
-from mlxcel.testing.checkpoints import VOCAB_SIZE
+from mlxcel.testing.base import VOCAB_SIZE
 from tests.server.conftest import open_stream, running_server
 
 PROMPT = "def wrap(text, width=70):"

@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from mlxcel.engine.instrument import Hooks
-from mlxcel.testing.checkpoints import build_mtp_checkpoint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.server.conftest import running_server
 
 PERSON = {"type": "object", "properties": {

@@ -21,7 +21,7 @@ from mlxcel.server.tokens import Tokens, chars_per_token
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxcel.testing.checkpoints import write_tokenizer
+    from mlxcel.testing.base import write_tokenizer
 
     directory = tmp_path_factory.mktemp("tokenizer")
     write_tokenizer(directory)

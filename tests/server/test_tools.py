@@ -18,7 +18,8 @@ import pytest
 import trio
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from mlxcel.testing.checkpoints import TOOLS_CHATML, build_checkpoint
+from mlxcel.testing.base import TOOLS_CHATML
+from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.testing.tools import build_scripted_checkpoint
 from tests.server.conftest import running_server
 

@@ -2,13 +2,13 @@
 
 The layout is the published one: the ``inkling_mm_model`` wrapper config (text in ``text_config``)
 and ``model.safetensors`` in the raw ``model.llm.*`` names with interleaved gate/up pairs, exactly
-as transformers' reverse conversion writes them, plus mlxcel/testing/checkpoints.py's tokenizer (vocabulary
+as transformers' reverse conversion writes them, plus mlxcel/testing/base.py's tokenizer (vocabulary
 512; the head keeps 500 rows, so the vocabulary slice is exercised). The geometry reaches every
 path: full and sliding layers with their own head counts, a window and a relative extent that a
 32-token decode passes, the log scaling, one dense MLP and MoE layers with a shared expert.
 
 Besides random models, a pairing whose MTP head agrees with its target by construction (as
-mlxcel/testing/gemma4.py builds Gemma's):
+mlxcel/families/gemma4/tiny.py builds Gemma's):
 
 - the *permutation target*: every attention and MLP output projection scaled down, so the residual
   stream is mostly the token's own (normalised) embedding, and an untied head whose row
@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel.testing.checkpoints import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.base import VOCAB_SIZE, write_tokenizer
 
 UNPADDED = 500
 WINDOW = 8

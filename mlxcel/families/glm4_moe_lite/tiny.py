@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel.testing.checkpoints import write_tokenizer
+from mlxcel.testing.base import write_tokenizer
 
 TEXT: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,

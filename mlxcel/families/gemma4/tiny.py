@@ -2,7 +2,7 @@
 
 The layout is what a user's download holds: ``config.json`` and ``model.safetensors`` exactly as
 transformers writes them (``gemma4_text``, or the ``gemma4`` wrapper with a nested ``text_config``),
-and mlxcel/testing/checkpoints.py's tokenizer (vocabulary 512).
+and mlxcel/testing/base.py's tokenizer (vocabulary 512).
 
 Besides random models, a pairing whose assistant agrees with its target by construction:
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel.testing.checkpoints import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.base import VOCAB_SIZE, write_tokenizer
 
 WINDOW = 16
 SPECIAL = 3  # tokens 0-2 are the tokenizer's special tokens: the permutation leaves them alone
