@@ -39,8 +39,9 @@ def _one_error_line(status: int | str | None, stderr: str) -> str:
 
 
 def _exited(*argv: str) -> str:
-    """The one line a `mlxcel` process writes as it exits 2: a new interpreter, for the cases where a
-    regression would block (opening a FIFO), which must fail this test, not stall the test run."""
+    """The one line a `mlxcel` process writes as it exits 2: a new interpreter, for the console script
+    end to end and for the cases a regression would block (opening a FIFO), which must fail this test
+    (the child's timeout), not stall the test run."""
     result = mlxcel(*argv, timeout=60)
     return _one_error_line(result.returncode, result.stderr)
 
