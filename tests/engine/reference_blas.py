@@ -89,8 +89,8 @@ def inkling_verify_and_rollback(target_dir: str, setting: str) -> None:
     tokens, vocab = given["prompt"], given["vocab"]
     assert target.probe_offsets == tuple(given["probe_offsets"])
 
-    def live(cache: list[Any]) -> list[bytes]:
-        return [np.array(a).tobytes() + str(a.shape).encode() for c in cache for a in c.live_state()]
+    def live(cache: list[Any]) -> list[tuple[tuple[int, ...], bytes]]:
+        return [(tuple(a.shape), np.array(a).tobytes()) for c in cache for a in c.live_state()]
 
     block = [11, 22, 33, 44]
     for split in ("wide", "half"):
