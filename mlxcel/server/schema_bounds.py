@@ -1,4 +1,5 @@
-"""Bounds on a JSON schema before llguidance sees it: its size, and its depth with every ``$ref`` followed.
+"""Bounds on a JSON schema before llguidance sees it: its size, its depth with every ``$ref`` followed, its
+patterns' counted repetitions, and an object's properties when none is required.
 
 llguidance compiles a schema by recursion on the calling thread's native
 stack, following each ``$ref`` into its target as it goes. Its JSON parser
@@ -61,6 +62,15 @@ mask for a counted repetition of a literal grows with the count (1,024-token voc
 ``a{1000}``, 10 ms at ``a{16384}``, 43 ms at ``a{65535}``: ``benchmarks/grammar_mask.py``), and it is computed on
 the batch's critical path, so one such request slowed every stream decoding beside it several times."""
 
+MAX_OPTIONAL_PROPERTIES = 500
+"""Properties of one object when none of them is required. llguidance 1.9 parses such an object with every
+property a candidate for the next key: 4 items each in its parser's row, which holds at most 2,000, so 501 or
+more fail at the object's first key (measured with ``additionalProperties`` true, false or a schema, at every
+value type, nested, in ``anyOf``, in an array), after a compile that grows with their number squared (3.6 s at
+6,000): the request would get its 400 only after seconds of a core. With one property required llguidance
+builds another grammar that has no such row (600 measured): those are not bounded here.
+``tests/server/test_schema_bounds.py`` checks the bound against the installed llguidance."""
+
 DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 """Keywords whose values are JSON data, never read as schemas."""
 
@@ -106,6 +116,11 @@ class _Walk:
                 raise SchemaTooLarge(f"a pattern repeats {repeats} times ({pattern[:40]!r}); at most "
                                      f"{MAX_PATTERN_REPEAT} (nested counts multiplied): a string's length is "
                                      "bounded with maxLength")
+        properties = node.get("properties")
+        if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES and not node.get("required"):
+            raise SchemaTooLarge(f"an object has {len(properties)} properties and none is required; at most "
+                                 f"{MAX_OPTIONAL_PROPERTIES} when none is (llguidance's parser cannot hold more "
+                                 "candidates for the next key): require one, or split the object")
         reference = node.get("$ref")
         if isinstance(reference, str):
             below = max(below, self._target_height(reference, budget - 1))

@@ -24,13 +24,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlxcel.server.schema_bounds import (
+    MAX_OPTIONAL_PROPERTIES,
     MAX_PATTERN_REPEAT,
     MAX_SCHEMA_BYTES,
     SchemaTooLarge,
     check_schema,
     pattern_repeats,
 )
-from mlxcel.testing.base import TOOLS_CHATML
+from mlxcel.testing.base import TOOLS_CHATML, write_tokenizer
 from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.testing.serving import serve_subprocess
 
@@ -117,6 +118,43 @@ def test_a_pattern_that_repeats_past_the_bound_is_refused_wherever_it_is() -> No
             check_schema(schema, json.dumps(schema))
     assert accepted({"type": "string", "pattern": f"^a{{{MAX_PATTERN_REPEAT}}}$", "maxLength": 65535})
     assert accepted({"type": "string", "const": "^a{65535}$"})  # data, not a pattern
+
+
+def _wide(count: int, **keywords: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(count)}, **keywords}
+
+
+def test_an_object_with_more_optional_properties_than_llguidance_parses_is_refused_wherever_it_is() -> None:
+    over = _wide(MAX_OPTIONAL_PROPERTIES + 1)
+    for schema in (over, {"type": "array", "items": over}, {"$defs": {"x": over}, "$ref": "#/$defs/x"},
+                   _wide(MAX_OPTIONAL_PROPERTIES + 1, required=[])):
+        with pytest.raises(SchemaTooLarge, match="none is required"):
+            check_schema(schema, json.dumps(schema))
+    assert accepted(_wide(MAX_OPTIONAL_PROPERTIES))
+    assert accepted(_wide(2000, required=["p1999"]))  # one required: another grammar, no such row
+
+
+def test_the_optional_properties_bound_is_where_llguidance_s_parser_fails(tmp_path: Path) -> None:
+    """The bound against the installed llguidance, at its most permissive (``additionalProperties: false``
+    puts the fewest items in the row): at the bound an object's first key parses, one more and it fails."""
+    import llguidance
+    import llguidance.hf
+    from transformers import AutoTokenizer
+
+    write_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    vocabulary = llguidance.hf.from_tokenizer(tokenizer)
+
+    def first_key_parses(schema: dict[str, Any]) -> bool:
+        matcher = llguidance.LLMatcher(vocabulary, llguidance.LLMatcher.grammar_from_json_schema(schema),
+                                       log_level=0)
+        assert not matcher.get_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tokenizer.encode('{"p', add_special_tokens=False))
+
+    assert first_key_parses(_wide(MAX_OPTIONAL_PROPERTIES, additionalProperties=False))
+    assert not first_key_parses(_wide(MAX_OPTIONAL_PROPERTIES + 1, additionalProperties=False))
+    assert not first_key_parses(_wide(MAX_OPTIONAL_PROPERTIES + 1))
+    assert first_key_parses(_wide(MAX_OPTIONAL_PROPERTIES + 100, required=["p0"]))
 
 
 def test_values_are_data_not_schemas() -> None:
