@@ -77,7 +77,6 @@ async def test_agents_at_once_each_resume_from_their_own_last_prompt(
     """Three agents interleaved on one server: their prompts are prefilled together in the continuous batch,
     which keeps the snapshots a solo prefill keeps, so every session resumes from its own last prompt."""
     import trio
-    from prometheus_client.parser import text_string_to_metric_families
 
     model = cache_models[family]
     firsts = ["Fix the bug in main.py", "Write the tests for util.py", "Explain the build"]
@@ -86,15 +85,15 @@ async def test_agents_at_once_each_resume_from_their_own_last_prompt(
     async def session(url: str, first: str) -> None:
         together[first] = await _agent(url, 4, first)
 
-    async with running_server(["--model", str(model), "--metrics"]) as url:
+    # The sessions meet in the batch: the scheduler puts any request beside another sequence there, handed
+    # over from solo decode or, when they reach the worker in one drain, admitted there (no counter tells
+    # which; it is timing: a fast run had no handoff at all). Its rules are tests/engine/test_scheduler.py's.
+    async with running_server(["--model", str(model)]) as url:
         async with trio.open_nursery() as nursery:
             for first in firsts:
                 nursery.start_soon(session, url, first)
         async with httpx.AsyncClient(base_url=url) as client:
             stats = (await client.get("/v1/cache/stats")).json()
-            metrics = {s.name: s.value for f in text_string_to_metric_families((await client.get("/metrics")).text)
-                       for s in f.samples}
-    assert metrics["mlxcel_solo_handoffs_total"] > 0  # the sessions met in the batch
     async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
         alone = {first: await _agent(url, 4, first) for first in firsts}
     for first in firsts:
