@@ -204,6 +204,8 @@ class Observability:
         self.draft_accepted = Counter("mlxcel_draft_tokens_accepted", "Draft tokens accepted", registry=r)
         self.handoffs = Counter("mlxcel_solo_handoffs", "Sequences moved from solo decode into the batch",
                                 registry=r)
+        self.batch_steps = Counter("mlxcel_batch_steps", "Steps of the continuous batch, by drafts verified per "
+                                   "row (0: the classic step)", ["drafts"], registry=r)
         self.queue_depth = Gauge("mlxcel_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.batch_size = Gauge("mlxcel_batch_size", "Sequences decoding together", registry=r)
         # Generations take seconds to minutes: prometheus' default buckets stop at 10 s.

@@ -3,14 +3,23 @@
 Worker thread only. mlx-lm does the scheduling (prefill and decode batches,
 stop tokens, per-sequence samplers and caches); this wrapper maps its uids to
 whatever the worker tracks, and rebuilds the generator when a step failed.
+With speculation (:mod:`.batch_speculation`), each step is either mlx-lm's
+classic step or a speculative one, K drafts per row, as the
+:class:`~mlxcel.policy.draft_length.DraftLength` rule picks from the measured
+costs of both.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterable
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+if TYPE_CHECKING:
+    from ..policy.draft_length import DraftLength
+    from .batch_speculation import BatchSpeculation
 
 logger = logging.getLogger(__name__)
 
@@ -24,15 +33,21 @@ class Stepped(NamedTuple, Generic[T]):
     """(sequence, mlx-lm's response) for every sequence that produced a token."""
     snapshots: list[tuple[list[int], list[Any]]]
     """(the tokens it holds, a copy of the cache) for every sequence whose prefill reached one of its marks."""
+    drafts: int = 0
+    """Drafts per row the step verified (0: the classic step)."""
 
 
 class ContinuousBatch(Generic[T]):
     """The batch: sequences (of any type *T*) decoding together, one ``step`` at a time."""
 
     def __init__(self, model: Any, eos_tokens: frozenset[int], parallel: int, prefill_step_size: int,
-                 stream: Any) -> None:
-        self._make: Callable[[], Any] = lambda: _generator(model, eos_tokens, parallel, prefill_step_size, stream)
+                 stream: Any, speculation: BatchSpeculation | None = None, rule: DraftLength | None = None) -> None:
+        runs = speculation.tap if speculation is not None else model  # the tap keeps the drafters' hidden states
+        self._make: Callable[[], Any] = lambda: _generator(runs, eos_tokens, parallel, prefill_step_size, stream)
         self._generator = self._make()
+        self._stream = stream
+        self.speculation = speculation
+        self._rule = rule
         self._by_uid: dict[int, T] = {}
         self._uids: dict[int, int] = {}  # id(sequence) -> uid
         self._marks: dict[int, set[int]] = {}  # uid -> marks still to pass, counted in the tokens it feeds
@@ -45,7 +60,7 @@ class ContinuousBatch(Generic[T]):
         return list(self._by_uid.values())
 
     def insert(self, sequence: T, tokens: list[int], cache: list[Any] | None, cached: list[int],
-               max_tokens: int, sampler: Any, processors: list[Any], marks: Iterable[int] = ()) -> None:
+               max_tokens: int, sampler: Any, processors: list[Any], marks: Iterable[int] = ()) -> int:
         """Add *sequence*: *tokens* still to feed on top of *cache* (holding *cached*), or a fresh prompt.
 
         *processors* (mlx-lm's logits processors) see every token of the sequence, *cached* included.
@@ -63,12 +78,38 @@ class ContinuousBatch(Generic[T]):
         self._uids[id(sequence)] = uid
         if cuts:
             self._marks[uid] = set(cuts)
+        return uid
 
     def step(self) -> Stepped[T]:
-        """One step: a token for every decoding sequence, a prefill chunk for the others."""
+        """One step: a token for every decoding sequence (or K drafts' worth, speculating), a prefill chunk
+        for the others."""
         import mlx.core as mx
 
-        prompts, responses = self._generator.next()
+        generation = self._generator._generation_batch
+        width, depth, drafts = len(generation), 0, 0
+        speculation, rule = self.speculation, self._rule
+        if speculation is not None and rule is not None and speculation.can_speculate(generation.uids):
+            depth = max(len(tokens) for tokens in generation.tokens)
+            drafts = rule.choose(width, depth)
+        started = time.perf_counter()
+        if drafts:
+            assert speculation is not None and rule is not None
+            with mx.stream(self._stream):
+                speculated = speculation.step(generation, drafts)
+            rule.speculative(width, depth, drafts, time.perf_counter() - started, speculation.last_kept)
+            generation.next = list  # this step's tokens are made: mlx-lm's step does the prompts' side only
+            try:
+                prompts, responses = self._generator.next()
+            finally:
+                del generation.next
+            responses = speculated + responses
+        else:
+            prompts, responses = self._generator.next()
+            if rule is not None and width and not prompts and speculation is not None \
+                    and speculation.can_speculate(generation.uids):
+                rule.classic(width, depth, time.perf_counter() - started)
+        if speculation is not None:
+            speculation.absorb()
         snapshots = []
         for response in prompts:
             marks = self._marks.get(response.uid)
@@ -78,7 +119,7 @@ class ContinuousBatch(Generic[T]):
                 cache, held = self._generator.extract_cache([response.uid])[response.uid]
                 mx.eval([layer.state for layer in cache])  # its own arrays, not views of the batch's
                 snapshots.append((list(held), cache))
-        return Stepped([(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid], snapshots)
+        return Stepped([(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid], snapshots, drafts)
 
     def take_out(self, finished: list[tuple[T, Any]]) -> dict[int, tuple[Any, list[int]]]:
         """Remove *finished* sequences; the (cache, tokens) of each, by ``id(sequence)``, to keep.
@@ -92,8 +133,7 @@ class ContinuousBatch(Generic[T]):
         kept = {}
         for sequence, response in finished:
             uid = self._uids.pop(id(sequence))
-            self._by_uid.pop(uid, None)
-            self._marks.pop(uid, None)
+            self._forget(uid)
             kept[id(sequence)] = removed.get(uid, (response.prompt_cache, response.all_tokens))
         return kept
 
@@ -102,12 +142,17 @@ class ContinuousBatch(Generic[T]):
         uid = self._uids.pop(id(sequence), None)
         if uid is None:
             return
-        self._by_uid.pop(uid, None)
-        self._marks.pop(uid, None)
+        self._forget(uid)
         try:
             self._generator.remove([uid])
         except Exception:  # a broken generator is rebuilt by the worker anyway
             logger.debug("could not remove a sequence from the batch", exc_info=True)
+
+    def _forget(self, uid: int) -> None:
+        self._by_uid.pop(uid, None)
+        self._marks.pop(uid, None)
+        if self.speculation is not None:
+            self.speculation.leave(uid)
 
     def rebuild(self) -> None:
         """After a failed step: forget every sequence and start a fresh generator."""
@@ -115,6 +160,8 @@ class ContinuousBatch(Generic[T]):
         self._by_uid.clear()
         self._uids.clear()
         self._marks.clear()
+        if self.speculation is not None:
+            self.speculation.clear()
         self._generator = self._make()
 
     def close(self) -> None:

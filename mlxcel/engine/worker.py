@@ -109,6 +109,27 @@ class Worker:
         except Exception:
             logger.exception("could not write the prompt cache to disk")
 
+    def _batch_speculation(self, layers: list[Any]) -> tuple[Any, Any]:
+        """The batch's speculation and its rule of K, when the pairing can speculate in a batch (an exact
+        verify, a target that rolls rows back apart, caches that can) and the operator did not pin MTP off;
+        else (None, None), and the batch only ever runs the classic step."""
+        from ..models.batch_rollback import batch_rollback_supported
+        from ..models.speculative import batches
+
+        speculation, pin = self.speculation, self.settings.policy.pin
+        if speculation is None or speculation.split is None or pin is False:
+            return None, None
+        why_not = "its target cannot roll a batch's rows back apart" if not batches(speculation.target) \
+            else batch_rollback_supported(layers)
+        if why_not is not None:
+            logger.info("MTP runs for lone requests only: %s", why_not)
+            return None, None
+        from ..policy.draft_length import DraftLength
+        from .batch_speculation import BatchSpeculation
+
+        return (BatchSpeculation(self.model, speculation.target, speculation.drafter, speculation.split),
+                DraftLength(self.settings.block_size - 1, forced=pin is True))
+
     def _check_stopping(self) -> None:
         if self._stopping():
             raise LoadCancelled("stopped while loading the model")
@@ -126,10 +147,11 @@ class Worker:
         self.new_cache = loaded.new_cache
         capabilities = loaded.capabilities
         self.scheduler = Scheduler(capabilities)
+        layers = self.new_cache()
         if capabilities.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
-                                         self.settings.prefill_step_size, self.stream)
-        layers = self.new_cache()
+                                         self.settings.prefill_step_size, self.stream,
+                                         *self._batch_speculation(layers))
         self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
         self.publish_load()
         speculation = self.speculation
@@ -265,9 +287,21 @@ class Worker:
             if isinstance(processor, GrammarProcessor):
                 processor.deferring = True  # a grammar failing in the batch ends its own sequence only
         marks = snapshot_marks(sequence.request) if self._snapshots else ()
-        self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
-                          sequence.processors, marks)
+        uid = self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
+                                sequence.processors, marks)
         sequence.ever_batched = True
+        if self.batch.speculation is not None:
+            from .requests import BurstStats
+
+            speculation = self.speculation
+            drafter = solo.burst.drafter if solo is not None and solo.burst is not None else None
+            if drafter is None and sequence.drafter_state is not None and speculation is not None:
+                drafter = speculation.drafter.new_sequence(cache)  # the prompt's history the prefix cache kept
+                drafter.restore(sequence.drafter_state)
+            if sequence.burst is None:
+                sequence.burst = BurstStats()
+            self.batch.speculation.join(uid, cache, drafter, sequence.chain, sequence.burst,
+                                        eligible=not sequence.processors and not sequence.request.logprobs)
 
     def _into_batch_each(self, request_ids: Iterable[str]) -> None:
         """:meth:`_into_batch` for each; one that cannot go in fails alone."""
@@ -296,12 +330,18 @@ class Worker:
             for sequence in batch.sequences:
                 self.instrument.at("batch_step", sequence.request)
         stepped = batch.step()
+        if stepped.tokens:
+            self.observability.batch_steps.labels(drafts=str(stepped.drafts)).inc()
         for tokens, cache in stepped.snapshots:
             self.snapshot(tokens, cache, None)
         events: Events = []
-        finished: list[tuple[Sequence, Any]] = []
+        finished: dict[int, tuple[Sequence, Any]] = {}
         failed: list[tuple[Sequence, Exception]] = []
-        for sequence, response in stepped.tokens:
+        for sequence, response in stepped.tokens:  # a speculative step gives a sequence several, in order
+            if id(sequence) in finished or any(s is sequence for s, _ in failed):
+                if response.finish_reason is not None and id(sequence) in finished:
+                    finished[id(sequence)] = (sequence, response)  # the one that carries its cache
+                continue
             if (grammar := sequence.grammar_failure()) is not None:
                 failed.append((sequence, grammar))  # its token came from unmasked logits: never delivered
                 continue
@@ -314,11 +354,11 @@ class Worker:
             if delta is not None:
                 events.append((sequence.request.id, delta))
             if sequence.output.finish_reason is not None:
-                finished.append((sequence, response))
+                finished[id(sequence)] = (sequence, response)
         try:
             if finished:  # a take_out that raises leaves them in the batch, which then fails whole
-                kept = batch.take_out(finished)
-                for sequence, _ in finished:
+                kept = batch.take_out(list(finished.values()))
+                for sequence, _ in finished.values():
                     cache, tokens = kept[id(sequence)]
                     self.keep(tokens, cache)
                     self.forget(sequence)

@@ -92,6 +92,19 @@ class SpeculativeTarget(Protocol):
         ...
 
 
+class BatchTarget(SpeculativeTarget, Protocol):
+    """A target that can also roll back the rows of a batch apart (speculation inside the continuous batch)."""
+
+    def rollback_rows(self, cache: list[Any], verify: Any, kept: list[int]) -> None:
+        """Leave row i of the batch's *cache* as if only the first *kept[i]* tokens of its block had been fed."""
+        ...
+
+
+def batches(target: SpeculativeTarget) -> bool:
+    """Whether *target* can speculate inside the continuous batch (it rolls rows back apart)."""
+    return callable(getattr(target, "rollback_rows", None))
+
+
 class SequenceDrafter(Protocol):
     """One sequence's drafter state (its own cache, if it has one)."""
 

@@ -16,12 +16,14 @@ when they change).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from ...models.batch_rollback import rollback_kv_rows
 from ...models.speculative import BlockVerify, Split, split_forward
 
 
@@ -181,3 +183,25 @@ class Qwen35Target:
                 c.trim(dropped)
         for (index, _), mixer_states in zip(self.mixers, verify.states, strict=True):
             cache[index].cache = mixer_states[kept - 1].cache_arrays()
+
+    def rollback_rows(self, cache: list[Any], verify: Qwen35Verify, kept: Sequence[int]) -> None:
+        """A batch's rollback: row i back to the state after the first *kept[i]* tokens of its block.
+
+        Attention layers by :func:`~mlxcel.models.batch_rollback.rollback_kv_rows`; each gated-delta
+        mixer takes, per row, the conv window and recurrent state the verify kept after that row's last
+        kept token (copies of what the verify computed: nothing is recomputed).
+        """
+        rejected = [verify.width - k for k in kept]
+        if not any(rejected):
+            return  # the verify left every row's state after its last token already
+        for c in cache:
+            if c.is_trimmable():
+                rollback_kv_rows(c, rejected)
+        last = mx.array([k - 1 for k in kept])  # each row's last kept token, in the block
+        for (index, _), states in zip(self.mixers, verify.states, strict=True):
+            first = states[0]
+            window = last[:, None] + first.start + mx.arange(first.end - first.start)[None, :]
+            conv = mx.take_along_axis(first.conv_input, window[:, :, None], axis=1)
+            recurrent = mx.stack([s.recurrent for s in states], axis=1)  # (B, W, ...)
+            pick = last.reshape(-1, 1, *([1] * (recurrent.ndim - 2)))
+            cache[index].cache = [conv, mx.take_along_axis(recurrent, pick, axis=1).squeeze(1)]

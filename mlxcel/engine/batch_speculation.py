@@ -1,0 +1,233 @@
+"""Speculation inside the continuous batch: every row's pending token and its K drafts in one verify.
+
+mlx-lm's ``GenerationBatch`` keeps, for each row, the token it sampled last and
+has not fed yet (``_next_tokens``: the classic step feeds it, emits it and
+samples the next). A speculative step feeds that token and K drafts per row as
+one ``(B, K + 1)`` block through the family's speculative target, accepts per
+row (greedy on the device, or speculative sampling with the row's own sampling
+chain), reads the step back once, ends the rows a stop token or ``max_tokens``
+ends, rolls every row back to what it kept (``rollback_rows``), and leaves the
+batch as a classic step would have: each row's kept tokens fed and listed in
+``tokens``, its next token pending. The classic step itself is mlx-lm's,
+untouched; :class:`~.batch.ContinuousBatch` picks which runs.
+
+Each row has a drafter of its own (the family's per-sequence drafter: a solo
+burst's, handed over with its history, or a fresh one for a row the batch
+prefilled). The drafters read the target's hidden states: :class:`HiddenTap`
+runs the batch's classic steps through the target's forward (the model's own
+logits, byte for byte) and keeps each step's hidden states, which are paired
+with the token fed after them, so a drafter stays caught up while its row
+decodes classically. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+
+from ..models.speculative import DraftHead, SequenceDrafter, SpeculativeTarget, Split
+from .requests import BurstStats
+from .sampling import SamplingChain, SpeculativeSampler, log_probabilities
+
+
+@dataclass(slots=True)
+class Row:
+    """One sequence's speculation in the batch."""
+
+    drafter: SequenceDrafter
+    sampler: SpeculativeSampler | None
+    """Speculative sampling with the request's own chain; None: greedy."""
+    stats: BurstStats
+    eligible: bool
+    """Whether its request may speculate at all (no logits processors, no logprobs)."""
+    unpaired: Any = None
+    """The hidden state (1, 1, H) of its last fed token, waiting for the token fed after it."""
+    widths: set[int] = field(default_factory=set)
+    """The batch widths it speculated at."""
+
+    @property
+    def ready(self) -> bool:
+        return self.eligible and (self.drafter.ready or self.unpaired is not None)
+
+
+class HiddenTap:
+    """The model as mlx-lm's ``BatchGenerator`` calls it, keeping the hidden states of its generation steps.
+
+    A call from ``GenerationBatch._step`` (one token per row) goes through the target's ``forward``,
+    whose logits are the model's own to the bit, and its (row uids, fed tokens, hidden states) are
+    kept for :meth:`BatchSpeculation.absorb`; every other call (prompt chunks) is the model's own.
+    The caller is told apart by its frame: mlx-lm passes no other sign, and
+    ``tests/test_mlx_lm_internals.py`` fails if that seam moves.
+    """
+
+    def __init__(self, model: Any, target: SpeculativeTarget) -> None:
+        self.model = model
+        self.target = target
+        self.steps: list[tuple[list[int], Any, Any]] = []
+
+    def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
+        from mlx_lm.generate import GenerationBatch
+
+        caller = sys._getframe(1)
+        if caller.f_code is GenerationBatch._step.__code__ and not kwargs:
+            logits, hidden = self.target.forward(inputs, cache)
+            self.steps.append((list(caller.f_locals["self"].uids), inputs, hidden))
+            return logits
+        return self.model(inputs, cache=cache, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+class BatchSpeculation:
+    """The batch's rows' drafters and the speculative step."""
+
+    def __init__(self, model: Any, target: SpeculativeTarget, head: DraftHead, split: Split) -> None:
+        self.target = target
+        self.head = head
+        self.split = split
+        self.tap = HiddenTap(model, target)
+        self.rows: dict[int, Row] = {}
+        self.last_kept: list[int] = []
+        """The drafts each row kept in the last speculative step (before a stop or max_tokens cut them)."""
+
+    def join(self, uid: int, cache: list[Any], drafter: SequenceDrafter | None, chain: SamplingChain | None,
+             stats: BurstStats, eligible: bool) -> None:
+        """Row *uid* enters the batch with *cache* (its own, before the batch merges it): with the drafter it
+        burst with alone, or a fresh one that catches up from its first step in the batch."""
+        if drafter is None:
+            drafter = self.head.new_sequence(cache)
+        self.rows[uid] = Row(drafter, SpeculativeSampler(chain) if chain is not None else None, stats, eligible)
+
+    def leave(self, uid: int) -> None:
+        self.rows.pop(uid, None)
+
+    def clear(self) -> None:
+        self.rows.clear()
+        self.tap.steps.clear()
+
+    def absorb(self) -> None:
+        """Pair the classic steps' hidden states with the tokens fed after them, for every row's drafter."""
+        for uids, inputs, hidden in self.tap.steps:
+            for i, uid in enumerate(uids):
+                row = self.rows.get(uid)
+                if row is None:
+                    continue
+                if row.unpaired is not None:
+                    row.drafter.catch_up(row.unpaired, inputs[i:i + 1])
+                row.unpaired = hidden[i:i + 1]
+        self.tap.steps.clear()
+
+    def can_speculate(self, uids: Sequence[int]) -> bool:
+        """Whether a speculative step can run for these rows (each eligible, its drafter caught up)."""
+        return bool(uids) and all(uid in self.rows and self.rows[uid].ready for uid in uids)
+
+    def step(self, batch: Any, drafts: int) -> list[Any]:
+        """One speculative step of mlx-lm's ``GenerationBatch`` *batch* with *drafts* drafts per row.
+
+        Returns its ``Response``s, several per row (in order; the last of a finished row carries its
+        finish reason, its cache and its tokens), and leaves *batch* as its classic ``next`` would:
+        finished rows filtered out, every other row's next token pending.
+        """
+        started = time.perf_counter()
+        rows = [self.rows[uid] for uid in batch.uids]
+        width = len(rows)
+        pending = batch._next_tokens.astype(mx.int32)
+        blocks = []
+        for i, row in enumerate(rows):
+            if row.unpaired is not None:
+                row.drafter.catch_up(row.unpaired, pending[i:i + 1][None])
+                row.unpaired = None
+            blocks.append(row.drafter.draft(drafts).astype(mx.int32))
+        drafted = mx.concatenate(blocks, axis=0)
+        _plain_recurrent_state(batch.prompt_cache)
+        verify = self.target.verify(mx.concatenate([pending[:, None], drafted], axis=1), batch.prompt_cache,
+                                    self.split)
+        logits = verify.logits
+        # Classic decode's greedy token at every position, per row: its log-probabilities' argmax.
+        greedy = mx.stack([mx.argmax(log_probabilities(logits[:, j, :]), axis=-1) for j in range(drafts + 1)],
+                          axis=1)
+        sampled = [row.sampler(logits[i], drafted[i]) if row.sampler is not None else None
+                   for i, row in enumerate(rows)]
+        mx.eval(pending, drafted, greedy, [s for s in sampled if s is not None])
+        host_pending: list[int] = pending.tolist()  # type: ignore[assignment]
+        host_drafts: list[list[int]] = drafted.tolist()  # type: ignore[assignment]
+        host_greedy: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+
+        kept, nexts, responses, keep = [], [], [], []
+        self.last_kept = []
+        for i, row in enumerate(rows):
+            chosen = sampled[i]
+            if chosen is None:
+                accepted = 0
+                while accepted < drafts and host_drafts[i][accepted] == host_greedy[i][accepted]:
+                    accepted += 1
+                last = host_greedy[i][accepted]
+            else:
+                accepted, last = int(chosen[0].item()), int(chosen[1].item())  # type: ignore[arg-type]
+            self.last_kept.append(accepted)
+            row.stats.proposed += drafts
+            row.stats.accepted += accepted
+            row.stats.rounds += 1
+            row.widths.add(width)
+            fed = [host_pending[i], *host_drafts[i][:accepted]]
+            count, finish = _finish(batch, i, fed)
+            if count < len(fed):  # a stop token or max_tokens: the row keeps what it emitted, no more
+                fed, accepted = fed[:count], count - 1
+                last = host_greedy[i][accepted] if chosen is None else last
+            kept.append(accepted + 1)
+            nexts.append(last)
+            batch.tokens[i].extend(fed)
+            previous = batch._next_logprobs[i] if i < len(batch._next_logprobs) else None
+            scores = [previous, *(log_probabilities(logits[i:i + 1, j, :])[0] for j in range(accepted))]
+            for j, token in enumerate(fed):
+                final = j == len(fed) - 1 and finish is not None
+                responses.append(batch.Response(
+                    uid=batch.uids[i], token=token, logprobs=scores[j], finish_reason=finish if final else None,
+                    prompt_cache=None, all_tokens=batch.tokens[i] if final else None))
+            if finish is None:
+                keep.append(i)
+        self.target.rollback_rows(batch.prompt_cache, verify, kept)  # type: ignore[attr-defined]
+        for i, row in enumerate(rows):
+            if i in keep:
+                emitted = [*host_drafts[i][:kept[i] - 1], nexts[i]]
+                row.drafter.accept(verify.hidden[i:i + 1, :kept[i]], mx.array([emitted]), drafted=drafts)
+        batch._next_tokens = mx.array(nexts, dtype=pending.dtype)
+        batch._next_logprobs = [log_probabilities(logits[i:i + 1, kept[i] - 1, :])[0] for i in range(width)]
+        for response in responses:  # a finished row's cache, after its rollback
+            if response.finish_reason is not None:
+                response.prompt_cache = batch.extract_cache(batch.uids.index(response.uid))
+        if len(keep) < width:
+            batch.filter(keep)
+        elapsed = time.perf_counter() - started
+        for row in rows:
+            row.stats.round_seconds += elapsed
+        return responses
+
+
+def _finish(batch: Any, row: int, fed: list[int]) -> tuple[int, str | None]:
+    """How many of the tokens *fed* row *row* emits, and why it ends there (None: it goes on), as
+    mlx-lm's ``GenerationBatch.next`` decides for one token a step: ``max_tokens``, then a stop sequence."""
+    for count, token in enumerate(fed, start=1):
+        batch._num_tokens[row] += 1
+        finish = "length" if batch._num_tokens[row] >= batch.max_tokens[row] else None
+        if batch._matchers[row].advance(token):
+            finish = "stop"
+        if finish is not None:
+            return count, finish
+    return len(fed), None
+
+
+def _plain_recurrent_state(cache: list[Any]) -> None:
+    """A recurrent layer merged into a batch keeps a left padding that only ever drops below zero once its
+    rows are prefilled; it masks nothing, but a mask would hide the state the verify must keep per token."""
+    for layer in cache:
+        padding = getattr(layer, "left_padding", None)
+        if hasattr(layer, "cache") and padding is not None and getattr(layer, "lengths", None) is None \
+                and max(padding.tolist()) <= 0:
+            layer.left_padding = None

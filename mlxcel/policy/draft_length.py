@@ -1,0 +1,181 @@
+"""How many drafts the continuous batch verifies at each step, from this machine's measured costs.
+
+Pure Python (no MLX, no clock): the engine reports what each step cost and how
+many drafts each row kept; :meth:`DraftLength.choose` answers K for the next
+step, 0 meaning the untouched classic step. The rule (TurboSpec's goodput, with
+the classic step measured directly, never as "speculation with no drafts"):
+
+- a step's cost is kept per (batch width, context-depth band, K) as an
+  exponential moving average of its measured seconds;
+- acceptance is kept per draft position j, pooled over rows: the chance that
+  draft j is kept given drafts 1..j-1 were; a row then yields
+  E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
+- the step picks the K that maximises width x E(K) / cost(K), against
+  width / cost(0); a K not measured yet at this width and band is tried first
+  (each for :data:`TRIALS` steps) once the classic step there is known;
+- it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`);
+- when the classic step wins, or a K keeps losing to it as measured, speculation
+  parks at that width and band for a cooldown that doubles with every park (up
+  to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again; then
+  each K is measured once more.
+
+The B=1 burst's own rule (the policy's verdict and its depth limit) is left as
+it is: this decides only while two or more rows decode together.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
+FIRST_BAND_TOKENS = 1024
+#: Steps each K is measured for before the rule trusts its cost.
+TRIALS = 2
+#: Weight of the newest measurement in a cost's moving average.
+COST_WEIGHT = 0.25
+#: Switch from the K being run only when another promises this much more throughput.
+SWITCH_GAIN = 1.05
+#: A speculative step slower than the classic step by this factor counts as a loss...
+LOSS_MARGIN = 0.97
+#: ... and this many losses in a row park speculation at that width and band.
+PATIENCE = 4
+FIRST_COOLDOWN = 16
+MAX_COOLDOWN = 4096
+#: Acceptance counts decay by this factor at every speculative step, so the rule follows the traffic
+#: (about the last ten steps' rows weigh in).
+ACCEPTANCE_DECAY = 0.9
+
+
+def depth_band(depth: int) -> int:
+    """The context-depth band of *depth* tokens: 0 below 1,024, then one per doubling."""
+    return 0 if depth < FIRST_BAND_TOKENS else int(math.log2(depth / FIRST_BAND_TOKENS)) + 1
+
+
+@dataclass(slots=True)
+class _Cell:
+    """What one (width, band) has measured."""
+
+    costs: dict[int, float] = field(default_factory=dict)
+    """K -> moving average of a step's seconds (0: the classic step)."""
+    samples: dict[int, int] = field(default_factory=dict)
+    running: int = 0
+    losses: int = 0
+    parked_for: int = 0
+    cooldown: int = FIRST_COOLDOWN
+
+    def add(self, k: int, seconds: float) -> None:
+        old = self.costs.get(k)
+        self.costs[k] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
+        self.samples[k] = self.samples.get(k, 0) + 1
+
+
+class DraftLength:
+    """The per-step choice of K for a batch of *width* rows at context *depth*.
+
+    *max_drafts*: the largest K (drafts per row; the verify is K + 1 wide).
+    *forced*: always *max_drafts* (an operator's pin), still measuring.
+    """
+
+    def __init__(self, max_drafts: int, forced: bool = False) -> None:
+        if max_drafts < 1:
+            raise ValueError("max_drafts must be at least 1")
+        self.max_drafts = max_drafts
+        self.forced = forced
+        self._cells: dict[tuple[int, int], _Cell] = {}
+        self._tried = [0.0] * (max_drafts + 1)  # index j: draft j proposed with 1..j-1 kept (pooled)
+        self._kept = [0.0] * (max_drafts + 1)
+
+    # -- what the engine reports -------------------------------------------------
+
+    def classic(self, width: int, depth: int, seconds: float) -> None:
+        """A classic step of *width* rows took *seconds*."""
+        self._cell(width, depth).add(0, seconds)
+
+    def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int]) -> None:
+        """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each speculating
+        row's leading drafts accepted (rows that ran without drafts are left out)."""
+        cell = self._cell(width, depth)
+        cell.add(drafts, seconds)
+        classic = cell.costs.get(0)
+        if classic is not None and kept:
+            mean = sum(kept) / len(kept)
+            # Losing: fewer tokens per second than the classic step, for the rows that speculated.
+            if (1 + mean) / seconds < LOSS_MARGIN / classic:
+                cell.losses += 1
+                if cell.losses >= PATIENCE:
+                    self._park(cell)
+            else:
+                cell.losses = 0
+                cell.cooldown = FIRST_COOLDOWN
+        for i in range(len(self._tried)):
+            self._tried[i] *= ACCEPTANCE_DECAY
+            self._kept[i] *= ACCEPTANCE_DECAY
+        for count in kept:
+            for j in range(1, drafts + 1):
+                self._tried[j] += 1
+                if j <= count:
+                    self._kept[j] += 1
+                else:
+                    break
+
+    # -- the decision --------------------------------------------------------------
+
+    def acceptance(self, position: int) -> float:
+        """The pooled chance that draft *position* (1-based) is kept given the ones before it were
+        (a Laplace estimate: 0.5 before any data)."""
+        return (self._kept[position] + 1) / (self._tried[position] + 2)
+
+    def expected_tokens(self, drafts: int) -> float:
+        """Tokens a row yields in a step of *drafts* drafts: the ones expected kept, and the target's own."""
+        total, reach = 1.0, 1.0
+        for j in range(1, drafts + 1):
+            reach *= self.acceptance(j)
+            total += reach
+        return total
+
+    def choose(self, width: int, depth: int) -> int:
+        """K for the next step of *width* rows at context *depth* (0: the classic step)."""
+        if self.forced:
+            return self.max_drafts
+        cell = self._cell(width, depth)
+        if cell.parked_for > 0:
+            cell.parked_for -= 1
+            if cell.parked_for == 0:  # the cooldown is over: measure each K once more before trusting it
+                for k in range(1, self.max_drafts + 1):
+                    cell.samples[k] = min(cell.samples.get(k, 0), TRIALS - 1)
+            return 0
+        if cell.samples.get(0, 0) < TRIALS:
+            cell.running = 0
+            return 0  # the classic step is what everything is measured against
+        for k in range(1, self.max_drafts + 1):
+            if cell.samples.get(k, 0) < TRIALS:
+                cell.running = k
+                return k
+        best = max(range(self.max_drafts + 1), key=lambda k: self._rate(cell, k))
+        if self._rate(cell, best) > SWITCH_GAIN * self._rate(cell, cell.running):
+            cell.running = best
+        if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
+            self._park(cell)
+        return cell.running
+
+    @staticmethod
+    def _park(cell: _Cell) -> None:
+        cell.parked_for, cell.losses, cell.running = cell.cooldown, 0, 0
+        cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)
+
+    def _rate(self, cell: _Cell, k: int) -> float:
+        return self.expected_tokens(k) / cell.costs[k]
+
+    def _cell(self, width: int, depth: int) -> _Cell:
+        return self._cells.setdefault((width, depth_band(depth)), _Cell())
+
+    def table(self) -> list[dict[str, float | int]]:
+        """What has been measured, for publishing: per width and band, the K run and each K's cost."""
+        rows: list[dict[str, float | int]] = []
+        for (width, band), cell in sorted(self._cells.items()):
+            row: dict[str, float | int] = {"width": width, "depth_band": band, "drafts": cell.running}
+            row.update({f"step_seconds_k{k}": round(v, 6) for k, v in sorted(cell.costs.items())})
+            rows.append(row)
+        return rows

@@ -1,0 +1,111 @@
+"""A batch's rows rolled back apart after a speculative verify: each row as if it had fed only what it kept."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+
+from mlxcel.families.qwen3_5.target import Qwen35Target
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.models.batch_rollback import batch_rollback_supported, rollback_kv_rows
+
+pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8, 7]]
+BLOCKS = [[5, 17, 99, 42], [8, 8, 2, 11], [13, 21, 34, 55]]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen35Target, Any]:
+    path = build_mtp_checkpoint(tmp_path_factory.mktemp("batch-rollback") / "qwen35", context_scale=1.0)
+    model, _ = load(str(path))
+    return Qwen35Target(model), model
+
+
+def _row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]]:
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        mx.eval([c.state for c in cache])
+        caches.append(cache)
+    return caches
+
+
+def _batch(caches: list[list[Any]]) -> list[Any]:
+    """The rows' caches merged as mlx-lm's batch holds them (left-padded KV, stacked recurrent state)."""
+    return [type(layers[0]).merge(list(layers)) if not hasattr(layers[0], "offset")
+            else BatchKVCache.merge(list(layers)) for layers in zip(*caches, strict=True)]
+
+
+def _row_arrays(cache: list[Any], row: int) -> list[np.ndarray]:
+    """Row *row*'s state in a batch cache: its keys and values without padding, or its recurrent arrays."""
+    arrays = []
+    for layer in cache:
+        if isinstance(layer, BatchKVCache):
+            single = layer.extract(row)
+            arrays += [np.array(single.keys), np.array(single.values)]
+        else:
+            assert isinstance(layer, ArraysCache)
+            arrays += [np.array(a[row:row + 1]) for a in layer.cache]
+    return arrays
+
+
+def _chain_arrays(cache: list[Any]) -> list[np.ndarray]:
+    arrays = []
+    for layer in cache:
+        if layer.is_trimmable():
+            arrays += [np.array(layer.keys[..., :layer.offset, :]), np.array(layer.values[..., :layer.offset, :])]
+        else:
+            arrays += [np.array(a) for a in layer.cache]
+    return arrays
+
+
+@pytest.mark.parametrize("kept", [[1, 4, 2], [4, 4, 4], [2, 2, 2], [3, 1, 4]])
+def test_each_row_lands_on_its_own_chain_state(hybrid: tuple[Qwen35Target, Any], kept: list[int]) -> None:
+    target, model = hybrid
+    rows = _row_caches(model, PROMPTS)
+    batch = _batch(copy.deepcopy(rows))
+    assert batch_rollback_supported(batch) is None
+    verify = target.verify(mx.array(BLOCKS), batch, "wide")
+    target.rollback_rows(batch, verify, kept)
+    mx.eval([c.state for c in batch])
+
+    chains = copy.deepcopy(rows)
+    for chain, block, count in zip(chains, BLOCKS, kept, strict=True):
+        for token in block[:count]:
+            model(mx.array([[token]]), cache=chain)
+    for row, chain in enumerate(chains):
+        got, expected = _row_arrays(batch, row), _chain_arrays(chain)
+        assert [a.shape for a in got] == [a.shape for a in expected]  # no hole, nothing stale: the same positions
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+    # Decoding on from there: every row's next logits are its chain's, its RoPE positions included.
+    after = model(mx.array([[7], [7], [7]]), cache=batch)
+    for row, chain in enumerate(chains):
+        np.testing.assert_allclose(np.array(after[row]), np.array(model(mx.array([[7]]), cache=chain)[0]),
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_kv_layer_rolls_only_what_a_row_rejected_beyond_the_others() -> None:
+    layer = BatchKVCache([0, 0])
+    keys = mx.arange(2 * 6, dtype=mx.float32).reshape(2, 1, 6, 1)
+    layer.update_and_fetch(keys, keys)
+    rollback_kv_rows(layer, [1, 3])  # row 0 drops its last 1, row 1 its last 3
+    assert layer.size() == 5 and layer.left_padding.tolist() == [0, 2] and layer.offset.tolist() == [5, 3]
+    k, _ = layer.keys_and_values()
+    assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
+    assert k[1, 0, 2:, 0].tolist() == [6, 7, 8]  # its kept keys, right-justified; the front is padding
+
+
+def test_a_cache_that_cannot_roll_back_by_row_says_so() -> None:
+    from mlx_lm.models.cache import BatchRotatingKVCache
+
+    assert "BatchRotatingKVCache" in (batch_rollback_supported([BatchRotatingKVCache(8, [0])]) or "")

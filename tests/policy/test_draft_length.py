@@ -1,0 +1,148 @@
+"""The batch's per-step choice of K, model-free: a simulated machine with known costs and acceptance."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+import pytest
+
+from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, DraftLength, depth_band
+
+Cost = Callable[[int, int, int], float]  # (width, depth, K) -> seconds of a step
+
+
+def linear_cost(classic: float, per_draft: float, depth_cost: float = 0.0) -> Cost:
+    """A step's cost: the classic step's, plus *per_draft* per draft per row, plus a depth term that a verify
+    pays once per verified position (its attention) and a classic step once."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return classic * width ** 0.5 + per_draft * width * k + depth_cost * depth * (k + 1)
+    return cost
+
+
+def run(rule: DraftLength, cost: Cost, acceptance: Callable[[int], float], steps: int, width: int = 4,
+        depth: int = 100, seed: int = 0) -> tuple[float, list[int]]:
+    """Drive *rule* for *steps* steps; (tokens per second over the run, the K chosen at each step)."""
+    rng = random.Random(seed)
+    tokens, seconds, chosen = 0, 0.0, []
+    for step in range(steps):
+        k = rule.choose(width, depth)
+        chosen.append(k)
+        took = cost(width, depth, k)
+        if k == 0:
+            rule.classic(width, depth, took)
+            tokens += width
+        else:
+            kept = []
+            for _ in range(width):
+                count = 0
+                while count < k and rng.random() < acceptance(step):
+                    count += 1
+                kept.append(count)
+            rule.speculative(width, depth, k, took, kept)
+            tokens += width + sum(kept)
+        seconds += took
+    return tokens / seconds, chosen
+
+
+def classic_rate(cost: Cost, width: int = 4, depth: int = 100) -> float:
+    return width / cost(width, depth, 0)
+
+
+def best_fixed_rate(cost: Cost, alpha: float, max_k: int, width: int = 4, depth: int = 100) -> float:
+    def expected(k: int) -> float:
+        return sum(alpha ** j for j in range(k + 1))
+    return max(width * expected(k) / cost(width, depth, k) for k in range(max_k + 1))
+
+
+def test_a_head_that_always_agrees_runs_the_largest_k_that_pays() -> None:
+    cost = linear_cost(0.010, 0.001)
+    rate, chosen = run(DraftLength(3), cost, lambda _: 1.0, 400)
+    assert chosen[-100:] == [3] * 100
+    assert rate >= 0.95 * best_fixed_rate(cost, 1.0, 3)
+
+
+def test_a_head_that_never_agrees_parks_speculation_and_loses_almost_nothing() -> None:
+    cost = linear_cost(0.010, 0.004)
+    rate, chosen = run(DraftLength(3), cost, lambda _: 0.0, 4000)
+    assert rate >= 0.95 * classic_rate(cost)
+    assert sum(k > 0 for k in chosen[-2000:]) <= 10  # parked, re-measured rarely
+
+
+def test_drafts_that_cost_more_than_they_save_pick_a_shorter_k() -> None:
+    # Acceptance 0.6 and expensive drafts: K = 1 pays, K = 2 and 3 do not pay as much.
+    cost = linear_cost(0.010, 0.002)
+    rule = DraftLength(3)
+    rate, chosen = run(rule, cost, lambda _: 0.6, 1500)
+    expected_best = max(range(4), key=lambda k: sum(0.6 ** j for j in range(k + 1)) / cost(4, 100, k))
+    assert expected_best == 1
+    assert chosen[-200:].count(1) >= 180
+    assert rate >= 0.93 * best_fixed_rate(cost, 0.6, 3)
+
+
+def test_speculation_comes_back_when_the_drafts_start_to_agree() -> None:
+    cost = linear_cost(0.010, 0.001)
+    rule = DraftLength(3)
+    run(rule, cost, lambda _: 0.0, 300)
+    _, chosen = run(rule, cost, lambda _: 1.0, 600, seed=1)
+    assert chosen[-100:] == [3] * 100
+
+
+def test_two_nearly_equal_choices_do_not_flap() -> None:
+    # K = 2 and K = 3 yield the same tokens per second to within 1%, both far above classic and K = 1:
+    # the rule settles on one and stays.
+    def cost(width: int, depth: int, k: int) -> float:
+        return {0: 0.010, 1: 0.008, 2: 0.0095, 3: 0.01275}[k]
+    _, chosen = run(DraftLength(3), cost, lambda _: 1.0, 600)
+    assert chosen[-1] in (2, 3)
+    switches = sum(a != b for a, b in itertools.pairwise(chosen[200:]))
+    assert switches == 0
+
+
+def test_depth_bands_decide_apart() -> None:
+    # The verify pays its attention per verified position: deep contexts make speculation lose.
+    cost = linear_cost(0.002, 0.0002, depth_cost=0.000002)
+    rule = DraftLength(3)
+    for _ in range(3):  # the two bands interleave, as requests at both depths share a server
+        run(rule, cost, lambda _: 0.7, 300, depth=200)
+        run(rule, cost, lambda _: 0.7, 300, depth=16_000)
+    assert rule.choose(4, 200) > 0
+    assert rule.choose(4, 16_000) == 0
+
+
+def test_forced_always_runs_the_largest_k() -> None:
+    rule = DraftLength(4, forced=True)
+    _, chosen = run(rule, linear_cost(0.010, 0.050), lambda _: 0.0, 50)
+    assert chosen == [4] * 50
+
+
+def test_acceptance_is_per_position_and_conditional() -> None:
+    rule = DraftLength(3)
+    for _ in range(200):
+        rule.speculative(2, 0, 3, 0.01, [1, 3])  # position 1: 2 of 2 kept; 2: 1 of 2; 3: 1 of 1
+    # Laplace estimates over the last ten or so steps' rows: near the rates, shrunk towards 0.5.
+    assert rule.acceptance(1) == pytest.approx(1.0, abs=0.06)
+    assert rule.acceptance(2) == pytest.approx(0.5, abs=0.01)
+    assert rule.acceptance(3) == pytest.approx(1.0, abs=0.1)
+    assert rule.expected_tokens(0) == 1.0
+    reach = [rule.acceptance(1), rule.acceptance(1) * rule.acceptance(2)]
+    assert rule.expected_tokens(3) == pytest.approx(1 + reach[0] + reach[1] + reach[1] * rule.acceptance(3))
+
+
+def test_depth_band_edges() -> None:
+    assert [depth_band(d) for d in (0, FIRST_BAND_TOKENS - 1, FIRST_BAND_TOKENS, 2047, 2048, 8192)] == \
+        [0, 0, 1, 1, 2, 4]
+
+
+def test_the_table_says_what_was_measured() -> None:
+    rule = DraftLength(2)
+    rule.classic(3, 10, 0.02)
+    rule.speculative(3, 10, 2, 0.03, [2, 2, 1])
+    assert rule.table() == [{"width": 3, "depth_band": 0, "drafts": 0,
+                             "step_seconds_k0": 0.02, "step_seconds_k2": 0.03}]
+
+
+def test_a_rule_needs_a_draft_to_choose() -> None:
+    with pytest.raises(ValueError):
+        DraftLength(0)
