@@ -316,3 +316,49 @@ def test_the_mtp_head_builds_from_mlx_lm_parts() -> None:
     cache = head.make_cache()
     out = head(mx.zeros((1, 2, args.hidden_size)), mx.zeros((1, 2, args.hidden_size)), cache)
     assert out.shape == (1, 2, args.hidden_size) and cache[0].offset == 2
+
+
+def test_the_generation_batch_seams_batch_speculation_reads(qwen35: Any) -> None:
+    """What mlxcel/engine/batch_speculation.py reads and writes of mlx-lm's GenerationBatch: the model called
+    from ``_step`` with one token per row (told apart by its frame), ``uids``, ``tokens``, ``_next_tokens``
+    (pending, not fed), ``_next_logprobs``, ``_num_tokens``, ``max_tokens``, ``_matchers``, ``Response``,
+    ``filter``, ``extract_cache``, and ``next`` looked up on the instance by ``BatchGenerator._next``."""
+    import sys
+
+    from mlx_lm.generate import GenerationBatch
+
+    calls: list[tuple[bool, list[int], tuple[int, ...]]] = []
+
+    class Tap:
+        def __call__(self, inputs: Any, cache: Any = None) -> Any:
+            caller = sys._getframe(1)
+            from_step = caller.f_code is GenerationBatch._step.__code__
+            calls.append((from_step, list(caller.f_locals["self"].uids) if from_step else [], tuple(inputs.shape)))
+            return qwen35(inputs, cache=cache)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(qwen35, name)
+
+    generator = _generator(Tap())
+    try:
+        uids = generator.insert([[5, 17, 99], [7, 8]], max_tokens=[6, 6], samplers=[None, None])
+        while not generator._generation_batch.uids:
+            generator.next()
+        batch = generator._generation_batch
+        assert isinstance(batch, GenerationBatch) and sorted(batch.uids) == sorted(uids)
+        assert any(from_step and rows == batch.uids and shape == (2, 1) for from_step, rows, shape in calls), \
+            "GenerationBatch._step no longer calls the model with one token per row"
+        assert sorted(len(t) for t in batch.tokens) == [2, 3] and batch._next_tokens.shape == (2,)
+        assert len(batch._next_logprobs) == 2 and batch._num_tokens == [0, 0] and batch.max_tokens == [6, 6]
+        assert len(batch._matchers) == 2 and callable(batch._matchers[0].advance)
+        assert {"uid", "token", "logprobs", "finish_reason", "prompt_cache", "all_tokens"} <= \
+            set(GenerationBatch.Response.__dataclass_fields__)
+        batch.next = list  # type: ignore[method-assign]
+        try:
+            _, responses = generator.next()
+        finally:
+            del batch.next
+        assert responses == [], "BatchGenerator._next no longer calls the generation batch's next()"
+        assert callable(batch.filter) and callable(batch.extract_cache)
+    finally:
+        generator.close()

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from tests.server.conftest import running_server
+from tests.server.conftest import open_stream, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for i in range(10):",
            "x = [", "while True:"]
@@ -69,3 +69,64 @@ async def test_temperature_zero_text_is_classic_decodes_with_rows_joining_and_le
     drafted = sum(b["timings"]["draft_n"] for b in speculative)  # type: ignore[index]
     accepted = sum(b["timings"]["draft_n_accepted"] for b in speculative)  # type: ignore[index]
     assert 0 < accepted < drafted  # rows kept some drafts and rolled the others back
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+
+
+async def test_rows_that_cannot_draft_share_a_speculating_batch(partial: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A grammar row and a logprobs row decode classically beside rows that speculate (the step runs
+    # classic while they are in it); sampled rows speculate by speculative sampling with their own seeds.
+    requests: list[dict[str, object]] = [
+        {"prompt": PROMPTS[0], "max_tokens": 70, "temperature": 0},
+        {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+         "response_format": {"type": "json_schema", "json_schema": {"name": "row", "schema": SCHEMA}}},
+        {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "logprobs": 2},
+        {"prompt": PROMPTS[3], "max_tokens": 70, "temperature": 0},
+    ]
+    sampled: list[dict[str, object]] = [{"prompt": PROMPTS[4], "max_tokens": 50, "temperature": 0.8, "seed": 7},
+                                        {"prompt": PROMPTS[5], "max_tokens": 50, "temperature": 0.8, "seed": 8}]
+    classic, _ = await _serve_all(partial, monkeypatch, "0", 3, requests, 0.0)
+    speculative, steps = await _serve_all(partial, monkeypatch, "1", 3, requests, 0.0)
+    for got, expected in zip(speculative, classic, strict=True):
+        g, e = got["choices"][0], expected["choices"][0]  # type: ignore[index]
+        assert (g["text"], g["finish_reason"]) == (e["text"], e["finish_reason"])
+        if e["logprobs"] is not None:
+            # The same tokens, and their log-probabilities to the float's last bits: which rows a classic step
+            # batches together (arrival timing, in either run) moves those.
+            assert g["logprobs"]["tokens"] == e["logprobs"]["tokens"]
+            assert g["logprobs"]["token_logprobs"] == pytest.approx(e["logprobs"]["token_logprobs"], rel=1e-5)
+    assert steps.get("0", 0) > 0 and steps.get("2", 0) > 0  # classic steps while they shared it, drafts after
+    assert [b["timings"]["draft_n"] for b in speculative[1:3]] == [0, 0]  # type: ignore[index]
+
+    bodies, steps = await _serve_all(partial, monkeypatch, "1", 3, sampled, 0.0)
+    assert steps.get("2", 0) > 0
+    for body in bodies:
+        assert body["usage"]["completion_tokens"] == 50  # type: ignore[index]
+        assert body["timings"]["draft_n_accepted"] > 0  # type: ignore[index]
+
+
+async def test_a_client_that_leaves_mid_generation_leaves_the_others_exact(
+        partial: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    requests: list[dict[str, object]] = [
+        {"prompt": p, "max_tokens": 60, "temperature": 0} for p in PROMPTS[:3]]
+    classic, _ = await _serve_all(partial, monkeypatch, "0", 3, requests, 0.0)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(partial.parent / "cache-leaving"))
+    async with running_server(["--model", str(partial), "--mtp", "--parallel", "4", "--metrics"]) as url:
+        async def leaver() -> None:
+            stream = await open_stream(url, "/v1/completions", {"prompt": PROMPTS[4], "max_tokens": 400,
+                                                                 "temperature": 0, "stream": True})
+            await trio.sleep(0.3)  # while the batch speculates
+            await stream.aclose()  # gone mid-generation
+
+        bodies: list[dict[str, object]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(leaver)
+            bodies = await _at_once(url, requests)
+        assert (await _steps(url)).get("2", 0) > 0
+        after = await _at_once(url, requests[:1])  # and the server goes on
+    assert [b["choices"][0]["text"] for b in bodies] == [b["choices"][0]["text"] for b in classic]  # type: ignore[index]
+    assert after[0]["choices"][0]["text"] == classic[0]["choices"][0]["text"]  # type: ignore[index]

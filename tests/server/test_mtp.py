@@ -141,7 +141,8 @@ async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
                                                        lambda: _complete(client, url, PROMPTS[1], 30))
         assert "mlxcel_solo_handoffs_total 1.0" in (await client.get(f"{url}/metrics")).text
     assert interrupted == alone["choices"][0]["text"]  # type: ignore[index]
-    assert second["timings"]["draft_n"] == 0  # type: ignore[index]  # served in the batch
+    # Served in the batch, which speculates too (MTP pinned on): its drafter caught up from its first steps there.
+    assert second["timings"]["draft_n"] > 0  # type: ignore[index]
 
 
 @pytest.mark.slow

@@ -1,0 +1,129 @@
+"""MTP inside the continuous batch: aggregate tokens/s with ``--mtp`` over without, at several widths.
+
+    python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
+        [--layers 24 --hidden 1024] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always] [--against-mlx-lm]
+
+For each width N, N greedy completions sent at once to each server in turn
+(rounds alternating between them, all servers up side by side in one run):
+``off`` serves the checkpoint without ``--mtp`` (mlx-lm's classic batched step
+only), ``on`` with ``--mtp`` and no pin (the per-step rule picks K, parking
+speculation where it loses), and with ``--always`` also ``always`` (MTP pinned
+on: K - 1 drafts at every step that can draft). Prints the median aggregate
+tokens/s of each (completion tokens over the round's wall time), the ratios,
+and the steps the ``on`` server took at each K (its ``/metrics``). The regret
+of the rule is ``on`` against the better of ``off`` and ``always``. With
+``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
+fourth column. ``--depth N`` starts every prompt with the same N tokens of words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import httpx  # noqa: E402
+
+from benchmarks._common import median, mlx_lm_server, mtp_model, server, words  # noqa: E402
+
+PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
+           "def dedent(text):", "if __name__ == '__main__':", "x = {}", "    return", "while True:",
+           "try:", "with open(path) as f:", "import re", "def main():", "@property", "raise ValueError(",
+           "async def fetch(url):"]
+
+
+def one(client: httpx.Client, url: str, prompt: str, tokens: int, model: str | None) -> int:
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, **({"model": model} if model else {})}
+    response = client.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    return int(response.json()["usage"]["completion_tokens"])
+
+
+def aggregate(client: httpx.Client, url: str, prompts: list[str], tokens: int, model: str | None = None) -> float:
+    """Completion tokens per second of *prompts* sent at once."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        start = time.perf_counter()
+        total = sum(pool.map(lambda p: one(client, url, p, tokens, model), prompts))
+        return total / (time.perf_counter() - start)
+
+
+def steps_by_k(client: httpx.Client, url: str) -> dict[int, int]:
+    text = client.get(f"{url}/metrics").text
+    return {int(m[1]): int(float(m[2]))
+            for m in re.finditer(r'^mlxcel_batch_steps_total\{drafts="(\d+)"\} (\S+)$', text, re.M)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", type=Path, help="a checkpoint with an in-checkpoint MTP head "
+                        "(default: a synthetic pairing built from --drafter and --context)")
+    parser.add_argument("--drafter", default="aligned", choices=["aligned", "random"])
+    parser.add_argument("--context", type=float, default=0.0,
+                        help="target's context dependence (0: the head always agrees)")
+    parser.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--k", type=int, default=4, help="verify width (drafts per row: K - 1)")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--depth", type=int, default=0, help="tokens of context before every prompt")
+    parser.add_argument("--always", action="store_true", help="also MTP pinned on (for the rule's regret)")
+    parser.add_argument("--against-mlx-lm", action="store_true")
+    args = parser.parse_args()
+    positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
+    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions)
+    prompts = list(PROMPTS)
+    if args.depth:
+        import random
+
+        from transformers import AutoTokenizer
+
+        filler = words(AutoTokenizer.from_pretrained(model), args.depth, random.Random(0))
+        prompts = [filler + "\n" + prompt for prompt in prompts]
+    widest = max(args.streams)
+    env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}
+    print(f"model: {model.name}, K = {args.k}, {args.tokens} tokens a request, {args.rounds} rounds"
+          f"{f', after {args.depth} tokens of context' if args.depth else ''}")
+    with ExitStack() as stack:
+        urls = {"off": stack.enter_context(server(model, "--parallel", str(widest), env=env)),
+                "on": stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics", env=env))}
+        if args.always:
+            urls["always"] = stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics",
+                                                        env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}))
+        if args.against_mlx_lm:
+            urls["mlx_lm"] = stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))
+        client = stack.enter_context(httpx.Client(timeout=7200))
+        for side, url in urls.items():  # compile and fill caches before anything is timed
+            aggregate(client, url, prompts[:2], 8, str(model) if side == "mlx_lm" else None)
+        print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
+              + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
+              + "  steps by K (on)")
+        for streams in args.streams:
+            batch = [prompts[i % len(prompts)] for i in range(streams)]
+            before = steps_by_k(client, urls["on"])
+            rates: dict[str, list[float]] = {side: [] for side in urls}
+            for _ in range(args.rounds):
+                for side, url in urls.items():
+                    rates[side].append(aggregate(client, url, batch, args.tokens,
+                                                 str(model) if side == "mlx_lm" else None))
+            after = steps_by_k(client, urls["on"])
+            steps = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)}
+            mid = {side: median(values) for side, values in rates.items()}
+            line = f"{streams:>7} " + " ".join(f"{mid[side]:>9.1f}" for side in urls) + \
+                f" {mid['on'] / mid['off']:>7.2f}"
+            if args.always:
+                line += f" {mid['on'] / max(mid['off'], mid['always']):>7.2f}"
+            if args.against_mlx_lm:
+                line += f" {mid['on'] / mid['mlx_lm']:>7.2f}"
+            print(line + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
+
+
+if __name__ == "__main__":
+    main()
