@@ -11,13 +11,13 @@ batch as a classic step would have: each row's kept tokens fed and listed in
 ``tokens``, its next token pending. The classic step itself is mlx-lm's,
 untouched; :class:`~.batch.ContinuousBatch` picks which runs.
 
-Each row has a drafter of its own (the family's per-sequence drafter: a solo
-burst's, handed over with its history, or a fresh one for a row the batch
-prefilled). The drafters read the target's hidden states: :class:`HiddenTap`
-runs the batch's classic steps through the target's forward (the model's own
-logits, byte for byte) and keeps each step's hidden states, which are paired
-with the token fed after them, so a drafter stays caught up while its row
-decodes classically. Worker thread only.
+The rows draft together (the head's ``new_batch``: one head forward per draft
+for every row), each from its own history: a solo burst's drafter hands its
+state over, a row the batch prefilled starts fresh. The drafter reads the
+target's hidden states: :class:`HiddenTap` runs the batch's classic steps
+through the target's forward (the model's own logits, byte for byte) and keeps
+each step's hidden states, which are paired with the token fed after them, so
+a row's drafter stays caught up while it decodes classically. Worker thread only.
 """
 
 from __future__ import annotations
@@ -30,16 +30,18 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..models.speculative import DraftHead, SequenceDrafter, SpeculativeTarget, Split
+from ..models.speculative import BatchDraftHead, SequenceDrafter, SpeculativeTarget, Split
 from .requests import BurstStats
 from .sampling import SamplingChain, SpeculativeSampler, log_probabilities
+
+#: A row's drafter reads its queued hidden states once it holds this many (while the batch runs classic steps).
+SETTLE_EVERY = 64
 
 
 @dataclass(slots=True)
 class Row:
     """One sequence's speculation in the batch."""
 
-    drafter: SequenceDrafter
     sampler: SpeculativeSampler | None
     """Speculative sampling with the request's own chain; None: greedy."""
     stats: BurstStats
@@ -50,9 +52,6 @@ class Row:
     widths: set[int] = field(default_factory=set)
     """The batch widths it speculated at."""
 
-    @property
-    def ready(self) -> bool:
-        return self.eligible and (self.drafter.ready or self.unpaired is not None)
 
 
 class HiddenTap:
@@ -87,28 +86,29 @@ class HiddenTap:
 class BatchSpeculation:
     """The batch's rows' drafters and the speculative step."""
 
-    def __init__(self, model: Any, target: SpeculativeTarget, head: DraftHead, split: Split) -> None:
+    def __init__(self, model: Any, target: SpeculativeTarget, head: BatchDraftHead, split: Split) -> None:
         self.target = target
-        self.head = head
+        self.drafts = head.new_batch()
         self.split = split
         self.tap = HiddenTap(model, target)
         self.rows: dict[int, Row] = {}
         self.last_kept: list[int] = []
         """The drafts each row kept in the last speculative step (before a stop or max_tokens cut them)."""
 
-    def join(self, uid: int, cache: list[Any], drafter: SequenceDrafter | None, chain: SamplingChain | None,
-             stats: BurstStats, eligible: bool) -> None:
-        """Row *uid* enters the batch with *cache* (its own, before the batch merges it): with the drafter it
-        burst with alone, or a fresh one that catches up from its first step in the batch."""
-        if drafter is None:
-            drafter = self.head.new_sequence(cache)
-        self.rows[uid] = Row(drafter, SpeculativeSampler(chain) if chain is not None else None, stats, eligible)
+    def join(self, uid: int, drafter: SequenceDrafter | None, chain: SamplingChain | None, stats: BurstStats,
+             eligible: bool) -> None:
+        """Row *uid* enters the batch: with the drafter it burst with alone (its history), or none (it catches
+        up from its first step in the batch)."""
+        self.drafts.join(uid, drafter)
+        self.rows[uid] = Row(SpeculativeSampler(chain) if chain is not None else None, stats, eligible)
 
     def leave(self, uid: int) -> None:
         self.rows.pop(uid, None)
+        self.drafts.leave(uid)
 
     def clear(self) -> None:
-        self.rows.clear()
+        for uid in list(self.rows):
+            self.leave(uid)
         self.tap.steps.clear()
 
     def absorb(self) -> None:
@@ -119,13 +119,17 @@ class BatchSpeculation:
                 if row is None:
                     continue
                 if row.unpaired is not None:
-                    row.drafter.catch_up(row.unpaired, inputs[i:i + 1])
+                    self.drafts.catch_up(uid, row.unpaired, inputs[i:i + 1])
                 row.unpaired = hidden[i:i + 1]
+            if any(self.drafts.pending(uid) >= SETTLE_EVERY for uid in uids):
+                mx.async_eval(self.drafts.settle(uids))  # bounded: queued hidden states are read in chunks
         self.tap.steps.clear()
 
     def can_speculate(self, uids: Sequence[int]) -> bool:
         """Whether a speculative step can run for these rows (each eligible, its drafter caught up)."""
-        return bool(uids) and all(uid in self.rows and self.rows[uid].ready for uid in uids)
+        return bool(uids) and all(
+            uid in self.rows and self.rows[uid].eligible
+            and (self.drafts.ready(uid) or self.rows[uid].unpaired is not None) for uid in uids)
 
     def step(self, batch: Any, drafts: int) -> list[Any]:
         """One speculative step of mlx-lm's ``GenerationBatch`` *batch* with *drafts* drafts per row.
@@ -137,14 +141,13 @@ class BatchSpeculation:
         started = time.perf_counter()
         rows = [self.rows[uid] for uid in batch.uids]
         width = len(rows)
+        uids = list(batch.uids)
         pending = batch._next_tokens.astype(mx.int32)
-        blocks = []
         for i, row in enumerate(rows):
             if row.unpaired is not None:
-                row.drafter.catch_up(row.unpaired, pending[i:i + 1][None])
+                self.drafts.catch_up(uids[i], row.unpaired, pending[i:i + 1][None])
                 row.unpaired = None
-            blocks.append(row.drafter.draft(drafts).astype(mx.int32))
-        drafted = mx.concatenate(blocks, axis=0)
+        drafted = self.drafts.draft(uids, drafts).astype(mx.int32)
         _plain_recurrent_state(batch.prompt_cache)
         verify = self.target.verify(mx.concatenate([pending[:, None], drafted], axis=1), batch.prompt_cache,
                                     self.split)
@@ -183,22 +186,23 @@ class BatchSpeculation:
             kept.append(accepted + 1)
             nexts.append(last)
             batch.tokens[i].extend(fed)
+            # A speculating row asked for no logprobs: its pending token's (the classic step's) is passed on alone.
             previous = batch._next_logprobs[i] if i < len(batch._next_logprobs) else None
-            scores = [previous, *(log_probabilities(logits[i:i + 1, j, :])[0] for j in range(accepted))]
             for j, token in enumerate(fed):
                 final = j == len(fed) - 1 and finish is not None
                 responses.append(batch.Response(
-                    uid=batch.uids[i], token=token, logprobs=scores[j], finish_reason=finish if final else None,
-                    prompt_cache=None, all_tokens=batch.tokens[i] if final else None))
+                    uid=batch.uids[i], token=token, logprobs=previous if j == 0 else None,
+                    finish_reason=finish if final else None, prompt_cache=None,
+                    all_tokens=batch.tokens[i] if final else None))
             if finish is None:
                 keep.append(i)
         self.target.rollback_rows(batch.prompt_cache, verify, kept)  # type: ignore[attr-defined]
-        for i, row in enumerate(rows):
-            if i in keep:
-                emitted = [*host_drafts[i][:kept[i] - 1], nexts[i]]
-                row.drafter.accept(verify.hidden[i:i + 1, :kept[i]], mx.array([emitted]), drafted=drafts)
+        # Each row's kept positions, with the token after each: its kept drafts, then its next token.
+        after = [[*host_drafts[i][:kept[i] - 1], nexts[i], *[0] * (drafts + 1 - kept[i])] for i in range(width)]
+        self.drafts.accept(uids, verify.hidden, mx.array(after, dtype=mx.int32), kept, drafted=drafts)
         batch._next_tokens = mx.array(nexts, dtype=pending.dtype)
-        batch._next_logprobs = [log_probabilities(logits[i:i + 1, kept[i] - 1, :])[0] for i in range(width)]
+        ends = mx.array([k - 1 for k in kept])[:, None, None]
+        batch._next_logprobs = list(log_probabilities(mx.take_along_axis(logits, ends, axis=1)[:, 0, :]))
         for response in responses:  # a finished row's cache, after its rollback
             if response.finish_reason is not None:
                 response.prompt_cache = batch.extract_cache(batch.uids.index(response.uid))

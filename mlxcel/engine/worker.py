@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import trio
 
@@ -114,12 +114,13 @@ class Worker:
         verify, a target that rolls rows back apart, caches that can) and the operator did not pin MTP off;
         else (None, None), and the batch only ever runs the classic step."""
         from ..models.batch_rollback import batch_rollback_supported
-        from ..models.speculative import batches
+        from ..models.speculative import BatchDraftHead, batch_drafting, batches
 
         speculation, pin = self.speculation, self.settings.policy.pin
         if speculation is None or speculation.split is None or pin is False:
             return None, None
         why_not = "its target cannot roll a batch's rows back apart" if not batches(speculation.target) \
+            else "its drafter cannot draft for a batch's rows at once" if not batch_drafting(speculation.drafter) \
             else batch_rollback_supported(layers)
         if why_not is not None:
             logger.info("MTP runs for lone requests only: %s", why_not)
@@ -127,7 +128,8 @@ class Worker:
         from ..policy.draft_length import DraftLength
         from .batch_speculation import BatchSpeculation
 
-        return (BatchSpeculation(self.model, speculation.target, speculation.drafter, speculation.split),
+        head = cast("BatchDraftHead", speculation.drafter)  # batch_drafting(...) said so
+        return (BatchSpeculation(self.model, speculation.target, head, speculation.split),
                 DraftLength(self.settings.block_size - 1, forced=pin is True))
 
     def _check_stopping(self) -> None:
@@ -300,7 +302,7 @@ class Worker:
                 drafter.restore(sequence.drafter_state)
             if sequence.burst is None:
                 sequence.burst = BurstStats()
-            self.batch.speculation.join(uid, cache, drafter, sequence.chain, sequence.burst,
+            self.batch.speculation.join(uid, drafter, sequence.chain, sequence.burst,
                                         eligible=not sequence.processors and not sequence.request.logprobs)
 
     def _into_batch_each(self, request_ids: Iterable[str]) -> None:

@@ -153,6 +153,53 @@ class DraftHead(Protocol):
         ...
 
 
+class BatchDrafter(Protocol):
+    """The drafter of a continuous batch's rows, drafting for all of them at once. Rows are named by the
+    batch's uids; every call that takes *uids* takes them in the batch's row order."""
+
+    def join(self, uid: int, sequence: Any) -> None:
+        """Row *uid* joins, with the state of the :class:`SequenceDrafter` it ran with alone, or None."""
+        ...
+
+    def leave(self, uid: int) -> None: ...
+
+    def ready(self, uid: int) -> bool:
+        """Whether row *uid* has a target hidden state to draft from."""
+        ...
+
+    def pending(self, uid: int) -> int:
+        """Positions queued for row *uid* and not read yet."""
+        ...
+
+    def catch_up(self, uid: int, hidden: Any, tokens: Any) -> None:
+        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S)."""
+        ...
+
+    def settle(self, uids: list[int]) -> list[Any]:
+        """Read what is queued now; the arrays to evaluate."""
+        ...
+
+    def draft(self, uids: list[int], count: int) -> Any:
+        """*count* greedy drafts per row, (B, count), on device."""
+        ...
+
+    def accept(self, uids: list[int], hidden: Any, tokens: Any, kept: list[int], drafted: int) -> None:
+        """After a step of *drafted* drafts per row: row i kept the first *kept[i]* positions of *hidden*
+        (B, W, H), each followed by the token at that place of *tokens* (B, W)."""
+        ...
+
+
+class BatchDraftHead(DraftHead, Protocol):
+    """A drafter that can also draft for a batch's rows at once."""
+
+    def new_batch(self) -> BatchDrafter: ...
+
+
+def batch_drafting(head: DraftHead) -> bool:
+    """Whether *head* can draft for a continuous batch's rows at once."""
+    return callable(getattr(head, "new_batch", None))
+
+
 def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
     """The family's target adapter around the loaded mlx-lm *model* (:mod:`mlxcel.families`)."""
     from ..families import family

@@ -23,7 +23,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
 
-from ...models.drafters.own_cache import OwnCacheSequence
+from ...models.drafters.own_cache import OwnCacheBatch, OwnCacheSequence
 
 #: 1-D weights Hugging Face stores zero-centred (the model adds 1 at run time).
 NORM_SUFFIXES = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
@@ -145,3 +145,6 @@ class Qwen35Drafter:
     def new_sequence(self, cache: list[Any]) -> OwnCacheSequence:
         del cache  # the head keeps a cache of its own
         return OwnCacheSequence(self)
+
+    def new_batch(self) -> OwnCacheBatch:
+        return OwnCacheBatch(self)

@@ -64,3 +64,139 @@ class OwnCacheSequence:
     def restore(self, state: Any) -> None:
         self._cache, self._last = copy.deepcopy(state)
         self._pending = []
+
+
+class OwnCacheBatch:
+    """The rows of a continuous batch drafting together with a head that keeps a KV cache of its own.
+
+    The rows' head caches are merged as mlx-lm merges a batch's (``BatchKVCache``:
+    left-padded, one shared index), in the order of the batch's rows, and merged
+    again only when the rows change. Each row's unread (hidden, token) pairs are
+    read in one head forward for all rows, right-padded to the longest as mlx-lm
+    pads a batch of prompts; then K - 1 chained steps draft for every row at
+    once. A row joins with the state of the drafter it ran with alone
+    (:class:`OwnCacheSequence`), or none.
+    """
+
+    def __init__(self, drafter: Any) -> None:
+        self._drafter = drafter
+        self._uids: list[int] = []
+        self._cache: list[Any] = []
+        self._last: mx.array | None = None
+        """(B, 1, H): each row's head output at the last position it read (zeros where none yet)."""
+        self._pending: dict[int, list[tuple[mx.array, mx.array]]] = {}
+        self._joining: dict[int, OwnCacheSequence] = {}
+        self._read: set[int] = set()
+        """Rows whose last output is a real one (they have read a target hidden state)."""
+
+    def join(self, uid: int, sequence: OwnCacheSequence | None) -> None:
+        sequence = sequence if sequence is not None else OwnCacheSequence(self._drafter)
+        self._joining[uid] = sequence
+        self._pending[uid] = list(sequence._pending)
+        sequence._pending = []
+        if sequence._last is not None:
+            self._read.add(uid)
+
+    def leave(self, uid: int) -> None:
+        self._joining.pop(uid, None)
+        self._pending.pop(uid, None)
+        self._read.discard(uid)
+
+    def ready(self, uid: int) -> bool:
+        """Whether row *uid* has read, or can read, a target hidden state to draft from."""
+        return uid in self._read or bool(self._pending.get(uid))
+
+    def pending(self, uid: int) -> int:
+        return sum(t.shape[1] for _, t in self._pending.get(uid, ()))
+
+    def catch_up(self, uid: int, hidden: mx.array, tokens: mx.array) -> None:
+        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S), read at the next draft."""
+        if uid in self._pending:
+            self._pending[uid].append((hidden, tokens))
+
+    def draft(self, uids: list[int], count: int) -> mx.array:
+        """*count* greedy drafts for each row of *uids* (the batch's order), (B, count), on device."""
+        d = self._drafter
+        self._settle(uids)
+        assert self._last is not None
+        out = self._last
+        drafts = [mx.argmax(d.lm_head(out), axis=-1)]
+        for _ in range(count - 1):
+            out = d.head(d.embed(drafts[-1]), out, self._cache)
+            drafts.append(mx.argmax(d.lm_head(out), axis=-1))
+        return mx.concatenate(drafts, axis=1)
+
+    def accept(self, uids: list[int], hidden: mx.array, tokens: mx.array, kept: list[int], drafted: int) -> None:
+        """After a step that drafted *drafted* per row: forget the chains, queue each row's kept positions
+        (*hidden* (B, W, H) and the tokens after them, *tokens* (B, W); the first *kept[i]* of row i)."""
+        if drafted > 1:
+            for layer in self._cache:
+                layer.trim(drafted - 1)
+        for i, uid in enumerate(uids):
+            if uid in self._pending:
+                self._pending[uid].append((hidden[i:i + 1, :kept[i]], tokens[i:i + 1, :kept[i]]))
+
+    def settle(self, uids: list[int]) -> list[mx.array]:
+        """Read every row's queued pairs now (a bound on what they hold while the batch does not draft)."""
+        self._settle(uids)
+        return [self._last] if self._last is not None else []
+
+    def _settle(self, uids: list[int]) -> None:
+        from mlx_lm.models.cache import BatchKVCache
+
+        d = self._drafter
+        if uids != self._uids or any(uid in self._joining for uid in uids):
+            self._merge(uids)
+        counts = [self.pending(uid) for uid in uids]
+        longest = max(counts, default=0)
+        if longest == 0:
+            return
+        read: dict[int, tuple[mx.array, mx.array]] = {}
+        for uid in uids:
+            pairs, self._pending[uid] = self._pending[uid], []
+            if pairs:
+                read[uid] = (mx.concatenate([h for h, _ in pairs], axis=1),
+                             mx.concatenate([t for _, t in pairs], axis=1).astype(mx.int32))
+        like = next(iter(read.values()))[0]
+        hiddens, tokens = [], []
+        for uid, count in zip(uids, counts, strict=True):
+            pad = longest - count
+            h, t = read.get(uid, (mx.zeros((1, 0, like.shape[-1]), like.dtype), mx.zeros((1, 0), mx.int32)))
+            hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
+            tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
+            if count:
+                self._read.add(uid)
+        padding = [longest - c for c in counts]
+        if any(padding):  # mlx-lm's right-padded batch of prompts: the padding ends up as each row's left padding
+            for layer in self._cache:
+                assert isinstance(layer, BatchKVCache)
+                layer.prepare(right_padding=padding)
+        out = d.head(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0), self._cache)
+        if any(padding):
+            for layer in self._cache:
+                layer.finalize()
+        counts_array = mx.array(counts)
+        last = mx.take_along_axis(out, mx.maximum(counts_array - 1, 0)[:, None, None], axis=1)
+        if self._last is not None:
+            last = mx.where((counts_array > 0)[:, None, None], last, self._last)
+        self._last = last
+
+    def _merge(self, uids: list[int]) -> None:
+        """The head caches and last outputs of *uids*, in that order, as one batch."""
+        from mlx_lm.models.cache import BatchKVCache
+
+        rows: list[tuple[list[Any], mx.array | None]] = []
+        for uid in uids:
+            if uid in self._joining:
+                sequence = self._joining.pop(uid)
+                rows.append((sequence._cache, sequence._last))
+            else:
+                at = self._uids.index(uid)
+                assert self._last is not None
+                rows.append(([layer.extract(at) for layer in self._cache], self._last[at:at + 1]))
+        self._uids = list(uids)
+        self._cache = [BatchKVCache.merge([row[0][i] for row in rows]) for i in range(len(rows[0][0]))]
+        lasts = [last for _, last in rows]
+        known = next((last for last in lasts if last is not None), None)
+        self._last = None if known is None else mx.concatenate(
+            [last if last is not None else mx.zeros_like(known) for last in lasts], axis=0)
