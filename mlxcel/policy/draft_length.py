@@ -13,7 +13,9 @@ the classic step measured directly, never as "speculation with no drafts"):
 - the step picks the K that maximises width x E(K) / cost(K), against
   width / cost(0); a K not measured yet at this width and band is tried first
   (each for :data:`TRIALS` steps) once the classic step there is known;
-- it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`);
+- it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`),
+  and every :data:`LOOK_AROUND` steps measures a neighbouring K once, so the
+  costs it compares stay current;
 - when the classic step wins, or a K keeps losing to it as measured, speculation
   parks at that width and band for a cooldown that doubles with every park (up
   to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again; then
@@ -33,6 +35,9 @@ from dataclasses import dataclass, field
 FIRST_BAND_TOKENS = 1024
 #: Steps each K is measured for before the rule trusts its cost.
 TRIALS = 2
+#: Every this many steps at a K (sooner in a cell's first steps), one step at a neighbouring K keeps its
+#: cost current.
+LOOK_AROUND = 32
 #: Weight of the newest measurement in a cost's moving average.
 COST_WEIGHT = 0.25
 #: Switch from the K being run only when another promises this much more throughput.
@@ -43,8 +48,8 @@ LOSS_MARGIN = 0.97
 PATIENCE = 4
 FIRST_COOLDOWN = 16
 MAX_COOLDOWN = 4096
-#: Acceptance counts decay by this factor at every speculative step, so the rule follows the traffic
-#: (about the last ten steps' rows weigh in).
+#: A draft position's acceptance counts decay by this factor at every step that drafts it, so the rule
+#: follows the traffic (about the last ten such steps' rows weigh in).
 ACCEPTANCE_DECAY = 0.9
 
 
@@ -61,14 +66,20 @@ class _Cell:
     """K -> moving average of a step's seconds (0: the classic step)."""
     samples: dict[int, int] = field(default_factory=dict)
     running: int = 0
+    steps: int = 0
+    """Steps chosen here since the last look at a neighbour of the K being run."""
+    looked: int = 0
+    """Which neighbour was looked at last (1: the larger K)."""
+    looks: int = 0
     losses: int = 0
     parked_for: int = 0
     cooldown: int = FIRST_COOLDOWN
 
     def add(self, k: int, seconds: float) -> None:
-        old = self.costs.get(k)
-        self.costs[k] = seconds if old is None else old + COST_WEIGHT * (seconds - old)
-        self.samples[k] = self.samples.get(k, 0) + 1
+        old, count = self.costs.get(k), self.samples.get(k, 0)
+        # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
+        self.costs[k] = seconds if old is None or count < TRIALS else old + COST_WEIGHT * (seconds - old)
+        self.samples[k] = count + 1
 
 
 class DraftLength:
@@ -109,9 +120,9 @@ class DraftLength:
             else:
                 cell.losses = 0
                 cell.cooldown = FIRST_COOLDOWN
-        for i in range(len(self._tried)):
-            self._tried[i] *= ACCEPTANCE_DECAY
-            self._kept[i] *= ACCEPTANCE_DECAY
+        for j in range(1, drafts + 1):  # only the positions this step drafted: the others keep what they knew
+            self._tried[j] *= ACCEPTANCE_DECAY
+            self._kept[j] *= ACCEPTANCE_DECAY
         for count in kept:
             for j in range(1, drafts + 1):
                 self._tried[j] += 1
@@ -158,6 +169,16 @@ class DraftLength:
             cell.running = best
         if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
             self._park(cell)
+            return 0
+        cell.steps += 1
+        # The Ks not run go stale (and a cell's first measurements are its noisiest: a new shape's one-off
+        # work): measure a neighbour of the K run, once, after 8 steps, then 16, then every LOOK_AROUND.
+        if cell.steps >= min(LOOK_AROUND, 8 << cell.looks):
+            cell.steps, cell.looks = 0, cell.looks + 1
+            cell.looked = 1 - cell.looked
+            neighbour = cell.running + (1 if cell.looked else -1)
+            if 1 <= neighbour <= self.max_drafts:
+                return neighbour
         return cell.running
 
     @staticmethod

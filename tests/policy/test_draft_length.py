@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import random
 from collections.abc import Callable
 
 import pytest
 
-from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, DraftLength, depth_band
+from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, LOOK_AROUND, DraftLength, depth_band
 
 Cost = Callable[[int, int, int], float]  # (width, depth, K) -> seconds of a step
 
@@ -59,7 +58,7 @@ def best_fixed_rate(cost: Cost, alpha: float, max_k: int, width: int = 4, depth:
 def test_a_head_that_always_agrees_runs_the_largest_k_that_pays() -> None:
     cost = linear_cost(0.010, 0.001)
     rate, chosen = run(DraftLength(3), cost, lambda _: 1.0, 400)
-    assert chosen[-100:] == [3] * 100
+    assert chosen[-100:].count(3) >= 100 - 100 // LOOK_AROUND - 1
     assert rate >= 0.95 * best_fixed_rate(cost, 1.0, 3)
 
 
@@ -86,7 +85,7 @@ def test_speculation_comes_back_when_the_drafts_start_to_agree() -> None:
     rule = DraftLength(3)
     run(rule, cost, lambda _: 0.0, 300)
     _, chosen = run(rule, cost, lambda _: 1.0, 600, seed=1)
-    assert chosen[-100:] == [3] * 100
+    assert chosen[-100:].count(3) >= 100 - 100 // LOOK_AROUND - 1
 
 
 def test_two_nearly_equal_choices_do_not_flap() -> None:
@@ -95,9 +94,9 @@ def test_two_nearly_equal_choices_do_not_flap() -> None:
     def cost(width: int, depth: int, k: int) -> float:
         return {0: 0.010, 1: 0.008, 2: 0.0095, 3: 0.01275}[k]
     _, chosen = run(DraftLength(3), cost, lambda _: 1.0, 600)
-    assert chosen[-1] in (2, 3)
-    switches = sum(a != b for a, b in itertools.pairwise(chosen[200:]))
-    assert switches == 0
+    settled = max((2, 3), key=chosen[200:].count)
+    # Apart from a look at a neighbouring K every LOOK_AROUND steps, it stays.
+    assert len(chosen[200:]) - chosen[200:].count(settled) <= 400 // LOOK_AROUND + 2
 
 
 def test_depth_bands_decide_apart() -> None:
@@ -146,3 +145,27 @@ def test_the_table_says_what_was_measured() -> None:
 def test_a_rule_needs_a_draft_to_choose() -> None:
     with pytest.raises(ValueError):
         DraftLength(0)
+
+
+def test_a_slow_first_measurement_does_not_lock_a_k_out() -> None:
+    # The first step at each K costs ten times its due (a new shape's one-off work, as on a fresh server),
+    # and K = 3 later runs slower for a while: the rule still ends on the K that pays.
+    base = linear_cost(0.010, 0.001)
+    seen: set[int] = set()
+
+    def cost(width: int, depth: int, k: int) -> float:
+        first = k not in seen
+        seen.add(k)
+        return base(width, depth, k) * (10 if first else 1)
+    _, chosen = run(DraftLength(3), cost, lambda _: 1.0, 400)
+    assert chosen[-100:].count(3) >= 100 - 100 // LOOK_AROUND - 1
+
+
+def test_positions_not_drafted_keep_what_was_learnt_of_them() -> None:
+    rule = DraftLength(3)
+    for _ in range(20):
+        rule.speculative(2, 0, 3, 0.01, [3, 3])
+    learnt = rule.acceptance(3)
+    for _ in range(50):
+        rule.speculative(2, 0, 1, 0.01, [1, 1])  # K = 1 for a while: position 3 is not drafted
+    assert rule.acceptance(3) == learnt > 0.9
