@@ -122,6 +122,30 @@ def _headline(body: dict[str, Any]) -> list[str]:
     return [NO_VERDICT]
 
 
+def _batch(body: dict[str, Any]) -> str | None:
+    """One line on speculation inside the continuous batch, if the body says anything of it."""
+    batch = body.get("batch")
+    if not isinstance(batch, dict) or not isinstance(batch.get("speculates"), bool):
+        return None
+    if not batch["speculates"]:
+        reason = batch.get("reason")
+        return "in the batch: classic decode" + (f" ({reason})" if isinstance(reason, str) and reason else "")
+    parts = []
+    for cell in batch.get("cells") or ():
+        if not isinstance(cell, dict):
+            continue
+        width, low, high, k = (cell.get(f) for f in ("width", "min_depth", "max_depth", "drafts"))
+        if not all(isinstance(v, int) for v in (width, low, high, k)):
+            continue
+        where = f"{width} at once, {low}-{high} tokens"
+        speedup = cell.get("estimated_speedup")
+        gain = f", {speedup:.2f}x" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else ""
+        parts.append(f"{where}: {f'K={k}{gain}' if k else 'classic'}")
+    if not parts:
+        return "in the batch: speculation measured per step; nothing measured yet"
+    return "in the batch: " + "; ".join(parts)
+
+
 def render(body: Any) -> str | None:
     """A few lines for a person, or None when the body is not readable at all."""
     if not isinstance(body, dict) or _int(body, "schema_version") != SUPPORTED_SCHEMA_VERSION:
@@ -130,4 +154,7 @@ def render(body: Any) -> str | None:
     pairing = _pairing(body)
     if pairing and lines != [NO_VERDICT]:
         lines.append(pairing)
+    batch = _batch(body)
+    if batch and lines != [NO_VERDICT]:
+        lines.append(batch)
     return "\n".join(lines)

@@ -106,3 +106,26 @@ def test_unknown_schema_version_renders_nothing(version: Any) -> None:
 @pytest.mark.parametrize("body", [None, [], "settled", 1])
 def test_non_object_bodies_render_nothing(body: Any) -> None:
     assert render(body) is None
+
+
+def test_the_batch_s_speculation_is_one_line_per_server() -> None:
+    from mlxcel.policy.draft_length import BatchCell, BatchView
+    from tests.conftest import validate_wire
+
+    policy = MtpPolicy(DEFAULTS)
+    policy.on_worker_ready(BootFacts(host=APPLE_M5, pairing=KEY, probe_decline=None))
+    policy.on_batch(BatchView(True, None, (BatchCell(2, 0, 1023, 3, 1.52), BatchCell(8, 0, 1023, 0, 1.0),
+                                           BatchCell(2, 1024, 2047, 1, None))))
+    body = policy.snapshot.to_wire()
+    validate_wire(body)
+    assert render(body) == (
+        "measuring: 0 of 4 single-request generations done (acceptance not measured so far)\n"
+        "pairing: Gemma4-12B + Gemma4-12B-MTP on M5-16c, K=4\n"
+        "in the batch: 2 at once, 0-1023 tokens: K=3, 1.52x; 8 at once, 0-1023 tokens: classic; "
+        "2 at once, 1024-2047 tokens: K=1")
+    policy.on_batch(BatchView(False, "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)"))
+    validate_wire(policy.snapshot.to_wire())
+    assert render(policy.snapshot.to_wire()).splitlines()[-1] == (  # type: ignore[union-attr]
+        "in the batch: classic decode (MTP is pinned off (MLXCEL_ENABLE_MTP_B1))")
+    policy.on_worker_lost()
+    assert policy.snapshot.to_wire()["batch"] is None

@@ -47,7 +47,7 @@ class ContinuousBatch(Generic[T]):
         self._generator = self._make()
         self._stream = stream
         self.speculation = speculation
-        self._rule = rule
+        self.rule = rule
         self._by_uid: dict[int, T] = {}
         self._uids: dict[int, int] = {}  # id(sequence) -> uid
         self._marks: dict[int, set[int]] = {}  # uid -> marks still to pass, counted in the tokens it feeds
@@ -87,7 +87,7 @@ class ContinuousBatch(Generic[T]):
 
         generation = self._generator._generation_batch
         width, depth, drafts = len(generation), 0, 0
-        speculation, rule = self.speculation, self._rule
+        speculation, rule = self.speculation, self.rule
         if speculation is not None and rule is not None and speculation.can_speculate(generation.uids):
             depth = max(len(tokens) for tokens in generation.tokens)
             drafts = rule.choose(width, depth)

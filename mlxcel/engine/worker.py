@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 #: How long an idle worker waits for work before checking for cancellation.
 IDLE_POLL_SECONDS = 0.05
+#: The batch's speculation is republished (when it changed) every this many batch steps.
+PUBLISH_BATCH_EVERY = 16
 
 Events = list[tuple[str, Event]]
 
@@ -76,6 +78,8 @@ class Worker:
         self._snapshots = False  # whether prefills keep snapshots (decided at load)
         self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
+        self._batch_refusal: str | None = None  # why the batch does not speculate, when it does not
+        self._batch_steps = 0
 
     # -- the thread -------------------------------------------------------------
 
@@ -109,28 +113,45 @@ class Worker:
         except Exception:
             logger.exception("could not write the prompt cache to disk")
 
-    def _batch_speculation(self, layers: list[Any]) -> tuple[Any, Any]:
+    def _batch_speculation(self, layers: list[Any]) -> tuple[Any, Any, str | None]:
         """The batch's speculation and its rule of K, when the pairing can speculate in a batch (an exact
-        verify, a target that rolls rows back apart, caches that can) and the operator did not pin MTP off;
-        else (None, None), and the batch only ever runs the classic step."""
+        verify, a target that rolls rows back apart, a drafter that drafts for them together, caches that
+        can) and the operator did not pin MTP off; else (None, None, why not), and the batch only ever runs
+        the classic step."""
         from ..models.batch_rollback import batch_rollback_supported
         from ..models.speculative import BatchDraftHead, batch_drafting, batches
 
         speculation, pin = self.speculation, self.settings.policy.pin
-        if speculation is None or speculation.split is None or pin is False:
-            return None, None
-        why_not = "its target cannot roll a batch's rows back apart" if not batches(speculation.target) \
+        if speculation is None:
+            return None, None, "no drafter configured"
+        why_not = "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)" if pin is False \
+            else "the exactness probe vetoed the verify" if speculation.split is None \
+            else "its target cannot roll a batch's rows back apart" if not batches(speculation.target) \
             else "its drafter cannot draft for a batch's rows at once" if not batch_drafting(speculation.drafter) \
             else batch_rollback_supported(layers)
-        if why_not is not None:
+        if why_not is not None or speculation.split is None:
             logger.info("MTP runs for lone requests only: %s", why_not)
-            return None, None
+            return None, None, why_not
         from ..policy.draft_length import DraftLength
         from .batch_speculation import BatchSpeculation
 
         head = cast("BatchDraftHead", speculation.drafter)  # batch_drafting(...) said so
         return (BatchSpeculation(self.model, speculation.target, head, speculation.split),
-                DraftLength(self.settings.block_size - 1, forced=pin is True))
+                DraftLength(self.settings.block_size - 1, forced=pin is True), None)
+
+    def _publish_batch(self) -> None:
+        """What the batch's speculation does now, to the policy endpoint (when it changed)."""
+        from ..policy.draft_length import BatchView
+
+        batch = self.batch
+        if batch is None:
+            view = None
+        elif batch.rule is None:
+            view = BatchView(False, self._batch_refusal)
+        else:
+            view = BatchView(True, None, batch.rule.cells())
+        if view != self.policy.snapshot.batch:
+            self.policy.on_batch(view)
 
     def _check_stopping(self) -> None:
         if self._stopping():
@@ -151,15 +172,16 @@ class Worker:
         self.scheduler = Scheduler(capabilities)
         layers = self.new_cache()
         if capabilities.batching:
+            speculation, rule, self._batch_refusal = self._batch_speculation(layers)
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
-                                         self.settings.prefill_step_size, self.stream,
-                                         *self._batch_speculation(layers))
+                                         self.settings.prefill_step_size, self.stream, speculation, rule)
         self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
         self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
                                               probe_decline=speculation.decline if speculation else None,
                                               sharded=loaded.sharded))
+        self._publish_batch()
         if speculation is not None and speculation.decline is not None and self.policy.state != "exactness_declined":
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
@@ -334,6 +356,9 @@ class Worker:
         stepped = batch.step()
         if stepped.tokens:
             self.observability.batch_steps.labels(drafts=str(stepped.drafts)).inc()
+            self._batch_steps += 1
+            if self._batch_steps % PUBLISH_BATCH_EVERY == 0:
+                self._publish_batch()
         for tokens, cache in stepped.snapshots:
             self.snapshot(tokens, cache, None)
         events: Events = []

@@ -58,6 +58,42 @@ def depth_band(depth: int) -> int:
     return 0 if depth < FIRST_BAND_TOKENS else int(math.log2(depth / FIRST_BAND_TOKENS)) + 1
 
 
+def band_bounds(band: int) -> tuple[int, int]:
+    """The first and last depth (tokens) of *band*."""
+    if band == 0:
+        return 0, FIRST_BAND_TOKENS - 1
+    return FIRST_BAND_TOKENS << (band - 1), (FIRST_BAND_TOKENS << band) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCell:
+    """What the rule does at one batch width and depth band, as published."""
+
+    width: int
+    min_depth: int
+    max_depth: int
+    drafts: int
+    """The K it runs there (0: the classic step, speculation parked or not paying)."""
+    estimated_speedup: float | None
+    """Tokens per second at that K over the classic step's, from the measured costs (None: not measured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchView:
+    """Speculation inside the continuous batch, as the policy endpoint publishes it beside the B=1 fields."""
+
+    speculates: bool
+    """Whether the batch can speculate at all (a drafter that batches, an exact verify, no pin off)."""
+    reason: str | None
+    """Why it cannot, when it cannot."""
+    cells: tuple[BatchCell, ...] = ()
+
+    def to_wire(self) -> dict[str, object]:
+        return {"speculates": self.speculates, "reason": self.reason,
+                "cells": [{"width": c.width, "min_depth": c.min_depth, "max_depth": c.max_depth,
+                           "drafts": c.drafts, "estimated_speedup": c.estimated_speedup} for c in self.cells]}
+
+
 @dataclass(slots=True)
 class _Cell:
     """What one (width, band) has measured."""
@@ -191,6 +227,17 @@ class DraftLength:
 
     def _cell(self, width: int, depth: int) -> _Cell:
         return self._cells.setdefault((width, depth_band(depth)), _Cell())
+
+    def cells(self) -> tuple[BatchCell, ...]:
+        """Per width and depth band measured, the K run there and its estimated speedup."""
+        out = []
+        for (width, band), cell in sorted(self._cells.items()):
+            k = self.max_drafts if self.forced else 0 if cell.parked_for else cell.running
+            measured = 0 in cell.costs and k in cell.costs
+            speedup = self._rate(cell, k) / self._rate(cell, 0) if measured else None
+            out.append(BatchCell(width, *band_bounds(band), k,
+                                 None if speedup is None or not math.isfinite(speedup) else round(speedup, 2)))
+        return tuple(out)
 
     def table(self) -> list[dict[str, float | int]]:
         """What has been measured, for publishing: per width and band, the K run and each K's cost."""

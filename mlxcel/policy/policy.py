@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import statechart as sc
+from .draft_length import BatchView
 from .estimator import ENABLE, BurstSample, acceptance_rate, decide, estimate_depth_limit, estimate_speedup
 from .hints import Hint, HintStore, PairingKey
 from .snapshot import MtpPolicySnapshot
@@ -99,6 +100,7 @@ class MtpPolicy:
         self._facts: BootFacts | None = None
         self._window: list[BurstSample] = []
         self._verdict: Hint | None = None  # in effect while settled: measured or restored
+        self._batch: BatchView | None = None
         self._machine = sc.build_machine(self)
         self.snapshot = self._build_snapshot()
 
@@ -135,8 +137,16 @@ class MtpPolicy:
         self._fire("record_sample")
         return self.snapshot
 
+    def on_batch(self, view: BatchView | None) -> MtpPolicySnapshot:
+        """What speculation inside the continuous batch does now (None: no batch), published beside the
+        B=1 fields. Not a statechart event: the batch's rule measures and decides for itself."""
+        self._batch = view
+        self.publish()
+        return self.snapshot
+
     def on_worker_lost(self) -> MtpPolicySnapshot:
         """The worker died or is restarting: back to ``unavailable/worker_not_ready``."""
+        self._batch = None
         if self.state != sc.INITIAL:
             self._facts = None
             self._window.clear()
@@ -303,6 +313,7 @@ class MtpPolicy:
             samples_remaining=required - samples if profiling else None,
             estimated_speedup=speedup,
             depth_limit=verdict.depth_limit if verdict is not None else None,
+            batch=self._batch if facts is not None else None,
         )
 
 

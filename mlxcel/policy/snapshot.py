@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .draft_length import BatchView
+
 #: Wire schema version of the ``/v1/internal/mtp-policy`` body. Independent of
 #: the persisted hint's ``HINT_VERSION``. Bump only for breaking changes.
 SCHEMA_VERSION = 1
@@ -44,10 +46,15 @@ class MtpPolicySnapshot:
     # enable verdict skips the burst, because its samples estimate it stops paying
     # there; null when the burst runs at every depth, and in every other state.
     depth_limit: int | None = None
+    # Added to schema 1 too: speculation inside the continuous batch (the widths and depths at which it runs);
+    # null where the server has no batch. Not the statechart's: the batch's rule measures for itself.
+    batch: BatchView | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The schema-v1 body of ``GET /v1/internal/mtp-policy``."""
-        return {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        body = {"schema_version": SCHEMA_VERSION, **asdict(self)}
+        body["batch"] = self.batch.to_wire() if self.batch is not None else None
+        return body
 
     def to_health(self) -> dict[str, Any]:
         """The unversioned ``observability.mtp_policy`` shape of ``/health``.
@@ -57,4 +64,5 @@ class MtpPolicySnapshot:
         """
         body = asdict(self)
         del body["samples_remaining"]
+        body["batch"] = self.batch.to_wire() if self.batch is not None else None
         return {"status": body.pop("state"), **body}

@@ -42,6 +42,7 @@ def test_settled_example(tmp_path: Path) -> None:
         # (62/40 + 1) x 10 ms / 20 ms = 1.275: the ambiguous zone, where the static gate (on for M5) decides.
         "estimated_speedup": 1.27,
         "depth_limit": None,  # mlxcel's addition, as estimated_speedup
+        "batch": None,  # mlxcel's addition too: the policy alone publishes no batch
     }
 
 
@@ -69,6 +70,7 @@ def test_profiling_example(tmp_path: Path) -> None:
         "samples_required": 4,
         "samples_remaining": 2,
         "depth_limit": None,
+        "batch": None,
     }
 
 
@@ -95,6 +97,7 @@ def test_no_drafter_example() -> None:
         "samples_remaining": None,
         "estimated_speedup": None,
         "depth_limit": None,  # mlxcel's addition, as estimated_speedup
+        "batch": None,  # mlxcel's addition too: the policy alone publishes no batch
     }
 
 
@@ -129,4 +132,5 @@ def test_exactness_declined_example(tmp_path: Path) -> None:
         "samples_remaining": None,
         "estimated_speedup": None,
         "depth_limit": None,  # mlxcel's addition, as estimated_speedup
+        "batch": None,  # mlxcel's addition too: the policy alone publishes no batch
     }

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from tests.conftest import validate_wire
 from tests.server.conftest import open_stream, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for i in range(10):",
@@ -38,6 +39,14 @@ async def _at_once(url: str, requests: list[dict[str, object]], stagger: float =
     return bodies
 
 
+async def _policy_batch(url: str) -> dict[str, object]:
+    async with httpx.AsyncClient() as client:
+        body = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    validate_wire(body)
+    batch: dict[str, object] = body["batch"]
+    return batch
+
+
 async def _steps(url: str) -> dict[str, float]:
     async with httpx.AsyncClient() as client:
         text = (await client.get(f"{url}/metrics")).text
@@ -51,6 +60,11 @@ async def _serve_all(model: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: 
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", str(k))
     async with running_server(["--model", str(model), "--mtp", "--parallel", "4", "--metrics"]) as url:
         bodies = await _at_once(url, requests, stagger)
+        batch = await _policy_batch(url)
+        if pin == "0":
+            assert batch == {"speculates": False, "reason": "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)", "cells": []}
+        else:
+            assert batch["speculates"] is True and batch["reason"] is None
         return bodies, await _steps(url)
 
 
@@ -130,3 +144,21 @@ async def test_a_client_that_leaves_mid_generation_leaves_the_others_exact(
         after = await _at_once(url, requests[:1])  # and the server goes on
     assert [b["choices"][0]["text"] for b in bodies] == [b["choices"][0]["text"] for b in classic]  # type: ignore[index]
     assert after[0]["choices"][0]["text"] == classic[0]["choices"][0]["text"]  # type: ignore[index]
+
+
+async def test_the_rule_parks_a_head_that_never_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Unpinned: the batch's rule measures the speculative steps losing to the classic step, parks them, and
+    # publishes that it runs the classic step there; the text is classic decode's throughout.
+    model = build_mtp_checkpoint(tmp_path / "qwen35-random", drafter="random")
+    requests: list[dict[str, object]] = [{"prompt": p, "max_tokens": 90, "temperature": 0} for p in PROMPTS[:3]]
+    classic, _ = await _serve_all(model, monkeypatch, "0", 3, requests, 0.0)
+    monkeypatch.delenv("MLXCEL_ENABLE_MTP_B1")
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path / "cache-rule"))
+    async with running_server(["--model", str(model), "--mtp", "--parallel", "4", "--metrics"]) as url:
+        bodies = await _at_once(url, requests)
+        steps, batch = await _steps(url), await _policy_batch(url)
+    assert [b["choices"][0]["text"] for b in bodies] == [b["choices"][0]["text"] for b in classic]  # type: ignore[index]
+    speculative = sum(n for k, n in steps.items() if k != "0")
+    assert 0 < speculative < steps["0"] / 3  # tried, then parked: the classic step runs most of the time
+    wide = [c for c in batch["cells"] if c["width"] == 3]  # type: ignore[attr-defined,index]
+    assert wide and wide[0]["drafts"] == 0
