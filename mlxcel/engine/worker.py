@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -28,6 +28,7 @@ from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
 from .batch import ContinuousBatch
+from .batch_mtp import BatchMtp
 from .instrument import Instrument
 from .messages import LoadCancelled, Message, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 #: How long an idle worker waits for work before checking for cancellation.
 IDLE_POLL_SECONDS = 0.05
-#: The batch's speculation is republished (when it changed) every this many batch steps.
-PUBLISH_BATCH_EVERY = 16
 
 Events = list[tuple[str, Event]]
 
@@ -65,7 +64,9 @@ class Worker:
         self._stopping = stopping
         hints = (HintStore(settings.cache_root, kernel_versions())
                  if settings.cache_root is not None else None)
+        self.hints = hints
         self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
+        self.batch_mtp: BatchMtp | None = None  # the batch's speculation (decided at load, when batching)
         self.scheduler = Scheduler(Capabilities())
         self.model: Any = None
         self.tokenizer: Any = None
@@ -78,8 +79,6 @@ class Worker:
         self._snapshots = False  # whether prefills keep snapshots (decided at load)
         self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
-        self._batch_refusal: str | None = None  # why the batch does not speculate, when it does not
-        self._batch_steps = 0
 
     # -- the thread -------------------------------------------------------------
 
@@ -107,51 +106,14 @@ class Worker:
             self._release()
 
     def _persist(self) -> None:
-        """What the prefix cache holds, to its disk tier; a failure loses only the reuse after a restart."""
+        """What the prefix cache holds, to its disk tier, and the batch's step costs beside the policy's hint;
+        a failure loses only the reuse after a restart."""
         try:
             self.prefix.persist()
         except Exception:
             logger.exception("could not write the prompt cache to disk")
-
-    def _batch_speculation(self, layers: list[Any]) -> tuple[Any, Any, str | None]:
-        """The batch's speculation and its rule of K, when the pairing can speculate in a batch (an exact
-        verify, a target that rolls rows back apart, a drafter that drafts for them together, caches that
-        can) and the operator did not pin MTP off; else (None, None, why not), and the batch only ever runs
-        the classic step."""
-        from ..models.batch_rollback import batch_rollback_supported
-        from ..models.speculative import BatchDraftHead, batch_drafting, batches
-
-        speculation, pin = self.speculation, self.settings.policy.pin
-        if speculation is None:
-            return None, None, "no drafter configured"
-        why_not = "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)" if pin is False \
-            else "the exactness probe vetoed the verify" if speculation.split is None \
-            else "its target cannot roll a batch's rows back apart" if not batches(speculation.target) \
-            else "its drafter cannot draft for a batch's rows at once" if not batch_drafting(speculation.drafter) \
-            else batch_rollback_supported(layers)
-        if why_not is not None or speculation.split is None:
-            logger.info("MTP runs for lone requests only: %s", why_not)
-            return None, None, why_not
-        from ..policy.draft_length import DraftLength
-        from .batch_speculation import BatchSpeculation
-
-        head = cast("BatchDraftHead", speculation.drafter)  # batch_drafting(...) said so
-        return (BatchSpeculation(self.model, speculation.target, head, speculation.split),
-                DraftLength(self.settings.block_size - 1, forced=pin is True), None)
-
-    def _publish_batch(self) -> None:
-        """What the batch's speculation does now, to the policy endpoint (when it changed)."""
-        from ..policy.draft_length import BatchView
-
-        batch = self.batch
-        if batch is None:
-            view = None
-        elif batch.rule is None:
-            view = BatchView(False, self._batch_refusal)
-        else:
-            view = BatchView(True, None, batch.rule.cells())
-        if view != self.policy.snapshot.batch:
-            self.policy.on_batch(view)
+        if self.batch_mtp is not None:
+            self.batch_mtp.save()
 
     def _check_stopping(self) -> None:
         if self._stopping():
@@ -172,16 +134,19 @@ class Worker:
         self.scheduler = Scheduler(capabilities)
         layers = self.new_cache()
         if capabilities.batching:
-            speculation, rule, self._batch_refusal = self._batch_speculation(layers)
+            self.batch_mtp = BatchMtp(self.model, self.speculation, layers, self.settings.policy.pin,
+                                      self.settings.block_size, self.policy, self.hints, loaded.pairing)
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
-                                         self.settings.prefill_step_size, self.stream, speculation, rule)
+                                         self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
+                                         self.batch_mtp.rule)
         self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
         self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
                                               probe_decline=speculation.decline if speculation else None,
                                               sharded=loaded.sharded))
-        self._publish_batch()
+        if self.batch_mtp is not None:
+            self.batch_mtp.publish(self.batch)
         if speculation is not None and speculation.decline is not None and self.policy.state != "exactness_declined":
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
@@ -298,6 +263,7 @@ class Worker:
 
         assert self.batch is not None
         solo = sequence.solo
+        drafter = solo.burst.drafter if solo is not None and solo.burst is not None else None  # its history
         if solo is None:
             assert sequence.prompt_state is not None
             cache, cached, pending = sequence.prompt_state
@@ -314,18 +280,8 @@ class Worker:
         uid = self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
                                 sequence.processors, marks)
         sequence.ever_batched = True
-        if self.batch.speculation is not None:
-            from .requests import BurstStats
-
-            speculation = self.speculation
-            drafter = solo.burst.drafter if solo is not None and solo.burst is not None else None
-            if drafter is None and sequence.drafter_state is not None and speculation is not None:
-                drafter = speculation.drafter.new_sequence(cache)  # the prompt's history the prefix cache kept
-                drafter.restore(sequence.drafter_state)
-            if sequence.burst is None:
-                sequence.burst = BurstStats()
-            self.batch.speculation.join(uid, drafter, sequence.chain, sequence.burst,
-                                        eligible=not sequence.processors and not sequence.request.logprobs)
+        if self.batch_mtp is not None:
+            self.batch_mtp.join(uid, sequence, drafter, self.speculation)
 
     def _into_batch_each(self, request_ids: Iterable[str]) -> None:
         """:meth:`_into_batch` for each; one that cannot go in fails alone."""
@@ -356,9 +312,8 @@ class Worker:
         stepped = batch.step()
         if stepped.tokens:
             self.observability.batch_steps.labels(drafts=str(stepped.drafts)).inc()
-            self._batch_steps += 1
-            if self._batch_steps % PUBLISH_BATCH_EVERY == 0:
-                self._publish_batch()
+            if self.batch_mtp is not None:
+                self.batch_mtp.stepped(batch)
         for tokens, cache in stepped.snapshots:
             self.snapshot(tokens, cache, None)
         events: Events = []

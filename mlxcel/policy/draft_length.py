@@ -12,7 +12,9 @@ the classic step measured directly, never as "speculation with no drafts"):
   E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
 - the step picks the K that maximises width x E(K) / cost(K), against
   width / cost(0); a K not measured yet at this width and band is tried first
-  (each for :data:`TRIALS` steps) once the classic step there is known;
+  (each for :data:`TRIALS` steps) once the classic step there is known, if it
+  could pay at all: at the least it can cost (the dearest narrower step
+  measured) and the acceptance known so far, it must beat the classic step;
 - it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`),
   and every :data:`LOOK_AROUND` steps measures a neighbouring K once, so the
   costs it compares stay current;
@@ -31,6 +33,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+#: At most this many (width, band) cells are restored from a persisted table.
+MAX_CELLS = 4096
 #: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
 FIRST_BAND_TOKENS = 1024
 #: Steps each K is measured for before the rule trusts its cost.
@@ -107,6 +111,8 @@ class _Cell:
     looked: int = 0
     """Which neighbour was looked at last (1: the larger K)."""
     looks: int = 0
+    retry: bool = False
+    """A cooldown just ended: K = 1 is measured again even where the acceptance known says it cannot pay."""
     losses: int = 0
     parked_for: int = 0
     cooldown: int = FIRST_COOLDOWN
@@ -189,18 +195,20 @@ class DraftLength:
         cell = self._cell(width, depth)
         if cell.parked_for > 0:
             cell.parked_for -= 1
-            if cell.parked_for == 0:  # the cooldown is over: measure each K once more before trusting it
-                for k in range(1, self.max_drafts + 1):
+            if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and
+                for k in range(1, self.max_drafts + 1):  # K = 1 in any case (the drafts' acceptance may have moved)
                     cell.samples[k] = min(cell.samples.get(k, 0), TRIALS - 1)
+                cell.retry = True
             return 0
         if cell.samples.get(0, 0) < TRIALS:
             cell.running = 0
             return 0  # the classic step is what everything is measured against
         for k in range(1, self.max_drafts + 1):
-            if cell.samples.get(k, 0) < TRIALS:
-                cell.running = k
+            if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k) or (k == 1 and cell.retry)):
+                cell.running, cell.retry = k, False
                 return k
-        best = max(range(self.max_drafts + 1), key=lambda k: self._rate(cell, k))
+        measured = [k for k in range(self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
+        best = max(measured, key=lambda k: self._rate(cell, k))
         if self._rate(cell, best) > SWITCH_GAIN * self._rate(cell, cell.running):
             cell.running = best
         if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
@@ -213,9 +221,16 @@ class DraftLength:
             cell.steps, cell.looks = 0, cell.looks + 1
             cell.looked = 1 - cell.looked
             neighbour = cell.running + (1 if cell.looked else -1)
-            if 1 <= neighbour <= self.max_drafts:
+            if 1 <= neighbour <= self.max_drafts and (neighbour in measured or self._may_pay(cell, neighbour)):
                 return neighbour
         return cell.running
+
+    def _may_pay(self, cell: _Cell, k: int) -> bool:
+        """Whether K could beat the classic step here even at the least it can cost: a wider verify never
+        costs less than a narrower one measured, nor than the classic step. What is known of the drafts'
+        acceptance bounds what it can yield (a head that never agrees is not tried at every K)."""
+        floor = max(cost for j, cost in cell.costs.items() if j < k)
+        return self.expected_tokens(k) / floor > SWITCH_GAIN * self._rate(cell, 0)
 
     @staticmethod
     def _park(cell: _Cell) -> None:
@@ -238,6 +253,40 @@ class DraftLength:
             out.append(BatchCell(width, *band_bounds(band), k,
                                  None if speedup is None or not math.isfinite(speedup) else round(speedup, 2)))
         return tuple(out)
+
+    def export(self) -> dict[str, object]:
+        """The measured step costs, to persist (acceptance is the traffic's, not the machine's: not kept)."""
+        return {"max_drafts": self.max_drafts,
+                "cells": [{"width": width, "band": band, "seconds": {str(k): v for k, v in sorted(cell.costs.items())}}
+                          for (width, band), cell in sorted(self._cells.items())]}
+
+    def restore(self, table: object) -> str | None:
+        """Take the step costs of *table* (from :meth:`export`) as measured; why not, when they do not fit
+        (then nothing is taken)."""
+        if not isinstance(table, dict) or set(table) != {"max_drafts", "cells"}:
+            return "not a table of step costs"
+        if table["max_drafts"] != self.max_drafts:
+            return f"measured for up to {table['max_drafts']!r} drafts, this server drafts up to {self.max_drafts}"
+        cells: dict[tuple[int, int], _Cell] = {}
+        entries = table["cells"]
+        if not isinstance(entries, list) or len(entries) > MAX_CELLS:
+            return "its cells are not a list of at most 4096"
+        for entry in entries:
+            if not isinstance(entry, dict) or set(entry) != {"width", "band", "seconds"}:
+                return "a cell is not a width, a band and its seconds"
+            width, band, seconds = entry["width"], entry["band"], entry["seconds"]
+            if not (type(width) is int and 1 <= width <= 1 << 16 and type(band) is int and 0 <= band <= 64
+                    and isinstance(seconds, dict)):
+                return "a cell's width, band or seconds is out of range"
+            cell = _Cell()
+            for k, value in seconds.items():
+                if not (isinstance(k, str) and k.isdigit() and int(k) <= self.max_drafts
+                        and isinstance(value, float) and math.isfinite(value) and value > 0):
+                    return "a cell's seconds are not positive numbers by K"
+                cell.costs[int(k)], cell.samples[int(k)] = value, TRIALS
+            cells[(width, band)] = cell
+        self._cells.update(cells)
+        return None
 
     def table(self) -> list[dict[str, float | int]]:
         """What has been measured, for publishing: per width and band, the K run and each K's cost."""

@@ -37,6 +37,9 @@ HINT_DIR = "mtp-policy"
 # A hint is a few hundred bytes; anything much larger is not one of ours, and
 # is not worth reading into memory to find that out.
 _MAX_HINT_BYTES = 64 * 1024
+#: The continuous batch's step costs beside the hint (``<digest>.batch.json``): its own format and version.
+BATCH_VERSION = 1
+_MAX_BATCH_BYTES = 1024 * 1024
 
 _FIELDS = ("version", "target", "drafter", "hardware", "block_size",
            "verdict", "acceptance_rate", "samples", "estimated_speedup", "kernels", "depth_limit")
@@ -142,6 +145,53 @@ class HintStore:
         """
         path = self.path_for(hint.key)
         data = (json.dumps(hint.to_json(self.kernels), indent=2) + "\n").encode("utf-8")
+        return self._write(path, data, "the verdict stays in memory and this pairing re-profiles after a restart",
+                           "not persisting the MTP verdict to")
+
+    def batch_path_for(self, key: PairingKey) -> Path:
+        return self.directory / f"{key.digest()}.batch.json"
+
+    def load_batch(self, key: PairingKey) -> dict[str, Any] | None:
+        """The continuous batch's measured step costs stored for *key* under these kernels, or None (missing,
+        unreadable, foreign, measured under other kernels: a warning says which, once)."""
+        path = self.batch_path_for(key)
+        try:
+            raw = _read_regular(path, _MAX_BATCH_BYTES + 1)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:
+            self._warn(path, f"cannot read it ({exc.strerror or exc})", action="ignoring the batch's step costs")
+            return None
+        problem, body = None, None
+        if raw is None:
+            problem = "it is not a regular file"
+        elif len(raw) > _MAX_BATCH_BYTES:
+            problem = "it is too large"
+        else:
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                problem = "it is not valid JSON (corrupt or truncated)"
+        if problem is None:
+            problem = _validate_batch(body, key) or _other_kernels(
+                body["kernels"], self.kernels, "measuring them again")  # type: ignore[index]
+        if problem:
+            self._warn(path, problem, action="ignoring the batch's step costs")
+            return None
+        table: dict[str, Any] = body["table"]  # type: ignore[index]
+        return table
+
+    def save_batch(self, key: PairingKey, table: dict[str, Any]) -> Path | None:
+        """Write the batch's measured step costs *table* for *key*, atomically as a hint."""
+        body = {"version": BATCH_VERSION, "target": key.target, "drafter": key.drafter, "hardware": key.hardware,
+                "block_size": key.block_size, "kernels": dict(self.kernels), "table": table}
+        data = (json.dumps(body, indent=1) + "\n").encode("utf-8")
+        return self._write(self.batch_path_for(key), data, "the batch measures its step costs again after a "
+                           "restart", "not persisting the batch's step costs to")
+
+    def _write(self, path: Path, data: bytes, consequence: str, action: str) -> Path | None:
+        """*data* to *path* atomically (a temporary file flushed to disk, renamed over it); the path, or None
+        if the cache is unwritable (warned once)."""
         tmp: str | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -153,9 +203,7 @@ class HintStore:
             os.replace(tmp, path)
             tmp = None
         except OSError as exc:
-            self._warn(path, f"cannot write it ({exc.strerror or exc}); "
-                       "the verdict stays in memory and this pairing re-profiles after a restart",
-                       action="not persisting the MTP verdict to")
+            self._warn(path, f"cannot write it ({exc.strerror or exc}); {consequence}", action=action)
             return None
         finally:
             if tmp is not None:
@@ -233,12 +281,33 @@ def _validate(body: Any, key: PairingKey) -> str | None:
     return None
 
 
-def _other_kernels(stored: dict[str, str], running: dict[str, str]) -> str | None:
+def _validate_batch(body: Any, key: PairingKey) -> str | None:
+    """Why *body* is not the batch's step costs for *key*, or None if it is (the table's own checks are the
+    rule's, :meth:`~.draft_length.DraftLength.restore`)."""
+    if not isinstance(body, dict):
+        return "it is not a JSON object"
+    if body.get("version") != BATCH_VERSION:
+        return f"its version is {body.get('version')!r}, this server writes {BATCH_VERSION}"
+    if set(body) != {"version", "target", "drafter", "hardware", "block_size", "kernels", "table"}:
+        return "its fields are not those of the batch's step costs"
+    if (body["target"], body["drafter"], body["hardware"], body["block_size"]) != (
+            key.target, key.drafter, key.hardware, key.block_size) or type(body["block_size"]) is not int:
+        return "it belongs to another pairing"
+    kernels = body["kernels"]
+    if not (isinstance(kernels, dict) and len(kernels) <= 16
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items())):
+        return "its kernels is not an object of library versions"
+    if not isinstance(body["table"], dict):
+        return "its table is not an object"
+    return None
+
+
+def _other_kernels(stored: dict[str, str], running: dict[str, str],
+                   consequence: str = "profiling the pairing again") -> str | None:
     """Why a hint measured under *stored* kernels is stale here, or None."""
     if stored == running:
         return None
-    return (f"it was measured under {_spell(stored)} and this server runs {_spell(running)}; "
-            "profiling the pairing again")
+    return f"it was measured under {_spell(stored)} and this server runs {_spell(running)}; {consequence}"
 
 
 def _spell(kernels: dict[str, str]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Callable
 
@@ -169,3 +170,35 @@ def test_positions_not_drafted_keep_what_was_learnt_of_them() -> None:
     for _ in range(50):
         rule.speculative(2, 0, 1, 0.01, [1, 1])  # K = 1 for a while: position 3 is not drafted
     assert rule.acceptance(3) == learnt > 0.9
+
+
+def test_the_step_costs_round_trip_and_a_bad_table_is_refused_whole() -> None:
+    rule = DraftLength(3)
+    run(rule, linear_cost(0.010, 0.001), lambda _: 1.0, 100)
+    table = rule.export()
+    fresh = DraftLength(3)
+    assert fresh.restore(json.loads(json.dumps(table))) is None
+    assert fresh.export() == table
+    # Restored costs are trusted: no classic or K trial before the rule runs the K that pays.
+    fresh.speculative(4, 100, 3, 0.014, [3, 3, 3, 3])
+    assert fresh.choose(4, 100) == 3
+    cell = table["cells"][0]  # type: ignore[index]
+    for bad in [None, [], {"max_drafts": 3}, {**table, "max_drafts": 4},
+                {**table, "cells": [{**cell, "width": 0}]}, {**table, "cells": [{**cell, "seconds": {"0": -1.0}}]},
+                {**table, "cells": [{**cell, "seconds": {"9": 0.1}}]},
+                {**table, "cells": [{**cell, "seconds": {"0": float("nan")}}]},
+                {**table, "cells": [{**cell, "extra": 1}]}, {**table, "cells": [cell] * 5000}]:
+        other = DraftLength(3)
+        assert other.restore(bad) is not None
+        assert other.export() == {"max_drafts": 3, "cells": []}
+
+
+def test_once_the_drafts_are_known_to_fail_a_new_width_does_not_try_them() -> None:
+    cost = linear_cost(0.010, 0.004)
+    rule = DraftLength(3)
+    _, first = run(rule, cost, lambda _: 0.0, 200, width=4)
+    assert 0 < sum(k > 0 for k in first) <= 3 * 2  # the first width learns it: K = 1, then no wider K pays
+    for width in (2, 8, 16):
+        _, chosen = run(rule, cost, lambda _: 0.0, 200, width=width)
+        # Only K = 1, the cheapest look at the drafts: its trials, then once after each cooldown.
+        assert set(chosen) <= {0, 1} and sum(chosen) <= 6

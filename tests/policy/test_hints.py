@@ -143,3 +143,31 @@ def test_concurrent_writers_never_leave_a_torn_file(cache_root: Path) -> None:
         process.join(timeout=60)
         assert process.exitcode == 0
     assert [p.name for p in store.directory.iterdir()] == [store.path_for(key).name]
+
+
+TABLE = {"max_drafts": 3, "cells": [{"width": 2, "band": 0, "seconds": {"0": 0.02, "3": 0.03}}]}
+
+
+def test_the_batch_s_step_costs_sit_beside_the_hint(cache_root: Path, pairing: PairingKey,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    store = HintStore(cache_root, {"mlx": "0.32.4"})
+    assert store.load_batch(pairing) is None
+    path = store.save_batch(pairing, TABLE)
+    assert path == store.batch_path_for(pairing) and path.parent == store.path_for(pairing).parent
+    assert store.load_batch(pairing) == TABLE
+    assert store.load(pairing) is None  # its own file: no verdict is implied
+    # Another pairing's, other kernels', a corrupt or foreign file: ignored, each with one warning.
+    assert store.load_batch(PairingKey("x", "y", "z", 2)) is None
+    with caplog.at_level(logging.WARNING):
+        assert HintStore(cache_root, {"mlx": "0.33.0"}).load_batch(pairing) is None
+        for raw in (b"{", b"[]", json.dumps({"version": 9}).encode(),
+                    json.dumps({**json.loads(path.read_text()), "extra": 1}).encode()):
+            path.write_bytes(raw)
+            assert store.load_batch(pairing) is None
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "it was measured under mlx 0.32.4 and this server runs mlx 0.33.0; measuring them again",
+        "it is not valid JSON (corrupt or truncated)", "it is not a JSON object",
+        "its version is 9, this server writes 1", "its fields are not those of the batch's step costs"]
+    os.unlink(path)
+    os.mkfifo(path)  # never blocks the worker
+    assert store.load_batch(pairing) is None

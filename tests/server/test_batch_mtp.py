@@ -162,3 +162,9 @@ async def test_the_rule_parks_a_head_that_never_agrees(tmp_path: Path, monkeypat
     assert 0 < speculative < steps["0"] / 3  # tried, then parked: the classic step runs most of the time
     wide = [c for c in batch["cells"] if c["width"] == 3]  # type: ignore[attr-defined,index]
     assert wide and wide[0]["drafts"] == 0
+    # The step costs were kept beside the policy's hint: a restart knows them before its first request.
+    async with running_server(["--model", str(model), "--mtp", "--parallel", "4"]) as url:
+        restored = await _policy_batch(url)
+    published = {(c["width"], c["min_depth"]) for c in batch["cells"]}  # type: ignore[attr-defined,index]
+    # Every cell it had published, and those measured after its last publication, saved when it stopped.
+    assert {(c["width"], c["min_depth"]) for c in restored["cells"]} >= published  # type: ignore[attr-defined,index]

@@ -170,7 +170,8 @@ async def test_profiling_counts_down_settles_persists_and_restores(
     assert settled["state"] == "settled" and settled["samples"] == 4
     assert settled["verdict"] in ("enable", "decline")
     assert settled["acceptance_rate"] == round(settled["acceptance_rate"], 2)  # type: ignore[arg-type]
-    hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))
+    hints = [p for p in (Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json")
+             if not p.name.endswith(".batch.json")]  # the batch's step costs sit beside it
     assert len(hints) == 1
     stored = json.loads(hints[0].read_text())
     assert stored["verdict"] == settled["verdict"]
@@ -179,7 +180,11 @@ async def test_profiling_counts_down_settles_persists_and_restores(
 
     async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient() as client:
         restored = await _policy(client, url)
-    assert restored == settled
+    # The verdict's fields as they were; the batch's step costs are restored too (its acceptance, the
+    # traffic's, is measured again, so its estimated speedups may move).
+    assert {k: v for k, v in restored.items() if k != "batch"} == {k: v for k, v in settled.items() if k != "batch"}
+    cells = lambda body: {(c["width"], c["min_depth"]) for c in body["batch"]["cells"]}  # type: ignore[index]  # noqa: E731
+    assert cells(restored) >= cells(settled)
 
     # A verdict measured under another mlx is not restored: the pairing profiles again.
     hints[0].write_text(json.dumps({**stored, "kernels": {**stored["kernels"], "mlx": "0.1.0"}}))

@@ -1,0 +1,124 @@
+"""The continuous batch's speculation as the worker keeps it, around the step itself.
+
+Whether the batch can speculate at all (and the sentence saying why not), the
+rule of K with its step costs restored from and saved beside the policy's hint,
+what the policy endpoint publishes of it, and a row's joining with the drafter
+it ran with alone. The step is :mod:`.batch_speculation`'s; the rule is
+:mod:`mlxcel.policy.draft_length`'s. Worker thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, cast
+
+from ..policy import HintStore, MtpPolicy, PairingKey
+from ..policy.draft_length import BatchView, DraftLength
+from .requests import BurstStats
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from ..models.speculative import SequenceDrafter
+    from .batch import ContinuousBatch
+    from .batch_speculation import BatchSpeculation
+    from .speculation import Speculation
+
+logger = logging.getLogger(__name__)
+
+#: What the batch's speculation does is republished (when it changed) every this many batch steps...
+PUBLISH_EVERY = 16
+#: ... and its step costs written beside the policy's hint every this many (and when the worker stops).
+SAVE_EVERY = 4096
+
+
+class BatchMtp:
+    """Speculation inside the continuous batch for the served pairing, or the reason there is none."""
+
+    def __init__(self, model: Any, speculation: Speculation | None, layers: list[Any], pin: bool | None,
+                 block_size: int, policy: MtpPolicy, hints: HintStore | None, pairing: PairingKey | None) -> None:
+        self.policy, self.hints, self.pairing = policy, hints, pairing
+        self.speculation: BatchSpeculation | None = None
+        self.rule: DraftLength | None = None
+        self.refusal = _refusal(speculation, layers, pin)
+        self._steps = 0
+        if self.refusal is not None or speculation is None or speculation.split is None:
+            logger.info("MTP runs for lone requests only: %s", self.refusal)
+            return
+        from ..models.speculative import BatchDraftHead
+        from .batch_speculation import BatchSpeculation
+
+        head = cast(BatchDraftHead, speculation.drafter)  # _refusal checked that it batches
+        self.speculation = BatchSpeculation(model, speculation.target, head, speculation.split)
+        self.rule = DraftLength(block_size - 1, forced=pin is True)
+        self._restore()
+
+    def join(self, uid: int, sequence: Sequence, drafter: SequenceDrafter | None,
+             speculation: Speculation | None) -> None:
+        """*sequence* entered the batch as row *uid*: with its solo burst's *drafter* (its history), or the
+        drafter state the prefix cache kept with its prompt, or none."""
+        if self.speculation is None:
+            return
+        if drafter is None and sequence.drafter_state is not None and speculation is not None:
+            drafter = speculation.drafter.new_sequence([])  # its own cache: the target's is not read
+            drafter.restore(sequence.drafter_state)
+        if sequence.burst is None:
+            sequence.burst = BurstStats()  # its drafts in the batch count in its timings
+        self.speculation.join(uid, drafter, sequence.chain, sequence.burst,
+                              eligible=not sequence.processors and not sequence.request.logprobs)
+
+    def stepped(self, batch: ContinuousBatch[Any]) -> None:
+        """After a batch step: now and then, publish what it does and save its costs."""
+        self._steps += 1
+        if self._steps % PUBLISH_EVERY == 0:
+            self.publish(batch)
+        if self._steps % SAVE_EVERY == 0:
+            self.save()
+
+    def publish(self, batch: ContinuousBatch[Any] | None) -> None:
+        """What the batch's speculation does now, to the policy endpoint (when it changed)."""
+        if batch is None:
+            view = None
+        elif self.rule is None:
+            view = BatchView(False, self.refusal)
+        else:
+            view = BatchView(True, None, self.rule.cells())
+        if view != self.policy.snapshot.batch:
+            self.policy.on_batch(view)
+
+    def save(self) -> None:
+        """The rule's step costs, beside the policy's hint (a failure warns and loses only the reuse)."""
+        if self.hints is not None and self.pairing is not None and self.rule is not None and self.rule.cells():
+            self.hints.save_batch(self.pairing, self.rule.export())
+
+    def _restore(self) -> None:
+        """The step costs an earlier run of this pairing measured under these kernels, if kept."""
+        if self.hints is None or self.pairing is None or self.rule is None:
+            return
+        table = self.hints.load_batch(self.pairing)
+        if table is None:
+            return
+        problem = self.rule.restore(table)
+        if problem is not None:
+            logger.warning("ignoring the batch's step costs in %s: %s", self.hints.batch_path_for(self.pairing),
+                           problem)
+        else:
+            logger.info("restored the batch's step costs measured earlier (%d widths and depths)",
+                        len(self.rule.cells()))
+
+
+def _refusal(speculation: Speculation | None, layers: list[Any], pin: bool | None) -> str | None:
+    """Why the batch cannot speculate for this pairing, or None when it can."""
+    from ..models.batch_rollback import batch_rollback_supported
+    from ..models.speculative import batch_drafting, batches
+
+    if speculation is None:
+        return "no drafter configured"
+    if pin is False:
+        return "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)"
+    if speculation.split is None:
+        return "the exactness probe vetoed the verify"
+    if not batches(speculation.target):
+        return "its target cannot roll a batch's rows back apart"
+    if not batch_drafting(speculation.drafter):
+        return "its drafter cannot draft for a batch's rows at once"
+    return batch_rollback_supported(layers)
