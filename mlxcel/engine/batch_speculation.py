@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -49,8 +49,6 @@ class Row:
     """Whether its request may speculate at all (no logits processors, no logprobs)."""
     unpaired: Any = None
     """The hidden state (1, 1, H) of its last fed token, waiting for the token fed after it."""
-    widths: set[int] = field(default_factory=set)
-    """The batch widths it speculated at."""
 
 
 
@@ -177,12 +175,11 @@ class BatchSpeculation:
             row.stats.proposed += drafts
             row.stats.accepted += accepted
             row.stats.rounds += 1
-            row.widths.add(width)
+            row.stats.widths.add(width)
             fed = [host_pending[i], *host_drafts[i][:accepted]]
             count, finish = _finish(batch, i, fed)
-            if count < len(fed):  # a stop token or max_tokens: the row keeps what it emitted, no more
+            if count < len(fed):  # a stop token or max_tokens: the row keeps what it emitted and leaves
                 fed, accepted = fed[:count], count - 1
-                last = host_greedy[i][accepted] if chosen is None else last
             kept.append(accepted + 1)
             nexts.append(last)
             batch.tokens[i].extend(fed)

@@ -161,6 +161,7 @@ class Burst:
         self.drafter.accept(round_.verify.hidden[:, :accepted + 1], mx.array([emitted]), drafted=width - 1)
         if count:
             self.stats.rounds += 1
+            self.stats.widths.add(1)
             self.stats.proposed += width - 1
             self.stats.accepted += accepted
             self.stats.round_seconds += time.perf_counter() - round_.started

@@ -99,5 +99,6 @@ class SequenceOutput:
                 prompt_n=prompt - cached, prompt_ms=(first - admitted) * 1000, predicted_n=self.generated,
                 predicted_ms=(now - first) * 1000, cached_n=cached,
                 draft_n=burst.proposed if burst else 0, draft_n_accepted=burst.accepted if burst else 0,
-                draft_rounds=burst.rounds if burst else 0),
+                draft_rounds=burst.rounds if burst else 0,
+                draft_widths=tuple(sorted(burst.widths)) if burst else ()),
             error=error, error_type=error_type, stop_sequence=self.stop.matched)

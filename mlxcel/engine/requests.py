@@ -109,6 +109,8 @@ class Timings:
     draft_n: int = 0
     draft_n_accepted: int = 0
     draft_rounds: int = 0
+    draft_widths: tuple[int, ...] = ()
+    """The batch widths it drafted at, ascending (1: alone, the B=1 burst); empty when it never drafted."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,8 @@ class BurstStats:
     """Timings of classic decode taken (each of several pipelined steps)."""
     depth: int = 0
     """Tokens of context when the burst started."""
+    widths: set[int] = field(default_factory=set)
+    """The batch widths its rounds ran at (1: alone)."""
 
     def sample(self) -> BurstSample:
         """The policy's frozen record of this burst."""

@@ -7,17 +7,52 @@ sequence parks, ready to be handed to the batch or resumed). Worker thread only.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import queue
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import trio
 
-from .requests import Event, GenerationRequest
-from .scheduler import burst_allowed
+from ..observability import Observability
+from ..policy import MtpPolicy
+from .instrument import Instrument
+from .messages import Message, WorkerSettings
+from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
+from .scheduler import Scheduler, burst_allowed
 from .sequence import Sequence
 
 if TYPE_CHECKING:
     from .solo import SoloDecoder
-    from .worker import Worker
+    from .speculation import Speculation
+
+
+class SoloHost(Protocol):
+    """What a solo turn needs of the worker that serves it (the worker is one; this module imports none)."""
+
+    settings: WorkerSettings
+    inbox: queue.SimpleQueue[Message]
+    instrument: Instrument | None
+    observability: Observability
+    policy: MtpPolicy
+    scheduler: Scheduler
+    speculation: Speculation | None
+    model: Any
+    stream: Any
+    prefix: Any
+    new_cache: Callable[[], list[Any]]
+
+    def deliver(self, events: list[tuple[str, Event]]) -> None: ...
+
+    def snapshot(self, tokens: list[int], cache: Any, drafter: tuple[int, Any] | None) -> None: ...
+
+    def keep(self, tokens: list[int], cache: Any) -> None: ...
+
+    def forget(self, sequence: Sequence) -> None: ...
+
+    def finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None,
+               error_type: ErrorType = "server_error") -> Finish: ...
+
+    def publish_load(self) -> None: ...
 
 #: A decoding solo sequence checks for cancellation of the whole engine every this many tokens.
 CANCEL_CHECK_TOKENS = 16
@@ -34,7 +69,7 @@ def snapshot_marks(request: GenerationRequest) -> list[int]:
 class SoloTurns:
     """Serves the solo turns of *worker* (its model, its policy, its delivery of events)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: SoloHost) -> None:
         self.worker = worker
 
     def _mail(self) -> bool:

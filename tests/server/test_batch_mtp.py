@@ -83,6 +83,10 @@ async def test_temperature_zero_text_is_classic_decodes_with_rows_joining_and_le
     drafted = sum(b["timings"]["draft_n"] for b in speculative)  # type: ignore[index]
     accepted = sum(b["timings"]["draft_n_accepted"] for b in speculative)  # type: ignore[index]
     assert 0 < accepted < drafted  # rows kept some drafts and rolled the others back
+    widths = [b["timings"]["draft_widths"] for b in speculative]  # type: ignore[index]
+    assert all(w == sorted(set(w)) and all(1 <= n <= 4 for n in w) for w in widths)
+    assert sum(any(n >= 3 for n in w) for w in widths) >= 3  # most drafted beside two or more others
+    assert all(b["timings"]["draft_widths"] == [] for b in classic)  # type: ignore[index]
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},

@@ -1,0 +1,95 @@
+"""What speculation in the batch costs a classic step: mlx-lm's step alone vs the same step with the
+speculation attached and parked.
+
+    python -m benchmarks.batch_overhead [--layers 24 --hidden 1024] [--width 8] [--steps 32] [--passes 4]
+
+In process, on the MLX thread, one Qwen 3.5 pairing with its MTP head. ``plain``: a
+``ContinuousBatch`` without speculation (the classic step, as a server without ``--mtp``
+runs it). ``parked``: the same batch with speculation attached, its rule restored with
+costs under which every K loses, so every step is classic and pays what speculation
+adds to it: the hidden-state tap (the target adapter's forward), pairing each row's
+hidden state with its next token for the drafter, the eligibility check and the rule's
+choice. Passes alternate; prints the median milliseconds a step of each and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import mlx.core as mx  # noqa: E402
+
+from benchmarks._common import mtp_model  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--width", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--passes", type=int, default=4)
+    parser.add_argument("--k", type=int, default=4, help="verify width (drafts per row: K - 1)")
+    args = parser.parse_args()
+
+    from mlx_lm import load
+
+    from mlxcel.engine.batch import ContinuousBatch
+    from mlxcel.engine.batch_speculation import BatchSpeculation
+    from mlxcel.engine.requests import BurstStats
+    from mlxcel.models.attention import mlx_thread
+    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
+    from mlxcel.models.loader import inspect_checkpoint
+    from mlxcel.models.speculative import speculative_target
+    from mlxcel.policy.draft_length import DraftLength
+
+    path = mtp_model("aligned", 0.0, args.layers, args.hidden)
+    with mlx_thread():
+        info = inspect_checkpoint(path)
+        model, _ = load(str(path))
+        target = speculative_target(info.model_type, model)
+        head = load_drafter(inspect_drafter(info, mtp=True, draft_model=None), info, model)
+        stream = mx.default_stream(mx.default_device())
+        drafts = args.k - 1
+
+        def batch(speculating: bool) -> ContinuousBatch[object]:
+            speculation = rule = None
+            if speculating:
+                speculation = BatchSpeculation(model, target, head, "wide")  # type: ignore[arg-type]
+                rule = DraftLength(drafts)
+                losing = {"0": 0.001, **{str(k): 1.0 for k in range(1, drafts + 1)}}
+                assert rule.restore({"max_drafts": drafts, "cells": [
+                    {"width": args.width, "band": band, "seconds": losing} for band in range(4)]}) is None
+            made: ContinuousBatch[object] = ContinuousBatch(model, frozenset([0]), args.width, 512, stream,
+                                                            speculation, rule)
+            for i in range(args.width):
+                uid = made.insert(object(), [5 + i, 7, 9, 11 + i], None, [], 100_000, None, [], ())
+                if speculation is not None:
+                    speculation.join(uid, None, None, BurstStats(), True)
+            for _ in range(8):  # prefill, and the first steps' one-off work
+                made.step()
+            return made
+
+        sides = {"plain": batch(False), "parked": batch(True)}
+        times: dict[str, list[float]] = {side: [] for side in sides}
+        for _ in range(args.passes):
+            for side, made in sides.items():
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    stepped = made.step()
+                    assert stepped.drafts == 0 and len(stepped.tokens) == args.width
+                times[side].append((time.perf_counter() - start) / args.steps * 1000)
+    plain, parked = (statistics.median(times[side]) for side in ("plain", "parked"))
+    print(f"model: {path.name}, {args.width} rows, {args.steps} steps x {args.passes} passes")
+    print(f"plain  {plain:7.2f} ms a step  {[round(t, 2) for t in times['plain']]}")
+    print(f"parked {parked:7.2f} ms a step  {[round(t, 2) for t in times['parked']]}")
+    print(f"parked / plain: {parked / plain:.3f}")
+
+
+if __name__ == "__main__":
+    main()
