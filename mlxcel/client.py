@@ -127,6 +127,8 @@ def _batch(body: dict[str, Any]) -> str | None:
     batch = body.get("batch")
     if not isinstance(batch, dict) or not isinstance(batch.get("speculates"), bool):
         return None
+    if not batch["speculates"] and (body.get("state") == "unavailable" or body.get("mtp_enabled") is False):
+        return None  # the headline already says MTP does not run here
     if not batch["speculates"]:
         reason = batch.get("reason")
         return "in the batch: classic decode" + (f" ({reason})" if isinstance(reason, str) and reason else "")
