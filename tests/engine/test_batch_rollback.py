@@ -14,6 +14,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 from mlxcel.families.qwen3_5.target import Qwen35Target
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models.batch_rollback import batch_rollback_supported, rollback_kv_rows
+from tests.engine.test_rollback import _arrays as _chain_arrays
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
 
@@ -54,16 +55,6 @@ def _row_arrays(cache: list[Any], row: int) -> list[np.ndarray]:
         else:
             assert isinstance(layer, ArraysCache)
             arrays += [np.array(a[row:row + 1]) for a in layer.cache]
-    return arrays
-
-
-def _chain_arrays(cache: list[Any]) -> list[np.ndarray]:
-    arrays = []
-    for layer in cache:
-        if layer.is_trimmable():
-            arrays += [np.array(layer.keys[..., :layer.offset, :]), np.array(layer.values[..., :layer.offset, :])]
-        else:
-            arrays += [np.array(a) for a in layer.cache]
     return arrays
 
 

@@ -8,6 +8,16 @@ from typing import Any
 import mlx.core as mx
 
 
+def _chain(drafter: Any, last: mx.array, cache: list[Any], count: int) -> mx.array:
+    """*count* greedy drafts from the head's output *last* (rows, 1, H), each fed back through the head."""
+    out = last
+    drafts = [mx.argmax(drafter.lm_head(out), axis=-1)]
+    for _ in range(count - 1):
+        out = drafter.head(drafter.embed(drafts[-1]), out, cache)
+        drafts.append(mx.argmax(drafter.lm_head(out), axis=-1))
+    return mx.concatenate(drafts, axis=1)
+
+
 class OwnCacheSequence:
     """One sequence's state of a head with a KV cache of its own: the cache, the (hidden, token)
     pairs it has not read yet, and the head's output at the last position it read.
@@ -40,15 +50,9 @@ class OwnCacheSequence:
         return [] if self._last is None else [self._last]
 
     def draft(self, count: int) -> mx.array:
-        d = self._drafter
         self.settle()
         assert self._last is not None
-        out = self._last
-        drafts = [mx.argmax(d.lm_head(out), axis=-1)]
-        for _ in range(count - 1):
-            out = d.head(d.embed(drafts[-1]), out, self._cache)
-            drafts.append(mx.argmax(d.lm_head(out), axis=-1))
-        return mx.concatenate(drafts, axis=1)
+        return _chain(self._drafter, self._last, self._cache, count)
 
     def accept(self, hidden: mx.array, tokens: mx.array, drafted: int) -> None:
         # The chained drafts after the first went through the head's cache: take them out.
@@ -116,15 +120,9 @@ class OwnCacheBatch:
 
     def draft(self, uids: list[int], count: int) -> mx.array:
         """*count* greedy drafts for each row of *uids* (the batch's order), (B, count), on device."""
-        d = self._drafter
         self._settle(uids)
         assert self._last is not None
-        out = self._last
-        drafts = [mx.argmax(d.lm_head(out), axis=-1)]
-        for _ in range(count - 1):
-            out = d.head(d.embed(drafts[-1]), out, self._cache)
-            drafts.append(mx.argmax(d.lm_head(out), axis=-1))
-        return mx.concatenate(drafts, axis=1)
+        return _chain(self._drafter, self._last, self._cache, count)
 
     def accept(self, uids: list[int], hidden: mx.array, tokens: mx.array, kept: list[int], drafted: int) -> None:
         """After a step that drafted *drafted* per row: forget the chains, queue each row's kept positions
