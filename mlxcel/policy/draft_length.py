@@ -151,17 +151,6 @@ class DraftLength:
         row's leading drafts accepted (rows that ran without drafts are left out)."""
         cell = self._cell(width, depth)
         cell.add(drafts, seconds)
-        classic = cell.costs.get(0)
-        if classic is not None and kept:
-            mean = sum(kept) / len(kept)
-            # Losing: fewer tokens per second than the classic step, for the rows that speculated.
-            if (1 + mean) / seconds < LOSS_MARGIN / classic:
-                cell.losses += 1
-                if cell.losses >= PATIENCE:
-                    self._park(cell)
-            else:
-                cell.losses = 0
-                cell.cooldown = FIRST_COOLDOWN
         for j in range(1, drafts + 1):  # only the positions this step drafted: the others keep what they knew
             self._tried[j] *= ACCEPTANCE_DECAY
             self._kept[j] *= ACCEPTANCE_DECAY
@@ -172,6 +161,17 @@ class DraftLength:
                     self._kept[j] += 1
                 else:
                     break
+        classic = cell.costs.get(0)
+        if classic is not None and kept:
+            # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
+            # yields at this K by the pooled acceptance (one step's few rows would be noise).
+            if self.expected_tokens(drafts) / seconds < LOSS_MARGIN / classic:
+                cell.losses += 1
+                if cell.losses >= PATIENCE:
+                    self._park(cell)
+            else:
+                cell.losses = 0
+                cell.cooldown = FIRST_COOLDOWN
 
     # -- the decision --------------------------------------------------------------
 
@@ -201,11 +201,10 @@ class DraftLength:
                 cell.retry = True
             return 0
         if cell.samples.get(0, 0) < TRIALS:
-            cell.running = 0
             return 0  # the classic step is what everything is measured against
         for k in range(1, self.max_drafts + 1):
             if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k) or (k == 1 and cell.retry)):
-                cell.running, cell.retry = k, False
+                cell.retry = False  # a trial: the K run (and published) stays what it was
                 return k
         measured = [k for k in range(self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
         best = max(measured, key=lambda k: self._rate(cell, k))
