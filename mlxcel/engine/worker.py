@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -29,12 +29,13 @@ from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
 from .batch import ContinuousBatch
 from .batch_mtp import BatchMtp
+from .batch_turn import BatchTurns
 from .instrument import Instrument
 from .messages import LoadCancelled, Message, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, ScoreTurn, SoloTurn
 from .sequence import Sequence, new_sequence
-from .solo_turn import SoloTurns, snapshot_marks
+from .solo_turn import SoloTurns
 
 if TYPE_CHECKING:  # the worker imports mlx on its own thread, not at import time
     from .speculation import Speculation
@@ -76,7 +77,8 @@ class Worker:
         self.batch: ContinuousBatch[Sequence] | None = None  # when batching
         self.prefix: Any = None
         self.new_cache: Callable[[], list[Any]] = list  # the model's fresh cache (decided at load)
-        self._snapshots = False  # whether prefills keep snapshots (decided at load)
+        self.snapshots = False  # whether prefills keep snapshots (decided at load)
+        self.batch_turns = BatchTurns(self)
         self.sequences: dict[str, Sequence] = {}
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
 
@@ -152,10 +154,10 @@ class Worker:
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",
                            self.policy.state, speculation.decline)
         # Only a cache that cannot be rewound needs snapshots: a KV cache is trimmed back instead.
-        self._snapshots = not rewindable(layers) and not self.prefix.off
+        self.snapshots = not rewindable(layers) and not self.prefix.off
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length,
-                                                snapshots=self._snapshots)
+                                                snapshots=self.snapshots)
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _loop(self) -> None:
@@ -172,7 +174,7 @@ class Worker:
                 except Exception as exc:
                     self.fail([sequence], exc)
             elif isinstance(turn, BatchTurn):
-                self._batch_turn(turn)
+                self.batch_turns.advance(turn)
             elif isinstance(turn, ScoreTurn):
                 self._score_turn(self.sequences[turn.request_id])
 
@@ -208,7 +210,7 @@ class Worker:
             sequence = self.sequences[request_id]
             self.forget(sequence)
             events.append((request_id, self.finish(sequence, "cancelled", "the client went away")))
-        self._into_batch_each(intake.to_batch)
+        self.batch_turns.insert_each(intake.to_batch)
         for request, place in intake.admitted:
             self._admit(request, place, events)
         self.observability.cache = self.prefix.stats()
@@ -253,116 +255,6 @@ class Worker:
             sequence.scorer, sequence.prompt_state = None, (cache, tokens[:-1], tokens[-1:])  # all but the last fed
             self.scheduler.scored(sequence.request.id)
             self.deliver([(sequence.request.id, scores)])
-
-    # -- the batch -------------------------------------------------------------------
-
-    def _into_batch(self, sequence: Sequence) -> None:
-        """Insert *sequence* into the batch: waiting (the batch prefills its prompt), or a parked solo one
-        (prefilled or part-prefilled: its cache, and the tokens it still has to feed)."""
-        from .grammar import GrammarProcessor
-
-        assert self.batch is not None
-        solo = sequence.solo
-        drafter = solo.burst.drafter if solo is not None and solo.burst is not None else None  # its history
-        if solo is None:
-            assert sequence.prompt_state is not None
-            cache, cached, pending = sequence.prompt_state
-            sequence.prompt_state = None
-        else:
-            assert solo.parked
-            sequence.solo = None
-            cache, cached, pending = solo.cache, solo.tokens_in_cache, solo.pending
-            self.observability.handoffs.inc()
-        for processor in sequence.processors:
-            if isinstance(processor, GrammarProcessor):
-                processor.deferring = True  # a grammar failing in the batch ends its own sequence only
-        marks = snapshot_marks(sequence.request) if self._snapshots else ()
-        uid = self.batch.insert(sequence, pending, cache, cached, sequence.output.remaining, sequence.sampler,
-                                sequence.processors, marks)
-        sequence.ever_batched = True
-        if self.batch_mtp is not None:
-            self.batch_mtp.join(uid, sequence, drafter, self.speculation)
-
-    def _into_batch_each(self, request_ids: Iterable[str]) -> None:
-        """:meth:`_into_batch` for each; one that cannot go in fails alone."""
-        for request_id in request_ids:
-            sequence = self.sequences[request_id]
-            try:
-                self._into_batch(sequence)
-            except Exception as exc:
-                self.fail([sequence], exc)
-
-    def _batch_turn(self, turn: BatchTurn) -> None:
-        assert self.batch is not None
-        self._into_batch_each(turn.insert)
-        if not self.batch.sequences:
-            return
-        try:
-            self._batch_step(self.batch)
-        except Exception as exc:
-            self.fail(self.batch.sequences, exc)
-            self._rebuild_batch()
-
-    def _batch_step(self, batch: ContinuousBatch[Sequence]) -> None:
-        """One step of the batch. If the step itself raises, the caller fails the batch and rebuilds
-        it; a failure in one sequence's own handling (its text, its logprobs) ends that one only."""
-        if self.instrument is not None:
-            for sequence in batch.sequences:
-                self.instrument.at("batch_step", sequence.request)
-        stepped = batch.step()
-        if stepped.tokens:
-            self.observability.batch_steps.labels(drafts=str(stepped.drafts)).inc()
-            if self.batch_mtp is not None:
-                self.batch_mtp.stepped(batch)
-        for tokens, cache in stepped.snapshots:
-            self.snapshot(tokens, cache, None)
-        events: Events = []
-        finished: dict[int, tuple[Sequence, Any]] = {}
-        failed: list[tuple[Sequence, Exception]] = []
-        for sequence, response in stepped.tokens:  # a speculative step gives a sequence several, in order
-            if id(sequence) in finished or any(s is sequence for s, _ in failed):
-                if response.finish_reason is not None and id(sequence) in finished:
-                    finished[id(sequence)] = (sequence, response)  # the one that carries its cache
-                continue
-            if (grammar := sequence.grammar_failure()) is not None:
-                failed.append((sequence, grammar))  # its token came from unmasked logits: never delivered
-                continue
-            try:
-                delta = sequence.output.on_token(response.token, response.logprobs, response.finish_reason)
-            except Exception as exc:
-                failed.append((sequence, exc))
-                continue
-            self.observability.generated_tokens.inc()
-            if delta is not None:
-                events.append((sequence.request.id, delta))
-            if sequence.output.finish_reason is not None:
-                finished[id(sequence)] = (sequence, response)
-        try:
-            if finished:  # a take_out that raises leaves them in the batch, which then fails whole
-                kept = batch.take_out(list(finished.values()))
-                for sequence, _ in finished.values():
-                    cache, tokens = kept[id(sequence)]
-                    self.keep(tokens, cache)
-                    self.forget(sequence)
-                    assert sequence.output.finish_reason is not None
-                    events.append((sequence.request.id, self.finish(sequence, sequence.output.finish_reason)))
-                self.observability.cache = self.prefix.stats()
-        finally:  # what was built is delivered, whatever happens after
-            self.publish_load()
-            if events:
-                self.deliver(events)
-        for sequence, error in failed:
-            self.fail([sequence], error)
-
-    def _rebuild_batch(self) -> None:
-        assert self.batch is not None
-        try:
-            self.batch.rebuild()
-        except Exception as exc:  # no batch to be had: serve on, one sequence at a time
-            logger.error("the continuous batch could not be rebuilt (%s: %s): serving one sequence at a time",
-                         type(exc).__name__, exc)
-            self.batch = None
-            self.scheduler.batch_lost(f"the batch could not be rebuilt: {exc}")
 
     # -- what goes out -----------------------------------------------------------------
 
