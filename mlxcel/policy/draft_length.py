@@ -286,12 +286,3 @@ class DraftLength:
             cells[(width, band)] = cell
         self._cells.update(cells)
         return None
-
-    def table(self) -> list[dict[str, float | int]]:
-        """What has been measured, for publishing: per width and band, the K run and each K's cost."""
-        rows: list[dict[str, float | int]] = []
-        for (width, band), cell in sorted(self._cells.items()):
-            row: dict[str, float | int] = {"width": width, "depth_band": band, "drafts": cell.running}
-            row.update({f"step_seconds_k{k}": round(v, 6) for k, v in sorted(cell.costs.items())})
-            rows.append(row)
-        return rows

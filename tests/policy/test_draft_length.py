@@ -135,12 +135,22 @@ def test_depth_band_edges() -> None:
         [0, 0, 1, 1, 2, 4]
 
 
-def test_the_table_says_what_was_measured() -> None:
+def test_the_cells_say_what_was_measured() -> None:
+    from mlxcel.policy.draft_length import BatchCell
+
     rule = DraftLength(2)
     rule.classic(3, 10, 0.02)
     rule.speculative(3, 10, 2, 0.03, [2, 2, 1])
-    assert rule.table() == [{"width": 3, "depth_band": 0, "drafts": 0,
-                             "step_seconds_k0": 0.02, "step_seconds_k2": 0.03}]
+    rule.classic(3, 5000, 0.04)
+    expected_k2 = round(rule.expected_tokens(2) / 0.03 / (1 / 0.02), 2)
+    assert rule.cells() == (BatchCell(3, 0, 1023, 0, 1.0), BatchCell(3, 4096, 8191, 0, 1.0))
+    rule.choose(3, 10)  # not trusted yet: a trial, and the K run stays the classic step
+    assert rule.cells()[0].drafts == 0
+    assert DraftLength(2, forced=True).cells() == ()
+    forced = DraftLength(2, forced=True)
+    forced.classic(3, 10, 0.02)
+    forced.speculative(3, 10, 2, 0.03, [2, 2, 1])
+    assert forced.cells() == (BatchCell(3, 0, 1023, 2, expected_k2),)
 
 
 def test_a_rule_needs_a_draft_to_choose() -> None:
