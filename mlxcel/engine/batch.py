@@ -88,9 +88,10 @@ class ContinuousBatch(Generic[T]):
         generation = self._generator._generation_batch
         width, depth, drafts = len(generation), 0, 0
         speculation, rule = self.speculation, self.rule
-        if speculation is not None and rule is not None and speculation.can_speculate(generation.uids):
-            depth = max(len(tokens) for tokens in generation.tokens)
-            drafts = rule.choose(width, depth)
+        if speculation is not None and rule is not None:
+            depth = max((len(tokens) for tokens in generation.tokens), default=0)  # the deepest row's context
+            if speculation.can_speculate(generation.uids):
+                drafts = rule.choose(width, depth)
         started = time.perf_counter()
         if drafts:
             assert speculation is not None and rule is not None
