@@ -76,8 +76,8 @@ def main() -> None:
                 made.step()
             return made
 
-        # A batch per pass and side, made when its pass starts: two live batches side by side slow each
-        # other's steps several times over here (measured: 30 ms a step alone, 190 alternating).
+        # A batch per pass and side, made when its pass starts: both sides' passes start from the same
+        # short context, and no batch holds memory while the other is timed.
         times: dict[str, list[float]] = {"plain": [], "parked": []}
         for _ in range(args.passes):
             for side in times:
