@@ -86,11 +86,12 @@ class ContinuousBatch(Generic[T]):
         import mlx.core as mx
 
         generation = self._generator._generation_batch
-        width, depth, drafts = len(generation), 0, 0
+        width, depth, drafts, ready = len(generation), 0, 0, False
         speculation, rule = self.speculation, self.rule
         if speculation is not None and rule is not None:
             depth = max((len(tokens) for tokens in generation.tokens), default=0)  # the deepest row's context
-            if speculation.can_speculate(generation.uids):
+            ready = speculation.can_speculate(generation.uids)
+            if ready:
                 drafts = rule.choose(width, depth)
         started = time.perf_counter()
         if drafts:
@@ -106,8 +107,7 @@ class ContinuousBatch(Generic[T]):
             responses = speculated + responses
         else:
             prompts, responses = self._generator.next()
-            if rule is not None and width and not prompts and speculation is not None \
-                    and speculation.can_speculate(generation.uids):
+            if rule is not None and ready and not prompts:  # a classic step the rule chose: its cost
                 rule.classic(width, depth, time.perf_counter() - started)
         if speculation is not None:
             speculation.absorb()
