@@ -27,12 +27,13 @@ class ApiError(Exception):
 
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-"""Anthropic's error types by status; any other status is an ``api_error``."""
+"""Anthropic's error types by status; any other is an ``invalid_request_error`` below 500, an ``api_error``
+from 500 on (a 405 is the client's mistake, not the server's)."""
 
 
 def anthropic_body(error: ApiError) -> dict[str, Any]:
-    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(error.status, "api_error"),
-                                       "message": error.message}}
+    kind = ANTHROPIC_TYPES.get(error.status, "invalid_request_error" if error.status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def error_response(error: ApiError) -> Response:

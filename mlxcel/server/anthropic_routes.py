@@ -74,6 +74,13 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
             "input": arguments if isinstance(arguments, dict) else {}}
 
 
+def _check_model(ctx: ServerContext, model: str) -> None:
+    # Claude Code names its own models (claude-*) for its main and background work: all mean this one.
+    if not serves(ctx.options, model) and not model.startswith("claude-"):
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{ctx.options.model_name!r}", code="model_not_found")
+
+
 class _Message:
     """One Messages request: validated, served as a chat completion, shaped as Anthropic's."""
 
@@ -86,19 +93,13 @@ class _Message:
         self.model = ""
         """The model the request named, echoed back as Anthropic does."""
 
-    def _check_model(self, model: str) -> None:
-        # Claude Code names its own models (claude-*) for its main and background work: all mean this one.
-        if not serves(self.ctx.options, model) and not model.startswith("claude-"):
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{self.ctx.options.model_name!r}", code="model_not_found")
-
     async def respond(self) -> Response | dict[str, Any]:
         body = await json_body()
         try:
             params = await off_the_loop_if_large(MessagesRequest.model_validate, body)
         except ValidationError as exc:
             raise bad_request(describe(exc)[0]) from exc
-        self._check_model(params.model)
+        _check_model(self.ctx, params.model)
         self.model = params.model
         _, events, _ = await self.generation.start(to_chat(params))
         return event_stream(self._stream(events)) if params.stream else await self._complete(events)
@@ -227,6 +228,7 @@ def register(app: Quart, ctx: ServerContext) -> None:
             chat = ChatCompletionRequest.model_validate(count_body(params))
         except ValidationError as exc:
             raise bad_request(describe(exc)[0]) from exc
+        _check_model(ctx, params.model)
         limits = ctx.observability.limits
         if limits is None or not ctx.engine.ready.is_set():
             raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")

@@ -9,9 +9,10 @@ and those with no meaning here are ignored (``docs/http-api.md`` lists them).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
 from .schemas import MAX_STOP_STRINGS, MAX_TOOLS
@@ -31,16 +32,48 @@ class TextBlock(_Block):
     text: str
 
 
+class ImageBlock(_Block):
+    """An ``image`` or ``document`` block: validated for its shape, then refused by a model that reads text."""
+
+    type: Literal["image", "document"]
+    source: dict[str, Any]
+
+
+class ThinkingBlock(_Block):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+def _block_tag(known: frozenset[str]) -> Callable[[Any], str | None]:
+    """The union member a block validates as: its own type where it is one of *known*, else the open one."""
+
+    def tag(value: Any) -> str | None:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        if not isinstance(kind, str):
+            return None  # pydantic's "unable to extract tag" error: a 400 naming the block
+        if kind in ("image", "document"):
+            return "image"
+        return kind if kind in known else "other"
+
+    return tag
+
+
+ResultPart = Annotated[Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+                       | Annotated[_Block, Tag("other")], Discriminator(_block_tag(frozenset({"text"})))]
+"""A part of a ``tool_result``'s content."""
+
+
 class ToolResultBlock(_Block):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[dict[str, Any]] = ""
+    content: str | list[ResultPart] = ""
     is_error: bool = False
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(str(part.get("text", "")) for part in self.content if part.get("type") == "text")
+        return "\n".join(part.text for part in self.content if isinstance(part, TextBlock))
 
 
 class ToolUseBlock(_Block):
@@ -50,10 +83,19 @@ class ToolUseBlock(_Block):
     input: dict[str, Any]
 
 
+ContentBlock = Annotated[
+    Annotated[TextBlock, Tag("text")] | Annotated[ImageBlock, Tag("image")]
+    | Annotated[ToolUseBlock, Tag("tool_use")] | Annotated[ToolResultBlock, Tag("tool_result")]
+    | Annotated[ThinkingBlock, Tag("thinking")] | Annotated[_Block, Tag("other")],
+    Discriminator(_block_tag(frozenset({"text", "tool_use", "tool_result", "thinking"})))]
+"""A message's content block: the kinds mlxcel reads are validated whole (a malformed one is a 400 that names
+its field); others (``redacted_thinking``, server tool blocks, ...) need only a ``type``."""
+
+
 class Message(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["user", "assistant", "system"]
-    content: str | list[dict[str, Any]]
+    content: str | list[ContentBlock]
 
 
 class ToolDefinition(BaseModel):
@@ -117,14 +159,21 @@ def _system_text(system: str | list[TextBlock] | None) -> str:
     return "\n".join(block.text for block in system if not block.text.startswith(BILLING_HEADER))
 
 
-def _blocks(message: Message, index: int) -> list[dict[str, Any]]:
+def _blocks(message: Message, index: int) -> list[_Block]:
+    """*message*'s blocks; an image or document anywhere in it (a ``tool_result``'s content too) is a 400."""
     if isinstance(message.content, str):
-        return [{"type": "text", "text": message.content}]
+        return [TextBlock(type="text", text=message.content)]
     for block in message.content:
-        if block.get("type") in ("image", "document"):
-            raise bad_request(f"messages.{index}: this model reads text only; {block['type']} blocks cannot be "
-                              "served", param="messages")
-    return message.content
+        parts = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else [block]
+        for part in parts:
+            if isinstance(part, ImageBlock):
+                raise bad_request(f"messages.{index}: this model reads text only; {part.type} blocks cannot be "
+                                  "served", param="messages")
+    return list(message.content)
+
+
+def _texts(blocks: list[_Block]) -> list[str]:
+    return [block.text for block in blocks if isinstance(block, TextBlock)]
 
 
 def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
@@ -132,9 +181,8 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
     chat: list[dict[str, Any]] = []
     # A system-role message inside `messages` (Claude Code sends one) joins the system prompt: chat
     # templates take one system message, first.
-    systems = [_system_text(params.system), *(_system_text(m.content if isinstance(m.content, str) else [
-        TextBlock.model_validate(b) for b in m.content if b.get("type") == "text"])
-        for m in params.messages if m.role == "system")]
+    systems = [_system_text(params.system), *("\n".join(_texts(_blocks(m, i)))
+                                               for i, m in enumerate(params.messages) if m.role == "system")]
     system = "\n".join(s for s in systems if s)
     if system:
         chat.append({"role": "system", "content": system})
@@ -144,21 +192,18 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
         texts: list[str] = []
         thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
-        for raw in _blocks(message, index):
-            kind = raw.get("type")
-            if kind == "text":
-                texts.append(TextBlock.model_validate(raw).text)
-            elif kind == "tool_use" and message.role == "assistant":
-                use = ToolUseBlock.model_validate(raw)
-                calls.append({"id": use.id, "type": "function",
-                              "function": {"name": use.name, "arguments": json.dumps(use.input)}})
-            elif kind == "tool_result" and message.role == "user":
-                result = ToolResultBlock.model_validate(raw)
-                text = result.text()
-                chat.append({"role": "tool", "tool_call_id": result.tool_use_id,
-                             "content": f"Error: {text}" if result.is_error else text})
-            elif kind == "thinking" and message.role == "assistant":
-                thoughts.append(str(raw.get("thinking", "")))
+        for block in _blocks(message, index):
+            if isinstance(block, TextBlock):
+                texts.append(block.text)
+            elif isinstance(block, ToolUseBlock) and message.role == "assistant":
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": json.dumps(block.input)}})
+            elif isinstance(block, ToolResultBlock) and message.role == "user":
+                text = block.text()
+                chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                             "content": f"Error: {text}" if block.is_error else text})
+            elif isinstance(block, ThinkingBlock) and message.role == "assistant":
+                thoughts.append(block.thinking)
             # redacted_thinking (opaque), server tool blocks: nothing the template renders
         if texts or calls or not isinstance(message.content, list):
             entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
@@ -167,15 +212,16 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
             if any(thoughts):
                 entry["reasoning_content"] = "\n".join(t for t in thoughts if t)
             chat.append(entry)
+    if all(entry["role"] == "system" for entry in chat):
+        raise bad_request("messages: the conversation has no user or assistant turn to answer", param="messages")
     return chat
 
 
 def _tool_fields(params: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
-    if not params.tools:
-        return {}
+    """``tools`` and ``tool_choice`` as chat's (a choice that forces a call without tools is chat's 400 too)."""
     fields: dict[str, Any] = {"tools": [{"type": "function", "function": {
         "name": tool.name, "description": tool.description, "parameters": tool.input_schema}}
-        for tool in params.tools]}
+        for tool in params.tools]} if params.tools else {}
     choice = params.tool_choice
     if choice is not None:
         if choice.type == "tool":

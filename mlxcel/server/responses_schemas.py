@@ -10,9 +10,9 @@ nothing is stored.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
 from .schemas import MAX_TOOLS
@@ -24,6 +24,22 @@ class FunctionTool(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
+
+
+class _Tool(BaseModel):
+    """A tool of a kind not served here (``web_search``, ``namespace``, ...): dropped."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: str
+
+
+def _tool_tag(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return None if not isinstance(kind, str) else "function" if kind == "function" else "other"
+
+
+Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[_Tool, Tag("other")], Discriminator(_tool_tag)]
+"""A tool: a function tool is validated whole (a malformed one is a 400 that names its field)."""
 
 
 class TextFormat(BaseModel):
@@ -54,7 +70,7 @@ class ResponsesRequest(BaseModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -67,7 +83,7 @@ class ResponsesRequest(BaseModel):
 
     def function_tools(self) -> list[FunctionTool]:
         """The function tools; other kinds (``web_search``, ``namespace``, ...) are not served and are dropped."""
-        return [FunctionTool.model_validate(tool) for tool in self.tools or [] if tool.get("type") == "function"]
+        return [tool for tool in self.tools or [] if isinstance(tool, FunctionTool)]
 
 
 def _text(content: Any, where: str) -> str:
@@ -134,6 +150,8 @@ def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind is None:
             raise bad_request(f"{where} has no type", param="input")
         # other item types (web search calls, ...): nothing the template renders
+    if not chat:
+        raise bad_request("input: the conversation has no user or assistant turn to answer", param="input")
     system_text = "\n\n".join(s for s in system if s)
     return ([{"role": "system", "content": system_text}] if system_text else []) + chat
 
@@ -153,16 +171,17 @@ def to_chat(params: ResponsesRequest) -> dict[str, Any]:
     if tools:
         body["tools"] = [{"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
                          for tool in tools]
-        choice = params.tool_choice
-        if isinstance(choice, dict):
-            if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-                raise bad_request("tool_choice must be auto, none, required or {type: function, name}",
-                                  param="tool_choice")
-            body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
-        elif choice is not None:
-            body["tool_choice"] = choice
         if params.parallel_tool_calls is False:
             body["parallel_tool_calls"] = False
+    # Passed on with or without tools: one that forces a call without any is chat's 400.
+    choice = params.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise bad_request("tool_choice must be auto, none, required or {type: function, name}",
+                              param="tool_choice")
+        body["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
+    elif choice is not None:
+        body["tool_choice"] = choice
     form = params.text.format if params.text is not None else None
     if form is not None and form.type != "text":
         body["response_format"] = {"type": "json_object"} if form.type == "json_object" else {

@@ -9,6 +9,7 @@ documented in ``docs/http-api.md``.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -312,12 +313,22 @@ def unsupported(body: dict[str, Any]) -> str | None:
     return None
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[a-z-]+\[.*\])$")
+"""How pydantic names a union's member in an error's location (``str``, ``list[...]``, ``tagged-union[...]``):
+left out of the message, which names the field, not the type tried."""
+
+
 def describe(error: ValidationError) -> tuple[str, str | None]:
-    """One sentence for the first problem, and the parameter it is about."""
-    first = error.errors()[0]
-    location = ".".join(str(part) for part in first["loc"])
-    param = str(first["loc"][0]) if first["loc"] else None
-    return f"{location}: {first['msg']}" if location else first["msg"], param
+    """One sentence for the problem, and the parameter it is about.
+
+    Of a union's failures, the deepest: a content block with a malformed field fails as a string too, and the
+    field is what the client needs to hear of.
+    """
+    chosen = max(error.errors(), key=lambda e: len(e["loc"]))
+    parts = [str(part) for part in chosen["loc"]]
+    location = ".".join(part for part in parts if not _UNION_MEMBER.match(part))
+    param = parts[0] if parts else None
+    return f"{location}: {chosen['msg']}" if location else chosen["msg"], param
 
 
 def json_problem(body: Any) -> str | None:
