@@ -16,7 +16,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-FORMAT = "1"
+from .disk_files import checksum, is_regular, make_private
+
+FORMAT = "2"
+"""2: the arrays' checksum in the metadata, checked on read."""
 SUFFIX = ".drafter.safetensors"
 
 
@@ -63,7 +66,9 @@ def save(path: Path, drafter: str, token: int, state: Any) -> None:
     temporary = path.with_name(f".{path.name.removesuffix('.safetensors')}.tmp.safetensors")
     try:
         mx.save_safetensors(str(temporary), arrays, {"mlxcel_drafter_format": FORMAT, "mlxcel_drafter": drafter,
-                                                     "mlxcel_token": str(token), "mlxcel_shape": json.dumps(shape)})
+                                                     "mlxcel_token": str(token), "mlxcel_shape": json.dumps(shape),
+                                                     "mlxcel_checksum": checksum(arrays)})
+        make_private(temporary)
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
@@ -74,12 +79,14 @@ def load(path: Path, drafter: str, classes: dict[str, Any]) -> tuple[int, Any] |
     no longer; raises when the file is damaged."""
     import mlx.core as mx
 
-    if not path.exists():
+    if not is_regular(path):
         return None
     loaded: Any = mx.load(str(path), return_metadata=True)
     arrays, metadata = loaded
     if metadata.get("mlxcel_drafter_format") != FORMAT or metadata.get("mlxcel_drafter") != drafter:
         return None
+    if checksum(arrays) != metadata.get("mlxcel_checksum"):
+        raise ValueError("its arrays do not match their checksum")
     state = _decode(json.loads(metadata["mlxcel_shape"]), arrays, classes)
     mx.eval([a for a in arrays.values()])
     return int(metadata["mlxcel_token"]), state

@@ -208,6 +208,11 @@ class PrefixCache:
         for entry in reversed(self._held.values()):
             self.disk.save(entry.tokens, entry.cache, entry.drafter)
 
+    def close(self) -> None:
+        """Let go of the disk tier's directory (after :meth:`persist`: the server is stopping)."""
+        if self.disk is not None:
+            self.disk.close()
+
     def stats(self) -> CacheStats:
         disk = self.disk
         return CacheStats(entries=len(self._held), bytes=self._bytes, max_entries=self._entries,

@@ -10,13 +10,21 @@ their arrays) to know what is there. The tier is bounded by
 
 A file that is not ours, is foreign to this model, truncated, corrupt or
 unreadable is a warning and a miss, never a crash or a wrong answer: a damaged
-file of ours is removed, a foreign one left alone. A directory that cannot be
-written turns the tier off, with a warning. Worker thread only.
+file of ours is removed, a foreign one left alone. Damage under an intact
+header is found by the arrays' checksum, stored in the header and checked on
+every read; anything that is not a regular file (a FIFO named like an entry)
+is skipped unopened. A directory that cannot be written turns the tier off,
+with a warning. The tier keeps prompts: its directories are ``0700``, its files
+``0600`` (:mod:`.disk_files`). One process owns a model's directory at a time
+(an advisory lock): a second server on the same cache root runs without the
+disk tier, and says so, rather than delete the first one's entries to fit its
+own bound. Worker thread only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -31,12 +39,14 @@ import numpy as np
 
 from ..models.loader import CheckpointInfo
 from . import drafter_disk
+from .disk_files import checksum, make_private, open_regular, private_directory
 from .messages import WorkerSettings
 from .prefix_cache import PrefixCache, rewindable, usable
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "1"
+FORMAT = "2"
+"""2: the arrays' checksum in the header (files of format 1 are not read, and are left alone)."""
 MAX_HEADER = 64 << 20
 """Bytes of a safetensors header read at most (a file claiming more is not one of ours)."""
 
@@ -84,6 +94,7 @@ class _Record:
     rewinds: bool
     size: int
     used: float
+    checksum: str
 
 
 class DiskTier:
@@ -98,10 +109,18 @@ class DiskTier:
         self._classes: dict[str, Any] = classes
         self._layers = [type(layer) for layer in layers]
         self._records: dict[str, _Record] = {}
+        self._lock: int | None = None
         try:
-            directory.mkdir(parents=True, exist_ok=True)
+            private_directory(directory.parent)
+            private_directory(directory)
+            self._lock = _lock(directory)
         except OSError as exc:
             logger.warning("prompt cache: no disk tier, %s cannot be made: %s", directory, exc)
+            self.max_bytes = 0
+            return
+        if self._lock is None:
+            logger.warning("prompt cache: no disk tier, another mlxcel process uses %s (one process owns a "
+                           "model's disk tier at a time)", directory)
             self.max_bytes = 0
             return
         for path in directory.iterdir():
@@ -114,6 +133,12 @@ class DiskTier:
             logger.info("prompt cache: %d entries (%.1f MB) on disk in %s", self.entries, self.bytes / 1e6,
                         directory)
 
+    def close(self) -> None:
+        """Let another process own the directory (the server is stopping; the files stay)."""
+        if self._lock is not None:
+            os.close(self._lock)
+            self._lock = None
+
     @property
     def entries(self) -> int:
         return len(self._records)
@@ -124,19 +149,26 @@ class DiskTier:
 
     def _index(self, path: Path) -> None:
         try:
-            with path.open("rb") as file:
+            opened = open_regular(path)
+            if opened is None:
+                logger.warning("prompt cache: skipping %s, which is not a regular file", path)
+                return
+            with opened as file:
                 (length,) = struct.unpack("<Q", file.read(8))
                 if length > MAX_HEADER:
                     raise ValueError(f"a header of {length} bytes")
                 metadata = json.loads(file.read(length)).get("__metadata__") or {}
-            if metadata.get("0.mlxcel_format") != FORMAT or metadata.get("0.mlxcel_model") != self.identity:
+            if metadata.get("0.mlxcel_model") != self.identity:
                 return  # another model's, or not a prompt cache: left alone
+            if metadata.get("0.mlxcel_format") != FORMAT:
+                raise ValueError(f"format {metadata.get('0.mlxcel_format')}, where this mlxcel writes {FORMAT}")
             tokens = np.asarray(json.loads(metadata["0.mlxcel_tokens"]), dtype=np.int64)
             if tokens.ndim != 1 or not tokens.size or path.name != _name(tokens):
                 raise ValueError("its tokens do not match its name")
             stat = path.stat()
             self._records[path.name] = _Record(path, tokens, metadata.get("0.mlxcel_rewinds") == "1",
-                                               stat.st_size + _size(_drafter_path(path)), stat.st_mtime)
+                                               stat.st_size + _size(_drafter_path(path)), stat.st_mtime,
+                                               str(metadata.get("0.mlxcel_checksum", "")))
         except (OSError, ValueError, KeyError, struct.error) as exc:
             self._damaged(path, exc)
 
@@ -188,6 +220,10 @@ class DiskTier:
         loaded: Any = mx.load(str(record.path), return_metadata=True)
         arrays, flat = loaded
         _, classes, scalars = tree_unflatten(list(flat.items()))
+        numbers = {position for position, _ in scalars[1:]}
+        found = checksum({name: array for name, array in arrays.items() if name not in numbers})
+        if found != record.checksum:
+            raise ValueError(f"its arrays' checksum is {found}, where its header says {record.checksum}")
         values: dict[str, Any] = dict(arrays)
         for position, kind in scalars[1:]:
             array = arrays[position]
@@ -210,6 +246,8 @@ class DiskTier:
     def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None:
         """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off; and
         *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any."""
+        import mlx.core as mx
+        from mlx.utils import tree_flatten
         from mlx_lm.models.cache import save_prompt_cache
 
         name = _name(tokens)
@@ -218,10 +256,14 @@ class DiskTier:
         path, temporary = self.directory / name, self.directory / f".{name[:-12]}.tmp.safetensors"
         rewinds = rewindable(cache)
         try:
+            # The arrays save_prompt_cache writes as arrays (it turns numbers into arrays too, listed apart).
+            flat: list[tuple[str, Any]] = tree_flatten([layer.state for layer in cache])  # type: ignore[assignment]
+            sums = checksum({key: value for key, value in flat if isinstance(value, mx.array)})
             save_prompt_cache(str(temporary), cache, {
                 "mlxcel_format": FORMAT, "mlxcel_model": self.identity,
                 "mlxcel_tokens": json.dumps(tokens.tolist(), separators=(",", ":")),
-                "mlxcel_rewinds": "1" if rewinds else "0"})
+                "mlxcel_rewinds": "1" if rewinds else "0", "mlxcel_checksum": sums})
+            make_private(temporary)
             os.replace(temporary, path)
         except Exception as exc:  # a full disk, a directory gone, state mlx-lm cannot serialise
             logger.warning("prompt cache: could not write %s: %s: %s", path, type(exc).__name__, exc)
@@ -234,7 +276,7 @@ class DiskTier:
                 logger.warning("prompt cache: could not write the drafter's state beside %s: %s: %s", path.name,
                                type(exc).__name__, exc)
         self._records[name] = _Record(path, tokens, rewinds, path.stat().st_size + _size(_drafter_path(path)),
-                                      time.time())
+                                      time.time(), sums)
         self._prune()
 
     def _prune(self) -> None:
@@ -247,6 +289,18 @@ class DiskTier:
                 _drafter_path(oldest.path).unlink(missing_ok=True)
             except OSError as exc:
                 logger.warning("prompt cache: could not remove %s: %s", oldest.path, exc)
+
+
+def _lock(directory: Path) -> int | None:
+    """An exclusive advisory lock on *directory*'s lock file, held while the descriptor is open; None when
+    another process (or another server in this one) holds it."""
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _drafter_path(path: Path) -> Path:

@@ -114,6 +114,8 @@ class Worker:
             self.prefix.persist()
         except Exception:
             logger.exception("could not write the prompt cache to disk")
+        finally:
+            self.prefix.close()
         if self.batch_mtp is not None:
             self.batch_mtp.save()
 
@@ -142,6 +144,7 @@ class Worker:
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
                                          self.batch_mtp.rule)
         self.prefix = open_prefix_cache(self.settings, self.checkpoint, layers)
+        self.observability.cache = self.prefix.stats()  # the disk tier read back: shown before any request
         self.publish_load()
         speculation = self.speculation
         self.policy.on_worker_ready(BootFacts(host=loaded.host, pairing=loaded.pairing,
@@ -264,8 +267,9 @@ class Worker:
 
         events: Events = []
         grammar = isinstance(exc, GrammarError)  # the request's own grammar: a 400, not the server's fault
+        report = logger.warning if grammar else logger.error  # a client's grammar failing is not a server fault
         for sequence in sequences:
-            logger.error("request %s failed: %s: %s", sequence.request.id, type(exc).__name__, exc)
+            report("request %s failed: %s: %s", sequence.request.id, type(exc).__name__, exc)
             self.forget(sequence)
             message = f"the response's grammar cannot be followed: {exc}" if grammar \
                 else f"generation failed: {type(exc).__name__}: {exc}"

@@ -112,8 +112,14 @@ def test_a_drafters_state_goes_to_disk_with_its_snapshot_and_comes_back_byte_for
     state = ([head[0]], mx.arange(12, dtype=mx.float32).reshape(1, 1, 12), 3)
     tokens = np.arange(6, dtype=np.int64)
 
+    opened: list[DiskTier] = []
+
     def tier(drafter: str) -> DiskTier:
-        return DiskTier(root, 1 << 30, "model", classes, layers, drafter)
+        """A new tier on the directory, as a restarted server opens it: the last one let go of it first."""
+        if opened:
+            opened.pop().close()
+        opened.append(DiskTier(root, 1 << 30, "model", classes, layers, drafter))
+        return opened[-1]
 
     tier("head|qNone").save(tokens, layers, (42, state))
     _, _, back = tier("head|qNone").fetch(np.arange(8, dtype=np.int64), better_than=0)  # type: ignore[misc]
