@@ -4,7 +4,7 @@
 tokens of a string ``"aaa...`` under ``^a{N}$`` (and, for comparison, ``maxLength: N``, which llguidance
 bounds without unrolling), on the bundled default model's tokenizer. The mask is computed on the batch's
 critical path once per token per constrained sequence, so its time is what a co-batched stream waits too;
-``mlxcel.server.schema_bounds.MAX_PATTERN_REPEAT`` is chosen from this table.
+``mlxcel.server.schema_bounds.MAX_PATTERN_COST`` is chosen from this table.
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ lifespan and graceful shutdown), with its own accept loop:
 - hypercorn never closes the socket under an answer still being written, and
   a connection closing on a body it will not read drains it first (a
   "lingering close"), so the client sees the answer rather than a reset;
-- a write that waits longer than ``send_timeout`` for the client to read
-  (hypercorn's waits for ever) closes the connection: the app sees a
-  disconnect, so a stalled reader's generation is cancelled and its places
-  freed, as for a client that went away.
+- a client that takes nothing for ``send_timeout`` while an answer is being
+  written (hypercorn's waits for ever) has its connection closed: the app sees
+  a disconnect, so a stalled reader's generation is cancelled and its places
+  freed, as for a client that went away. The deadline is on progress (each
+  16 KiB piece of a write has its own), not on the whole body, so a slow but
+  steady reader gets a large answer whole.
 
 It relies on hypercorn 0.18's worker internals: ``TCPServer`` (its
 ``protocol``/``stream``/``send_lock`` attributes and the ``_read_data`` and
@@ -56,6 +58,10 @@ from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 logger = logging.getLogger(__name__)
+
+SEND_PIECE = 16 * 1024
+"""Bytes written under one deadline: the send timeout cuts a client that takes less than this in that long
+(16 KiB in 30 s: 0.5 KB/s), never one that reads a large answer steadily."""
 
 #: How long a closing connection keeps reading (and dropping) the rest of a body it will not use.
 LINGER_SECONDS = 2.0
@@ -161,16 +167,22 @@ class _Connection(TCPServer):
         await super().protocol_send(event)
 
     async def _send(self, data: bytes) -> None:
-        """Hypercorn's write (shielded: a write cut short would corrupt the stream), within the send timeout."""
+        """Hypercorn's write (shielded: a write cut short would corrupt the stream), cut when the client makes
+        no progress: written in pieces of :data:`SEND_PIECE` bytes, each within the send timeout, so a client
+        reading slowly but steadily gets a large answer whole (one write is a whole non-streamed body)."""
+        view = memoryview(data)
         async with self.send_lock:
             try:
-                with trio.CancelScope(shield=True) as scope:
-                    scope.deadline = trio.current_time() + self._send_timeout
-                    await self.stream.send_all(data)
+                for start in range(0, len(view), SEND_PIECE):
+                    with trio.CancelScope(shield=True) as scope:
+                        scope.deadline = trio.current_time() + self._send_timeout
+                        await self.stream.send_all(view[start:start + SEND_PIECE])
+                    if scope.cancelled_caught:
+                        break
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
                 return
-        if scope.cancelled_caught:
+        if view and scope.cancelled_caught:
             logger.warning("a client read nothing for %g s (--send-timeout): closing its connection",
                            self._send_timeout)
             with trio.CancelScope(shield=True):

@@ -1,5 +1,6 @@
-"""Bounds on a JSON schema before llguidance sees it: its size, its depth with every ``$ref`` followed, its
-patterns' counted repetitions, and an object's properties when none is required.
+"""Bounds on a JSON schema before llguidance sees it: its size, its depth with every ``$ref`` followed, the
+cost of its patterns and literals (each, and all of them together), and an object's properties when none is
+required.
 
 llguidance compiles a schema by recursion on the calling thread's native
 stack, following each ``$ref`` into its target as it goes. Its JSON parser
@@ -56,11 +57,19 @@ class _TooDeep(Exception):
     pass
 
 
-MAX_PATTERN_REPEAT = 1000
-"""The most a ``pattern`` may repeat anything, nested counts multiplied (``(a{10}){20}`` is 200). llguidance's
-mask for a counted repetition of a literal grows with the count (1,024-token vocabulary, per token: 0.52 ms at
-``a{1000}``, 10 ms at ``a{16384}``, 43 ms at ``a{65535}``: ``benchmarks/grammar_mask.py``), and it is computed on
-the batch's critical path, so one such request slowed every stream decoding beside it several times."""
+MAX_PATTERN_COST = 1000
+"""The most one ``pattern``, ``patternProperties`` key or ``const``/``enum`` string may cost, written out
+(:func:`pattern_cost`: ``a{1000}`` and a 1,000-character literal cost 1,000, ``a{500}b{500}`` too). llguidance's
+mask for a string lexeme grows with its length unrolled (1,024-token vocabulary, per token: 0.22 ms at
+1,000, 3.3 ms at 16,000, 14 ms for a 65,535-character literal or ``const``, 67 ms for ``a{1000}`` written 256
+times: ``benchmarks/grammar_mask.py``), and it is computed on the batch's critical path, so one such request
+slowed every stream decoding beside it several times."""
+
+MAX_SCHEMA_COST = 50_000
+"""The cost of every pattern, ``patternProperties`` key and ``const``/``enum`` string of a schema added (a
+``$ref`` target once, as the compiler builds it once): what llguidance's lexer is built from. 300 date
+patterns cost about 4,000 and an enum of 2,000 ten-letter words 20,000; 300 properties each ``^a{1000}$``
+cost 300,000."""
 
 MAX_OPTIONAL_PROPERTIES = 500
 """Properties of one object when none of them is required. llguidance 1.9 parses such an object with every
@@ -83,6 +92,8 @@ class _Walk:
 
     def __init__(self, root: Any) -> None:
         self.root = root
+        self.cost = 0
+        """What the patterns and literals walked so far cost (:data:`MAX_SCHEMA_COST`)."""
         self.expanding: set[str] = set()
         self.heights: dict[str, int] = {}
         """Each reference target's height, once known: a target is measured once, however often it is used."""
@@ -108,14 +119,7 @@ class _Walk:
         if isinstance(node.get("$id"), str) and node is not self.root:
             raise SchemaTooLarge("$id is supported only at the schema's root (a nested $id moves the base "
                                  "its references resolve against)")
-        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
-        if isinstance(node.get("patternProperties"), dict):
-            patterns += list(node["patternProperties"])
-        for pattern in patterns:
-            if (repeats := pattern_repeats(pattern)) > MAX_PATTERN_REPEAT:
-                raise SchemaTooLarge(f"a pattern repeats {repeats} times ({pattern[:40]!r}); at most "
-                                     f"{MAX_PATTERN_REPEAT} (nested counts multiplied): a string's length is "
-                                     "bounded with maxLength")
+        self._count_literals(node)
         properties = node.get("properties")
         if isinstance(properties, dict) and len(properties) > MAX_OPTIONAL_PROPERTIES and not node.get("required"):
             raise SchemaTooLarge(f"an object has {len(properties)} properties and none is required; at most "
@@ -125,6 +129,26 @@ class _Walk:
         if isinstance(reference, str):
             below = max(below, self._target_height(reference, budget - 1))
         return 1 + below
+
+    def _count_literals(self, node: dict[str, Any]) -> None:
+        """Add the cost of *node*'s patterns and literal strings; refuse one, or the total, past its bound."""
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        costs = [(pattern_cost(pattern), "a pattern", pattern) for pattern in patterns]
+        literals = [node["const"]] if isinstance(node.get("const"), str) else []
+        if isinstance(node.get("enum"), list):
+            literals += [value for value in node["enum"] if isinstance(value, str)]
+        costs += [(len(literal), "a literal string", literal) for literal in literals]
+        for cost, kind, text in costs:
+            if cost > MAX_PATTERN_COST:
+                raise SchemaTooLarge(f"{kind} costs {cost} written out ({text[:40]!r}); at most {MAX_PATTERN_COST} "
+                                     "(a literal counts its length, a count multiplies what it repeats, a sequence "
+                                     "adds its parts): a string's length is bounded with maxLength")
+            self.cost += cost
+        if self.cost > MAX_SCHEMA_COST:
+            raise SchemaTooLarge(f"the schema's patterns and literal strings cost {self.cost} written out together, "
+                                 f"more than {MAX_SCHEMA_COST}")
 
     def _target_height(self, reference: str, budget: int) -> int:
         if reference in self.expanding:
@@ -160,41 +184,43 @@ class _Walk:
 _COUNT = re.compile(r"\{(\d+)(,(\d*))?\}")
 
 
-def pattern_repeats(pattern: str) -> int:
-    """How many times *pattern* at most repeats its innermost atom: the largest product of nested counts
-    (``{n}``, ``{n,}``, ``{n,m}``: m when given, else n; ``*``, ``+`` and ``?`` count 1). A scan of the
-    syntax, not a regex engine: escapes and character classes are skipped, a ``{`` that is not a count is
-    a literal (as in ECMA-262), and an unbalanced pattern is measured as far as it goes."""
-    levels = [0]  # the heaviest atom of each open group so far
-    last = 0  # the weight of the atom a count would apply to
+def pattern_cost(pattern: str) -> int:
+    """The length of *pattern* written out, which is what llguidance's lexer unrolls: an atom (a character, an
+    escape, a character class) costs 1; a count (``{n}``, ``{n,}``: n; ``{n,m}``: m) multiplies the atom or
+    group before it (``*``, ``+`` and ``?`` by 1); a group costs what it holds, its alternatives added; the
+    pattern, the sum of its parts. A scan of the syntax, not a regex engine: a ``{`` that is not a count is a
+    literal (as in ECMA-262), and an unbalanced pattern is measured as far as it goes."""
+    totals = [0]  # the cost of each open group so far
+    last = 0  # the cost of the atom or group a count would apply to, already in totals[-1]
     i = 0
     while i < len(pattern):
         char = pattern[i]
-        if char == "\\":
-            i, last = i + 2, 1
-            levels[-1] = max(levels[-1], 1)
-            continue
-        if char == "[":
-            i, last = _class_end(pattern, i), 1
-            levels[-1] = max(levels[-1], 1)
-            continue
         if char == "(":
-            levels.append(0)
+            totals.append(0)
             i, last = i + 1, 0
+            continue
+        if char == ")" and len(totals) > 1:
+            last = totals.pop()
+            totals[-1] += last
+            i += 1
             continue
         if char == "{" and (count := _COUNT.match(pattern, i)):
             low, _, high = count.groups()
-            last *= int(high) if high else int(low)
-            levels[-1] = max(levels[-1], last)
+            factor = int(high) if high else int(low)
+            totals[-1] += last * (factor - 1)
+            last *= factor
             i = count.end()
             continue
-        if char == ")" and len(levels) > 1:
-            last = max(levels.pop(), 1)
-        elif char not in "|*+?^$":
-            last = 1
-        levels[-1] = max(levels[-1], last)
-        i += 1
-    return max(levels)
+        if char in "|^$":
+            i, last = i + 1, 0
+            continue
+        if char in "*+?":
+            i += 1
+            continue
+        i = i + 2 if char == "\\" else _class_end(pattern, i) if char == "[" else i + 1
+        totals[-1] += 1
+        last = 1
+    return sum(totals)
 
 
 def _class_end(pattern: str, start: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..http.errors import bad_request
 from .context import ServerContext
-from .matchers import GrammarProblem, compile_matchers
+from .matchers import GrammarProblem, compile_matchers, parser_limits
 from .native import run_native
 from .schema_bounds import DATA_KEYWORDS, check_schema
 from .schemas import ChatCompletionRequest, CompletionRequest, NamedToolChoice
@@ -43,7 +43,7 @@ def from_schema(schema: dict[str, Any]) -> str:
         grammar = LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     except ValueError as exc:  # SchemaTooLarge is one
         raise GrammarProblem((str(exc).splitlines() or ["llguidance refused the schema"])[0]) from exc
-    problem = LLMatcher.validate_grammar(grammar)
+    problem = LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if problem:
         raise GrammarProblem(problem.splitlines()[0])
     return grammar

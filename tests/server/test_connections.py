@@ -299,6 +299,38 @@ async def test_malformed_http_gets_an_openai_shaped_error(llama: Path, request_b
             assert await connection.closes()
 
 
+async def test_a_client_reading_a_large_answer_slowly_but_steadily_gets_it_whole(
+        llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The report's reader at 37 KB/s lost an ``n: 16`` + logprobs answer after 1.3 MB: the send timeout
+    covered the whole body, which is one write. It is on progress: a reader that takes some of every piece
+    within the timeout is never cut, however long the whole answer takes."""
+    async with running_server(["--model", str(llama), "--send-timeout", "1"]) as url:
+        parts = urlsplit(url)
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)  # the kernel buffers little for us
+        await sock.connect((parts.hostname, parts.port))
+        stream = trio.SocketStream(sock)
+        body = json.dumps({"prompt": "def f(x):", "max_tokens": 1900, "n": 16, "logprobs": 5,
+                           "temperature": 1, "seed": 1}).encode()
+        await stream.send_all(post("/v1/completions", body, key=""))
+        received, started, length = bytearray(), trio.current_time(), None
+        with trio.fail_after(120):
+            while chunk := await stream.receive_some(4096):
+                received += chunk
+                if length is None and b"\r\n\r\n" in received:
+                    head = bytes(received).partition(b"\r\n\r\n")[0].lower()
+                    length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+                if length is not None and len(received) >= len(head) + 4 + length:
+                    break
+                await trio.sleep(0.01)  # at most ~400 KB/s: seconds for the whole answer
+        await stream.aclose()
+    head, _, answer = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    assert len(answer) > 1_000_000 and trio.current_time() - started > 2, "the answer outlasts the timeout"
+    assert len(json.loads(answer)["choices"]) == 16
+    assert not any("--send-timeout" in r.getMessage() for r in caplog.records)
+
+
 async def test_clients_that_never_read_lose_their_places_after_the_send_timeout(
         llama: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The report's two streams (n=16 and n=4) that never read: once their socket buffers fill, every other

@@ -25,15 +25,16 @@ from hypothesis import strategies as st
 
 from mlxcel.server.schema_bounds import (
     MAX_OPTIONAL_PROPERTIES,
-    MAX_PATTERN_REPEAT,
+    MAX_PATTERN_COST,
     MAX_SCHEMA_BYTES,
     SchemaTooLarge,
     check_schema,
-    pattern_repeats,
+    pattern_cost,
 )
 from mlxcel.testing.base import TOOLS_CHATML, write_tokenizer
 from mlxcel.testing.checkpoints import build_checkpoint
 from mlxcel.testing.serving import serve_subprocess
+from tests.server.conftest import running_server
 
 Link = Callable[[str], dict[str, Any]]
 #: One link of a reference chain per keyword that can hold a subschema: each wraps a ``$ref`` to the next link.
@@ -99,25 +100,51 @@ def test_what_the_walk_cannot_bound_is_refused_with_its_reason(schema: dict[str,
         check_schema(schema, json.dumps(schema))
 
 
-@pytest.mark.parametrize(("pattern", "repeats"), [
-    ("^a{65535}$", 65535), ("^a{0,65535}$", 65535), ("^a{5,}$", 5), (r"^[a-z]{3}-\d{4}$", 4),
-    ("^(a{10}){20}$", 200), ("((a){3}){4}", 12), ("(ab|cd){4}(e){1000}", 1000), ("x{1,2}{3}", 6),
-    ("[{]{2000}", 2000), ("[]a]{7}", 7),
-    (r"\{2000}", 1), ("a{", 1), ("a{,5}", 1), ("^.*$", 1), ("", 0),  # an escaped brace, not counts: literals
+@pytest.mark.parametrize(("pattern", "cost"), [
+    ("^a{65535}$", 65535), ("^a{0,65535}$", 65535), ("^a{5,}$", 5), (r"^[a-z]{3}-\d{4}$", 8),
+    ("^(a{10}){20}$", 200), ("((a){3}){4}", 12), ("(ab|cd){4}(e){1000}", 1016), ("x{1,2}{3}", 6),
+    ("[{]{2000}", 2000), ("[]a]{7}", 7), ("(a|bc|d)", 4),
+    ("^" + "a{1000}" * 256 + "$", 256_000), ("^" + "a" * 65535 + "$", 65535),  # sequences add up
+    (r"\{2000}", 6), ("a{", 2), ("a{,5}", 5), ("^.*$", 1), ("", 0),  # an escaped brace, not counts: literals
 ])
-def test_a_pattern_is_measured_by_its_nested_counts(pattern: str, repeats: int) -> None:
-    assert pattern_repeats(pattern) == repeats
+def test_a_pattern_costs_its_length_written_out(pattern: str, cost: int) -> None:
+    assert pattern_cost(pattern) == cost
 
 
 def test_a_pattern_that_repeats_past_the_bound_is_refused_wherever_it_is() -> None:
-    over = f"^a{{{MAX_PATTERN_REPEAT + 1}}}$"
+    over = f"^a{{{MAX_PATTERN_COST + 1}}}$"
     for schema in ({"type": "string", "pattern": over},
                    {"type": "object", "patternProperties": {over: {"type": "string"}}},
                    {"properties": {"a": {"type": "string", "pattern": "^(x{30}){40}$"}}}):  # 30 x 40
         with pytest.raises(SchemaTooLarge, match="maxLength"):
             check_schema(schema, json.dumps(schema))
-    assert accepted({"type": "string", "pattern": f"^a{{{MAX_PATTERN_REPEAT}}}$", "maxLength": 65535})
+    assert accepted({"type": "string", "pattern": f"^a{{{MAX_PATTERN_COST}}}$", "maxLength": 65535})
     assert accepted({"type": "string", "const": "^a{65535}$"})  # data, not a pattern
+
+
+SEQUENCE = {"type": "string", "pattern": "^" + "a{1000}" * 256 + "$"}
+"""The report's 1.8 KB schema: each count within the old bound, the whole ``a{256000}`` (140 ms of mask a token)."""
+LONG_LITERAL = {"type": "string", "pattern": "^" + "a" * 65535 + "$"}
+MANY_PATTERNS = {"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^a{1000}$"}
+                                                  for i in range(300)}, "required": [f"p{i}" for i in range(300)]}
+
+
+def test_a_schema_is_bounded_by_the_sum_of_its_patterns_and_literals_not_its_largest_part() -> None:
+    for schema, says in ((SEQUENCE, "a pattern costs 256000"), (LONG_LITERAL, "a pattern costs 65535"),
+                         ({"const": "a" * 65535}, "a literal string costs 65535"),
+                         ({"enum": ["ok", "b" * 2000]}, "a literal string costs 2000"),
+                         (MANY_PATTERNS, "cost 51000 written out together"),
+                         ({"$defs": {"p": {"type": "string", "pattern": "^a{900}$"}}, "type": "array", "prefixItems": [
+                             {"patternProperties": {"^b{900}$": {}}, "properties": {str(i): {"$ref": "#/$defs/p"}}}
+                             for i in range(60)]}, "together")):
+        with pytest.raises(SchemaTooLarge, match=says):
+            check_schema(schema, json.dumps(schema))
+    dates = {"type": "object", "properties": {f"d{i}": {"type": "string", "pattern": r"^\d{4}-\d{2}-\d{2}$"}
+                                              for i in range(300)}, "required": ["d0"]}
+    words = {"enum": [f"word{i:06d}" for i in range(2000)]}
+    shared = {"$defs": {"p": {"type": "string", "pattern": "^a{1000}$"}},  # one target, compiled once
+              "properties": {str(i): {"$ref": "#/$defs/p"} for i in range(300)}, "required": ["0"]}
+    assert accepted(dates) and accepted(words) and accepted(shared)
 
 
 def _wide(count: int, **keywords: Any) -> dict[str, Any]:
@@ -243,9 +270,9 @@ def test_a_huge_repetition_is_a_400_and_a_bounded_one_is_served(server: str) -> 
             {"type": "string", "pattern": "^a{65535}$"})})
         assert refused.status_code == 400, refused.text
         error = refused.json()["error"]
-        assert error["param"] == "response_format" and "repeats 65535 times" in error["message"], error
+        assert error["param"] == "response_format" and "costs 65535 written out" in error["message"], error
         served = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "response_format": as_format(
-            {"type": "string", "pattern": f"^a{{{MAX_PATTERN_REPEAT}}}$"})})
+            {"type": "string", "pattern": f"^a{{{MAX_PATTERN_COST}}}$"})})
         assert served.status_code == 200, served.text
         assert re.fullmatch('"a*', served.json()["choices"][0]["text"])  # cut by max_tokens
 
@@ -360,3 +387,37 @@ def test_a_grammar_failing_in_the_batch_ends_its_own_request_only(server: str) -
         events = [line[6:] for line in lines if line.startswith("data: ")]
     assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+
+
+def test_the_reported_costly_shapes_are_a_400_on_every_grammar_route(server: str) -> None:
+    """Each cost under the old bound (its largest single repetition): a sequence of counts, a long literal,
+    many patterns; each on chat (``n: 4``, as the report's), as a forced tool's arguments, and as the
+    Responses API's ``text.format``."""
+    with httpx.Client(base_url=server, timeout=120) as client:
+        for schema in (SEQUENCE, LONG_LITERAL, MANY_PATTERNS):
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 4}
+            answers = [client.post("/v1/chat/completions", json={**chat, "response_format": as_format(schema)}),
+                       client.post("/v1/chat/completions", json={**chat, "tools": [as_tool(schema)],
+                                                                 "tool_choice": "required"}),
+                       client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 4, "text": {
+                           "format": {"type": "json_schema", "name": "s", "schema": schema}}})]
+            for answer in answers:
+                assert answer.status_code == 400 and "written out" in answer.json()["error"]["message"], answer.text
+
+
+async def test_a_grammar_whose_first_mask_costs_too_much_is_refused_before_admission(
+        llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The backstop behind the schema's bounds, whatever a schema's shape: llguidance's first mask is timed as
+    the grammar compiles. (No schema within the bounds is slow enough on a 1,024-token vocabulary, so the limit
+    is lowered here to below what any mask costs.)"""
+    from mlxcel.server import matchers
+
+    monkeypatch.setattr(matchers, "FIRST_MASK_SECONDS", -1.0)
+    async with running_server(["--model", str(llama)]) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        refused = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "response_format":
+                                                            as_format({"type": "string"})})
+        monkeypatch.setattr(matchers, "FIRST_MASK_SECONDS", 0.010)
+        served = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "response_format":
+                                                           as_format({"type": "string"})})
+    assert refused.status_code == 400 and "first mask took" in refused.json()["error"]["message"], refused.text
+    assert served.status_code == 200, served.text
