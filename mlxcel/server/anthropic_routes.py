@@ -94,14 +94,14 @@ class _Message:
         """The model the request named, echoed back as Anthropic does."""
 
     async def respond(self) -> Response | dict[str, Any]:
-        body = await json_body()
+        body = await json_body(self.ctx.engine)
         try:
             params = await off_the_loop_if_large(MessagesRequest.model_validate, body)
         except ValidationError as exc:
             raise bad_request(describe(exc)[0]) from exc
         _check_model(self.ctx, params.model)
         self.model = params.model
-        _, events, _ = await self.generation.start(to_chat(params))
+        _, events, _ = await self.generation.start(await off_the_loop_if_large(to_chat, params))
         return event_stream(self._stream(events)) if params.stream else await self._complete(events)
 
     def _envelope(self, content: list[dict[str, Any]], stop: tuple[str | None, str | None],
@@ -222,10 +222,10 @@ def register(app: Quart, ctx: ServerContext) -> None:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens() -> Any:
-        body = await json_body()
+        body = await json_body(ctx.engine)
         try:
             params = await off_the_loop_if_large(CountTokensRequest.model_validate, body)
-            chat = ChatCompletionRequest.model_validate(count_body(params))
+            chat = await off_the_loop_if_large(lambda: ChatCompletionRequest.model_validate(count_body(params)))
         except ValidationError as exc:
             raise bad_request(describe(exc)[0]) from exc
         _check_model(ctx, params.model)

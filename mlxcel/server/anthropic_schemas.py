@@ -12,10 +12,10 @@ import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_STOP_STRINGS, MAX_TOOLS
+from .schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block starts so, and changes per client: kept, every prompt would miss the prefix
@@ -97,6 +97,24 @@ class Message(BaseModel):
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
 
+    def parts(self) -> int:
+        """Its blocks, and the parts of its tool results' content."""
+        if isinstance(self.content, str):
+            return 0
+        return len(self.content) + sum(len(block.content) for block in self.content
+                                       if isinstance(block, ToolResultBlock) and isinstance(block.content, list))
+
+
+def _bounded(messages: list[Message]) -> list[Message]:
+    parts = sum(message.parts() for message in messages)
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"{parts} content blocks in all, more than {MAX_CONTENT_PARTS}")
+    return messages
+
+
+Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES), AfterValidator(_bounded)]
+"""A conversation, bounded in messages and blocks: a template renders each (:data:`~.schemas.MAX_MESSAGES`)."""
+
 
 class ToolDefinition(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
@@ -127,7 +145,7 @@ class MessagesRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     model: str
     max_tokens: int = Field(ge=1)
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_STRINGS)
     temperature: float = Field(default=1.0, ge=0, le=1)
@@ -144,7 +162,7 @@ class CountTokensRequest(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: Messages
     system: str | list[TextBlock] | None = None
     tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None

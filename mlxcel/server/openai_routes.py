@@ -63,7 +63,7 @@ class Generation:
         """The prompt's tokens, once rendered."""
 
     async def respond(self) -> Response | dict[str, Any]:
-        params, events, candidates = await self.start(await json_body())
+        params, events, candidates = await self.start(await json_body(self.ctx.engine))
         if params.stream:
             return event_stream(self._stream(events, params.n, params.include_usage()))
         return await self._complete(events, candidates, params.n)

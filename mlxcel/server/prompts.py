@@ -12,6 +12,7 @@ from .context import ServerContext
 from .fim import fim_format, fim_prompt
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import ToolSetup, template_messages
+from .wire import off_the_loop_if_large
 
 
 def too_long(ctx: ServerContext, chat: bool, prompt: str, completion: int) -> ApiError:
@@ -71,7 +72,7 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
 async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits: ModelLimits, completion: int,
                        tools: ToolSetup | None, checkpoints: bool) -> Prompt:
     tokenizer = ctx.engine.tokenizer
-    messages = template_messages(params.messages)
+    messages = await off_the_loop_if_large(template_messages, params.messages)
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad_request("this model has no chat template; use /v1/completions", param="messages")
     # tool_choice "none" renders no tools: the model is not told of calls it may not make.

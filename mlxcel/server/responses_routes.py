@@ -62,7 +62,7 @@ class _Responses:
         self.sequence = 0
 
     async def respond(self) -> Response | dict[str, Any]:
-        body = await json_body()
+        body = await json_body(self.ctx.engine)
         try:
             params = await off_the_loop_if_large(ResponsesRequest.model_validate, body)
         except ValidationError as exc:
@@ -73,7 +73,7 @@ class _Responses:
             raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {name!r}",
                            param="model", code="model_not_found")
         self.params = params
-        _, events, _ = await self.generation.start(to_chat(params))
+        _, events, _ = await self.generation.start(await off_the_loop_if_large(to_chat, params))
         return event_stream(self._stream(events)) if params.stream else await self._complete(events)
 
     def _response(self, status: str, output: list[dict[str, Any]], finish: Finish | None = None,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_TOOLS
+from .schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS
 
 
 class FunctionTool(BaseModel):
@@ -62,13 +62,21 @@ class ReasoningOptions(BaseModel):
     """Ignored: the reasoning is returned whole, as ``reasoning_text`` content; no summary is written."""
 
 
+def _bounded(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input items bounded in their content parts too (a template renders each)."""
+    parts = sum(len(item["content"]) for item in items if isinstance(item.get("content"), list))
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"{parts} content parts in all, more than {MAX_CONTENT_PARTS}")
+    return items
+
+
 class ResponsesRequest(BaseModel):
     """The fields mlxcel uses; others (``include``, ``store``, ``prompt_cache_key``,
     ``metadata``, ``truncation``, ``user``, ``service_tier``, ...) are accepted and ignored."""
 
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
     model: str | None = None
-    input: str | list[dict[str, Any]]
+    input: str | Annotated[list[dict[str, Any]], Field(max_length=MAX_MESSAGES), AfterValidator(_bounded)]
     instructions: str | None = None
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | dict[str, Any] | None = None

@@ -33,6 +33,16 @@ MAX_TOOLS = 128
 """Tools of one request, as OpenAI's limit."""
 MAX_TEMPLATE_KWARGS = 32
 """Entries of ``chat_template_kwargs``; a template reads a handful."""
+MAX_TEMPLATE_KWARG_VALUES = 10_000
+"""Values (each array, object, string and number, however nested) of all ``chat_template_kwargs`` together: a
+template walks them as it renders (Llama 3.1's ``custom_tools``: 350k empty objects took 4.4-5.2 s of render,
+holding every other request's). 10,000 is 128 tools' worth (the ``tools`` bound) of ordinary schemas."""
+MAX_MESSAGES = 10_000
+"""Messages of one conversation (the Responses API's input items too): the template renders each, the body
+bound alone let 120k empty ones through (1.8-3.0 s of render each request). None fits a context beyond a few
+thousand anyway: each costs the template's own tokens."""
+MAX_CONTENT_PARTS = 20_000
+"""Content parts, blocks and tool calls of all of a conversation's messages together."""
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
@@ -67,6 +77,20 @@ class ResponseFormat(BaseModel):
             assert self.json_schema is not None
             return self.json_schema.json_schema or {"type": "object"}
         return None
+
+
+def count_values(value: Any, limit: int) -> int:
+    """The values in *value* (itself, and every array, object, string and number within), counted up to just
+    past *limit*: the walk stops there. Iterative, so depth costs no stack."""
+    count, stack = 0, [value]
+    while stack and count <= limit:
+        item = stack.pop()
+        count += 1
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return count
 
 
 class _Request(BaseModel):
@@ -241,7 +265,7 @@ class NamedToolChoice(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -264,7 +288,19 @@ class ChatCompletionRequest(_Request):
                 raise ValueError(f"a key must be a template variable's name, not {key[:40]!r}")
             if key in RESERVED_TEMPLATE_KWARGS:
                 raise ValueError(f"{key!r} is set by the server, not by the request")
+        if count_values(list(value.values()), MAX_TEMPLATE_KWARG_VALUES) > MAX_TEMPLATE_KWARG_VALUES:
+            raise ValueError(f"more than {MAX_TEMPLATE_KWARG_VALUES} values in all (every array, object, string "
+                             "and number within counts one): the template walks them as it renders")
         return value
+
+    @field_validator("messages")
+    @classmethod
+    def _parts_bound(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        parts = sum(len(m.content) if isinstance(m.content, list) else 0 for m in messages) + \
+            sum(len(m.tool_calls or ()) for m in messages)
+        if parts > MAX_CONTENT_PARTS:
+            raise ValueError(f"{parts} content parts and tool calls in all, more than {MAX_CONTENT_PARTS}")
+        return messages
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages and tools.
@@ -321,10 +357,11 @@ left out of the message, which names the field, not the type tried."""
 def describe(error: ValidationError) -> tuple[str, str | None]:
     """One sentence for the problem, and the parameter it is about.
 
-    Of a union's failures, the deepest: a content block with a malformed field fails as a string too, and the
-    field is what the client needs to hear of.
+    Of a union's failures, the deepest, and of those at one depth one that is not a mere type mismatch: a
+    content block with a malformed field, or a list past its bound, fails as a string too, and the field or
+    the bound is what the client needs to hear of.
     """
-    chosen = max(error.errors(), key=lambda e: len(e["loc"]))
+    chosen = max(error.errors(), key=lambda e: (len(e["loc"]), not e["type"].endswith("_type")))
     parts = [str(part) for part in chosen["loc"]]
     location = ".".join(part for part in parts if not _UNION_MEMBER.match(part))
     param = parts[0] if parts else None

@@ -14,6 +14,7 @@ from .schemas import json_problem
 
 if TYPE_CHECKING:
     from ..engine import Finish
+    from .context import EngineApi
 
 T = TypeVar("T")
 
@@ -63,22 +64,28 @@ async def off_the_loop_if_large(function: Callable[..., T], *args: Any) -> T:
     return function(*args)
 
 
-async def json_body() -> dict[str, Any]:
+async def json_body(engine: EngineApi) -> dict[str, Any]:
     """The request's body: a JSON object mlxcel can serve, or a 400 ``invalid_json`` saying why not.
 
     The body is read first, so its size limit (413) comes before its type: a body declared as something other
     than JSON (a form, plain text) is a 415, as OpenAI and vLLM answer. JSON is UTF-8 (RFC 8259): a body in
-    UTF-16 or UTF-32, which Python's parser would otherwise detect and accept, is a 400.
+    UTF-16 or UTF-32, which Python's parser would otherwise detect and accept, is a 400. A body still arriving
+    when the server stops is a 503 at once: waiting for it could outlast the graceful shutdown, which would
+    close the connection with no answer at all.
     """
-    raw = await request.get_data(as_text=False)
+    raw = None
+    with engine.cancelled_on_stop():
+        raw = await request.get_data(as_text=False)
+    if raw is None:
+        raise unavailable("the server is shutting down; the request's body had not all arrived", "unavailable")
     assert isinstance(raw, bytes)
-    if not _is_json(request.headers.get("Content-Type")):
+    return await off_the_loop_if_large(_parsed, raw, request.headers.get("Content-Type"))
+
+
+def _parsed(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    if not _is_json(content_type):
         raise ApiError(415, f"the request body must be JSON (Content-Type: application/json), not "
-                            f"{request.headers.get('Content-Type', '')[:100]!r}", code="unsupported_media_type")
-    return await off_the_loop_if_large(_parsed, raw)
-
-
-def _parsed(raw: bytes) -> dict[str, Any]:
+                            f"{(content_type or '')[:100]!r}", code="unsupported_media_type")
     try:
         body = json.loads(raw.decode("utf-8").removeprefix("\ufeff"), parse_constant=_no_constants)
     except UnicodeDecodeError as exc:

@@ -329,3 +329,49 @@ async def test_a_node_that_answers_health_but_never_generates_leaves_rotation_af
             row = (await client.get(f"{url}/router/stats")).json()["nodes"][0]
             assert (row["healthy"], row["hung"], row["lost"]) == (True, True, 1)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_client_reading_a_large_answer_steadily_through_the_router_gets_it_whole() -> None:
+    """The report's reader at 974 KB/s lost a large answer at 31.7 MB: the router's --send-timeout covered the
+    whole relayed body (one write). It is on progress, as on a node."""
+    text = "x" * (8 << 20)
+    body = json.dumps({"id": "cmpl-1", "object": "text_completion", "choices": [{"index": 0, "text": text}]})
+    whole = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+             f"Connection: close\r\n\r\n{body}").encode()
+    async with trio.open_nursery() as nursery:
+        node = await _scripted_node(nursery, {b"/v1/completions": whole})
+        url = await _in_process_router(nursery, "--backend", node, "--send-timeout", "1")
+        host, port = url.removeprefix("http://").split(":")
+        sock = trio.socket.socket()
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_RCVBUF, 4096)
+        await sock.connect((host, int(port)))
+        stream = trio.SocketStream(sock)
+        request = json.dumps(GREEDY).encode()
+        await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                              b"Connection: close\r\nContent-Length: " + str(len(request)).encode() + b"\r\n\r\n"
+                              + request)
+        received, started = bytearray(), trio.current_time()
+        with trio.fail_after(120):
+            while chunk := await stream.receive_some(32768):
+                received += chunk
+                if len(received) // 32768 != (len(received) - len(chunk)) // 32768:
+                    await trio.sleep(0.015)  # at most ~2 MB/s: seconds for the whole answer
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+    head, _, answer = bytes(received).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and trio.current_time() - started > 2, head[:200]
+    if b"transfer-encoding: chunked" in head.lower():
+        answer = _dechunked(answer)
+    assert json.loads(answer)["choices"][0]["text"] == text
+
+
+def _dechunked(data: bytes) -> bytes:
+    """An HTTP/1.1 chunked body's content (a truncated one raises)."""
+    out, at = bytearray(), 0
+    while True:
+        end = data.index(b"\r\n", at)
+        size = int(data[at:end].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += data[end + 2:end + 2 + size]
+        at = end + 2 + size + 2

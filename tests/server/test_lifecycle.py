@@ -161,3 +161,38 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(llama: Path, tmp
     assert last["error"]["message"] == "server shutting down"
     assert "[DONE]" not in events  # cut, not ended: the server is going away (a failed request ends with [DONE])
     assert "received SIGTERM: shutting down" in log.read_text()
+
+
+async def test_requests_whose_bodies_are_still_arriving_at_shutdown_get_a_503(llama: Path) -> None:
+    """The report's SIGTERM while 20 clients were uploading 1 MB bodies: those still sending when the graceful
+    period ended got no answer at all. A body still arriving when the server stops is a 503 at once."""
+    from urllib.parse import urlsplit
+
+    from mlxcel.serve import run_server
+    from tests.server.conftest import serve_config
+
+    shutdown = trio.Event()
+    config = serve_config(["--model", str(llama)])
+    answers: list[bytes] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                          task_status=task_status))
+            await wait_ready(url)
+            parts = urlsplit(url)
+            streams = []
+            for _ in range(5):
+                stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+                await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                                      b"\r\nContent-Length: 1000000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000)
+                streams.append(stream)
+            await trio.sleep(0.5)  # the requests are in their handlers, reading bodies that stop coming
+            shutdown.set()
+            for stream in streams:
+                received = b""
+                with trio.move_on_after(10):  # past the 5 s graceful period: without the fix, no answer
+                    while b"\r\n\r\n" not in received and (chunk := await stream.receive_some(65536)):
+                        received += chunk
+                answers.append(received)
+                await stream.aclose()
+    assert all(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers
