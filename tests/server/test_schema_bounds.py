@@ -299,6 +299,7 @@ def test_a_grammar_that_fails_while_decoding_is_one_line_400_and_one_log_line_wi
     added = log.read_text()[len(before):]
     failures = [line for line in added.splitlines() if "failed" in line]
     assert len(failures) == 2 and "secret" not in added and "private" not in added, added
+    assert all(" WARNING " in line for line in failures), failures  # the client's grammar: not a server error
 
 
 LEAF = st.one_of(
