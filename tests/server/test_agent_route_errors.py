@@ -6,6 +6,7 @@ One server for the module (:func:`server_on_a_thread`), spoken to with a synchro
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -207,7 +208,7 @@ def agent_bodies(draw: st.DrawFn) -> tuple[str, Any]:
     """A route and a well-formed body with, mostly, one mutation anywhere in it: a field removed, or its value
     replaced by anything at all (a wrong type, a huge number, odd text). Every inner block is reached."""
     path = draw(st.sampled_from(sorted(ROUTES)))
-    body = draw(ROUTES[path])
+    body = copy.deepcopy(draw(ROUTES[path]))  # mutated below: never the strategies' own objects (st.just's)
     if path.endswith("count_tokens"):
         body.pop("max_tokens", None)
     places = _places(body)
