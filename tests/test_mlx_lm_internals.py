@@ -322,7 +322,9 @@ def test_the_generation_batch_seams_batch_speculation_reads(qwen35: Any) -> None
     """What mlxcel/engine/batch_speculation.py reads and writes of mlx-lm's GenerationBatch: the model called
     from ``_step`` with one token per row (told apart by its frame), ``uids``, ``tokens``, ``_next_tokens``
     (pending, not fed), ``_next_logprobs``, ``_num_tokens``, ``max_tokens``, ``_matchers``, ``Response``,
-    ``filter``, ``extract_cache``, and ``next`` looked up on the instance by ``BatchGenerator._next``."""
+    ``filter``, ``extract_cache``, and ``next`` looked up on the instance by ``BatchGenerator._next``; for a row
+    riding along at K=0, the classic step's per-row ``logits_processors``, ``_token_context``, ``samplers`` and
+    ``fallback_sampler``."""
     import sys
 
     from mlx_lm.generate import GenerationBatch
@@ -351,6 +353,9 @@ def test_the_generation_batch_seams_batch_speculation_reads(qwen35: Any) -> None
         assert sorted(len(t) for t in batch.tokens) == [2, 3] and batch._next_tokens.shape == (2,)
         assert len(batch._next_logprobs) == 2 and batch._num_tokens == [0, 0] and batch.max_tokens == [6, 6]
         assert len(batch._matchers) == 2 and callable(batch._matchers[0].advance)
+        assert len(batch.logits_processors) == 2 and len(batch._token_context) == 2
+        assert callable(batch._token_context[0].update_and_fetch) and callable(batch.fallback_sampler)
+        assert batch.samplers is None or len(batch.samplers) == 2
         assert {"uid", "token", "logprobs", "finish_reason", "prompt_cache", "all_tokens"} <= \
             set(GenerationBatch.Response.__dataclass_fields__)
         batch.next = list  # type: ignore[method-assign]

@@ -90,9 +90,10 @@ class ContinuousBatch(Generic[T]):
         speculation, rule = self.speculation, self.rule
         if speculation is not None and rule is not None:
             depth = max((len(tokens) for tokens in generation.tokens), default=0)  # the deepest row's context
-            ready = speculation.can_speculate(generation.uids)
+            drafting = speculation.drafting_rows(generation.uids)  # the others ride along at K=0
+            ready = drafting > 0
             if ready:
-                drafts = rule.choose(width, depth)
+                drafts = rule.choose(width, depth, drafting)
         started = time.perf_counter()
         if drafts:
             assert speculation is not None and rule is not None

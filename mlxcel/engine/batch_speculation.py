@@ -123,11 +123,14 @@ class BatchSpeculation:
                 mx.async_eval(self.drafts.settle(uids))  # bounded: queued hidden states are read in chunks
         self.tap.steps.clear()
 
-    def can_speculate(self, uids: Sequence[int]) -> bool:
-        """Whether a speculative step can run for these rows (each eligible, its drafter caught up)."""
-        return bool(uids) and all(
-            uid in self.rows and self.rows[uid].eligible
-            and (self.drafts.ready(uid) or self.rows[uid].unpaired is not None) for uid in uids)
+    def drafting_rows(self, uids: Sequence[int]) -> int:
+        """How many of these rows would draft in a speculative step: the eligible ones, when every row's
+        drafter is caught up (a row that may not draft rides along at K=0); 0 when none can, or the step
+        cannot run."""
+        if not uids or any(uid not in self.rows or not (self.drafts.ready(uid) or self.rows[uid].unpaired is not None)
+                           for uid in uids):
+            return 0
+        return sum(self.rows[uid].eligible for uid in uids)
 
     def step(self, batch: Any, drafts: int) -> list[Any]:
         """One speculative step of mlx-lm's ``GenerationBatch`` *batch* with *drafts* drafts per row.
@@ -153,29 +156,35 @@ class BatchSpeculation:
         # Classic decode's greedy token at every position, per row: its log-probabilities' argmax.
         greedy = mx.stack([mx.argmax(log_probabilities(logits[:, j, :]), axis=-1) for j in range(drafts + 1)],
                           axis=1)
-        sampled = [row.sampler(logits[i], drafted[i]) if row.sampler is not None else None
+        sampled = [row.sampler(logits[i], drafted[i]) if row.sampler is not None and row.eligible else None
                    for i, row in enumerate(rows)]
-        mx.eval(pending, drafted, greedy, [s for s in sampled if s is not None])
+        own = {i: _classic_token(batch, i, logits[i:i + 1, 0, :], pending) for i, row in enumerate(rows)
+               if not row.eligible}
+        mx.eval(pending, drafted, greedy, [s for s in sampled if s is not None], [t for t, _ in own.values()])
         host_pending: list[int] = pending.tolist()  # type: ignore[assignment]
         host_drafts: list[list[int]] = drafted.tolist()  # type: ignore[assignment]
         host_greedy: list[list[int]] = greedy.tolist()  # type: ignore[assignment]
+        classic = {i: int(token.item()) for i, (token, _) in own.items()}
 
         kept, nexts, responses, keep = [], [], [], []
         self.last_kept = []
         for i, row in enumerate(rows):
             chosen = sampled[i]
-            if chosen is None:
+            if not row.eligible:  # K=0: its own token, by its processors and sampler, from the first position
+                accepted, last = 0, classic[i]
+            elif chosen is None:
                 accepted = 0
                 while accepted < drafts and host_drafts[i][accepted] == host_greedy[i][accepted]:
                     accepted += 1
                 last = host_greedy[i][accepted]
             else:
                 accepted, last = int(chosen[0].item()), int(chosen[1].item())  # type: ignore[arg-type]
-            self.last_kept.append(accepted)
-            row.stats.proposed += drafts
-            row.stats.accepted += accepted
-            row.stats.rounds += 1
-            row.stats.widths.add(width)
+            if row.eligible:
+                self.last_kept.append(accepted)
+                row.stats.proposed += drafts
+                row.stats.accepted += accepted
+                row.stats.rounds += 1
+                row.stats.widths.add(width)
             fed = [host_pending[i], *host_drafts[i][:accepted]]
             count, finish = _finish(batch, i, fed)
             if count < len(fed):  # a stop token or max_tokens: the row keeps what it emitted and leaves
@@ -200,6 +209,8 @@ class BatchSpeculation:
         batch._next_tokens = mx.array(nexts, dtype=pending.dtype)
         ends = mx.array([k - 1 for k in kept])[:, None, None]
         batch._next_logprobs = list(log_probabilities(mx.take_along_axis(logits, ends, axis=1)[:, 0, :]))
+        for i, (_, logprobs) in own.items():  # as its classic step gives them: after its processors
+            batch._next_logprobs[i] = logprobs
         for response in responses:  # a finished row's cache, after its rollback
             if response.finish_reason is not None:
                 response.prompt_cache = batch.extract_cache(batch.uids.index(response.uid))
@@ -209,6 +220,19 @@ class BatchSpeculation:
         for row in rows:
             row.stats.round_seconds += elapsed
         return responses
+
+
+def _classic_token(batch: Any, row: int, logits: Any, pending: Any) -> tuple[Any, Any]:
+    """Row *row*'s next token and log-probabilities from its *logits* (1, V), as mlx-lm's classic step makes
+    them: its logits processors (a grammar, penalties, a bias) over its tokens so far, then its sampler."""
+    processors = batch.logits_processors[row] if batch.logits_processors else None
+    if processors:
+        context = batch._token_context[row].update_and_fetch(pending[row:row + 1])
+        for processor in processors:
+            logits = processor(context, logits)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = (batch.samplers[row] if batch.samplers else None) or batch.fallback_sampler
+    return sampler(logprobs)[0], logprobs[0]
 
 
 def _finish(batch: Any, row: int, fed: list[int]) -> tuple[int, str | None]:

@@ -147,8 +147,8 @@ class DraftLength:
         self._cell(width, depth).add(0, seconds)
 
     def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int]) -> None:
-        """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each speculating
-        row's leading drafts accepted (rows that ran without drafts are left out)."""
+        """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each drafting
+        row's leading drafts accepted (rows that rode along at K=0 are left out)."""
         cell = self._cell(width, depth)
         cell.add(drafts, seconds)
         for j in range(1, drafts + 1):  # only the positions this step drafted: the others keep what they knew
@@ -165,7 +165,7 @@ class DraftLength:
         if classic is not None and kept:
             # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
             # yields at this K by the pooled acceptance (one step's few rows would be noise).
-            if self.expected_tokens(drafts) / seconds < LOSS_MARGIN / classic:
+            if self.expected_tokens(drafts, len(kept) / width) / seconds < LOSS_MARGIN / classic:
                 cell.losses += 1
                 if cell.losses >= PATIENCE:
                     self._park(cell)
@@ -180,18 +180,21 @@ class DraftLength:
         (a Laplace estimate: 0.5 before any data)."""
         return (self._kept[position] + 1) / (self._tried[position] + 2)
 
-    def expected_tokens(self, drafts: int) -> float:
-        """Tokens a row yields in a step of *drafts* drafts: the ones expected kept, and the target's own."""
-        total, reach = 1.0, 1.0
+    def expected_tokens(self, drafts: int, share: float = 1.0) -> float:
+        """Tokens a row yields in a step of *drafts* drafts: the target's own, and the drafts expected kept;
+        *share*: the fraction of the step's rows that draft (the others yield their own token alone)."""
+        total, reach = 0.0, 1.0
         for j in range(1, drafts + 1):
             reach *= self.acceptance(j)
             total += reach
-        return total
+        return 1.0 + share * total
 
-    def choose(self, width: int, depth: int) -> int:
-        """K for the next step of *width* rows at context *depth* (0: the classic step)."""
+    def choose(self, width: int, depth: int, drafting: int | None = None) -> int:
+        """K for the next step of *width* rows at context *depth* (0: the classic step), *drafting* of them
+        able to draft (all, if not given: the others would ride along at K=0)."""
         if self.forced:
             return self.max_drafts
+        share = 1.0 if drafting is None else drafting / width
         cell = self._cell(width, depth)
         if cell.parked_for > 0:
             cell.parked_for -= 1
@@ -203,12 +206,12 @@ class DraftLength:
         if cell.samples.get(0, 0) < TRIALS:
             return 0  # the classic step is what everything is measured against
         for k in range(1, self.max_drafts + 1):
-            if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k) or (k == 1 and cell.retry)):
+            if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry)):
                 cell.retry = False  # a trial: the K run (and published) stays what it was
                 return k
         measured = [k for k in range(self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
-        best = max(measured, key=lambda k: self._rate(cell, k))
-        if self._rate(cell, best) > SWITCH_GAIN * self._rate(cell, cell.running):
+        best = max(measured, key=lambda k: self._rate(cell, k, share))
+        if self._rate(cell, best, share) > SWITCH_GAIN * self._rate(cell, cell.running, share):
             cell.running = best
         if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
             self._park(cell)
@@ -220,24 +223,24 @@ class DraftLength:
             cell.steps, cell.looks = 0, cell.looks + 1
             cell.looked = 1 - cell.looked
             neighbour = cell.running + (1 if cell.looked else -1)
-            if 1 <= neighbour <= self.max_drafts and (neighbour in measured or self._may_pay(cell, neighbour)):
+            if 1 <= neighbour <= self.max_drafts and (neighbour in measured or self._may_pay(cell, neighbour, share)):
                 return neighbour
         return cell.running
 
-    def _may_pay(self, cell: _Cell, k: int) -> bool:
+    def _may_pay(self, cell: _Cell, k: int, share: float = 1.0) -> bool:
         """Whether K could beat the classic step here even at the least it can cost: a wider verify never
         costs less than a narrower one measured, nor than the classic step. What is known of the drafts'
         acceptance bounds what it can yield (a head that never agrees is not tried at every K)."""
         floor = max(cost for j, cost in cell.costs.items() if j < k)
-        return self.expected_tokens(k) / floor > SWITCH_GAIN * self._rate(cell, 0)
+        return self.expected_tokens(k, share) / floor > SWITCH_GAIN * self._rate(cell, 0)
 
     @staticmethod
     def _park(cell: _Cell) -> None:
         cell.parked_for, cell.losses, cell.running = cell.cooldown, 0, 0
         cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)
 
-    def _rate(self, cell: _Cell, k: int) -> float:
-        return self.expected_tokens(k) / cell.costs[k]
+    def _rate(self, cell: _Cell, k: int, share: float = 1.0) -> float:
+        return self.expected_tokens(k, share) / cell.costs[k]
 
     def _cell(self, width: int, depth: int) -> _Cell:
         return self._cells.setdefault((width, depth_band(depth)), _Cell())

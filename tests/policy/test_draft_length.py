@@ -212,3 +212,23 @@ def test_once_the_drafts_are_known_to_fail_a_new_width_does_not_try_them() -> No
         _, chosen = run(rule, cost, lambda _: 0.0, 200, width=width)
         # Only K = 1, the cheapest look at the drafts: its trials, then once after each cooldown.
         assert set(chosen) <= {0, 1} and sum(chosen) <= 6
+
+
+def test_rows_riding_along_at_k0_yield_their_own_token_only() -> None:
+    """A step that pays when every row drafts does not when one row in four does: the others (a grammar, a
+    processor, logprobs) ride along at K=0, yielding their own token while the verify costs the whole width."""
+    cost = linear_cost(0.010, 0.004)  # width 4: classic 20 ms, each draft 16 ms more
+
+    def drive(drafting: int) -> list[int]:
+        rule, chosen = DraftLength(3), []
+        for _ in range(400):
+            k = rule.choose(4, 100, drafting)
+            chosen.append(k)
+            if k == 0:
+                rule.classic(4, 100, cost(4, 100, 0))
+            else:  # a head that always agrees
+                rule.speculative(4, 100, k, cost(4, 100, k), [k] * drafting)
+        return chosen[-100:]
+
+    assert sum(k > 0 for k in drive(4)) >= 90  # (1 + 3) / 68 ms beats 1 / 20 ms
+    assert sum(k > 0 for k in drive(1)) <= 5  # (1 + 3/4) / 68 ms does not
