@@ -55,6 +55,10 @@ MAX_COOLDOWN = 4096
 #: A draft position's acceptance counts decay by this factor at every step that drafts it, so the rule
 #: follows the traffic (about the last ten such steps' rows weigh in).
 ACCEPTANCE_DECAY = 0.9
+MIN_DRAFT_YIELD = 0.1
+"""Tokens a row's drafts must be expected to add to a step for its K to run at all. A head that (almost)
+never agrees adds next to nothing, and where a verify costs about what a classic step does (a small model,
+a noisy clock) its measured rate could still edge past the classic step's and keep a useless K running."""
 
 
 def depth_band(depth: int) -> int:
@@ -169,7 +173,7 @@ class DraftLength:
                 cell.losses += 1
                 if cell.losses >= PATIENCE:
                     self._park(cell)
-            else:
+            elif self._yields(drafts, len(kept) / width):  # a step that yields next to nothing is no success
                 cell.losses = 0
                 cell.cooldown = FIRST_COOLDOWN
 
@@ -209,9 +213,11 @@ class DraftLength:
             if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry)):
                 cell.retry = False  # a trial: the K run (and published) stays what it was
                 return k
-        measured = [k for k in range(self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
+        measured = [k for k in range(self.max_drafts + 1)
+                    if cell.samples.get(k, 0) >= TRIALS and (k == 0 or self._yields(k, share))]
         best = max(measured, key=lambda k: self._rate(cell, k, share))
-        if self._rate(cell, best, share) > SWITCH_GAIN * self._rate(cell, cell.running, share):
+        if cell.running not in measured or \
+                self._rate(cell, best, share) > SWITCH_GAIN * self._rate(cell, cell.running, share):
             cell.running = best
         if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
             self._park(cell)
@@ -231,8 +237,14 @@ class DraftLength:
         """Whether K could beat the classic step here even at the least it can cost: a wider verify never
         costs less than a narrower one measured, nor than the classic step. What is known of the drafts'
         acceptance bounds what it can yield (a head that never agrees is not tried at every K)."""
+        if not self._yields(k, share):
+            return False
         floor = max(cost for j, cost in cell.costs.items() if j < k)
         return self.expected_tokens(k, share) / floor > SWITCH_GAIN * self._rate(cell, 0)
+
+    def _yields(self, k: int, share: float) -> bool:
+        """Whether K's drafts are expected to add at least :data:`MIN_DRAFT_YIELD` tokens a row."""
+        return self.expected_tokens(k, share) - 1 >= MIN_DRAFT_YIELD
 
     @staticmethod
     def _park(cell: _Cell) -> None:

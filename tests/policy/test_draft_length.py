@@ -232,3 +232,13 @@ def test_rows_riding_along_at_k0_yield_their_own_token_only() -> None:
 
     assert sum(k > 0 for k in drive(4)) >= 90  # (1 + 3) / 68 ms beats 1 / 20 ms
     assert sum(k > 0 for k in drive(1)) <= 5  # (1 + 3/4) / 68 ms does not
+
+
+def test_a_head_that_never_agrees_parks_even_where_a_verify_costs_about_a_classic_step() -> None:
+    """On a small model a verify of two positions costs within a few percent of the classic step: the drafts'
+    few chance agreements must not keep K = 1 running (it yields nothing, and costs a little)."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return 0.02 * (1 + 0.01 * k)
+
+    _, chosen = run(DraftLength(3), cost, lambda _: 0.02, 800)
+    assert chosen[-300:].count(0) >= 285
