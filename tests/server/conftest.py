@@ -269,6 +269,15 @@ def hello_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_scripted_checkpoint(tmp_path_factory.mktemp("scripted") / "hello", HELLO)
 
 
+@pytest.fixture(scope="module")
+def hello_client(hello_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
+    """One server on :func:`hello_model` for a whole module, and a synchronous client of it."""
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("hello-client-cache"))}
+    with server_on_a_thread(["--model", str(hello_model)], env) as url, \
+            httpx.Client(base_url=url, timeout=120) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def caller_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A llama answering every chat with "Checking." and a Hermes-format call of get_weather for Paris."""

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,19 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import server_on_a_thread
 from tests.server.test_fuzz import WILD
 
 ASK = [{"role": "user", "content": "Hi?"}]
 PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
 
 
-@pytest.fixture(scope="module")
-def client(hello_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("agent-errors-cache"))}
-    with server_on_a_thread(["--model", str(hello_model)], env) as url, \
-            httpx.Client(base_url=url, timeout=60) as client:
-        yield client
+@pytest.fixture
+def client(hello_client: httpx.Client) -> httpx.Client:
+    return hello_client
 
 
 def _anthropic_error(response: httpx.Response) -> dict[str, Any]:

@@ -29,6 +29,13 @@ def _tier() -> Path:
     return Path(os.environ["MLXCEL_CACHE_DIR"]) / "prompt-cache"
 
 
+async def _kept(model: Path) -> list[Path]:
+    """The tier's files once a server has served the conversation and stopped (it writes what it holds)."""
+    async with running_server(["--model", str(model)]) as url:
+        await _ask(url, CONVERSATION)
+    return _files()
+
+
 async def test_kept_prompts_are_readable_by_their_owner_only_and_an_open_directory_is_closed(
         cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
@@ -65,10 +72,7 @@ def _randomise_a_quarter(path: Path) -> None:
 async def test_data_damaged_under_an_intact_header_is_a_warning_and_a_miss(
         cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture, damage: Any) -> None:
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
-    files = _files()
-    for path in files:
+    for path in await _kept(model):
         damage(path)
     with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"):
         async with running_server(["--model", str(model)]) as url:
@@ -83,9 +87,7 @@ async def test_data_damaged_under_an_intact_header_is_a_warning_and_a_miss(
 async def test_a_fifo_named_like_an_entry_is_skipped_and_the_tier_is_shown_before_any_request(
         cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
-    kept = _files()
+    kept = await _kept(model)
     os.mkfifo(kept[0].parent / ("f" * 64 + ".safetensors"))
     with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"), trio.fail_after(60):
         async with running_server(["--model", str(model), "--metrics"]) as url, \
@@ -100,9 +102,7 @@ async def test_a_fifo_named_like_an_entry_is_skipped_and_the_tier_is_shown_befor
 async def test_a_second_server_on_the_same_directory_runs_without_the_tier_and_deletes_nothing(
         cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
-    kept = _files()
+    kept = await _kept(model)
     with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"):
         async with running_server(["--model", str(model)]) as first, \
                 running_server(["--model", str(model), "--prompt-cache-disk-bytes", "1"]) as second:

@@ -9,23 +9,17 @@ One server for the module; the bounds themselves are exercised, not only the rep
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from mlxcel.server.schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TEMPLATE_KWARG_VALUES
-from tests.server.conftest import server_on_a_thread
 
 
-@pytest.fixture(scope="module")
-def client(hello_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
-    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("render-bounds-cache"))}
-    with server_on_a_thread(["--model", str(hello_model)], env) as url, \
-            httpx.Client(base_url=url, timeout=120) as client:
-        yield client
+@pytest.fixture
+def client(hello_client: httpx.Client) -> httpx.Client:
+    return hello_client
 
 
 def _post(client: httpx.Client, path: str, body: dict[str, Any]) -> httpx.Response:
