@@ -29,6 +29,7 @@ from .context import ServerContext, serves
 from .openai_routes import Events, Generation
 from .prompts import prompt_tokens
 from .schemas import ChatCompletionRequest, describe
+from .structured import check_tool_choice
 from .tools import ToolSetup
 from .wire import event_stream, json_body, off_the_loop_if_large
 
@@ -229,6 +230,7 @@ def register(app: Quart, ctx: ServerContext) -> None:
         except ValidationError as exc:
             raise bad_request(describe(exc)[0]) from exc
         _check_model(ctx, params.model)
+        check_tool_choice(chat)
         limits = ctx.observability.limits
         if limits is None or not ctx.engine.ready.is_set():
             raise ApiError(503, "the model is still loading", type="server_error", code="model_loading")

@@ -92,6 +92,13 @@ def relocated(schema: Any, base: str) -> Any:
     return moved
 
 
+def check_tool_choice(params: ChatCompletionRequest) -> None:
+    """A ``tool_choice`` that forces a call (``required``, a named function) needs tools: a 400 otherwise, on
+    every route that takes one (``/v1/messages``' ``any`` and ``tool``, ``count_tokens`` too)."""
+    if not params.tools and (params.tool_choice == "required" or isinstance(params.tool_choice, NamedToolChoice)):
+        raise bad_request("tool_choice needs tools", param="tool_choice")
+
+
 async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: ServerContext,
                       copies: int) -> tuple[ToolSetup | None, list[Any] | None]:
     """How the output is read for tool calls, and *copies* matchers of the grammar it must follow
@@ -102,8 +109,7 @@ async def constraints(params: CompletionRequest | ChatCompletionRequest, ctx: Se
     param, setup = "response_format", None
     if isinstance(params, ChatCompletionRequest):
         mode = params.tool_mode()
-        if not params.tools and (params.tool_choice == "required" or isinstance(params.tool_choice, NamedToolChoice)):
-            raise bad_request("tool_choice needs tools", param="tool_choice")
+        check_tool_choice(params)
         tools = [tool.model_dump(exclude_none=True) for tool in params.tools or []]
         named = params.tool_choice.function.name if isinstance(params.tool_choice, NamedToolChoice) else None
         try:

@@ -106,11 +106,13 @@ def test_a_forced_tool_choice_without_tools_is_the_same_400_on_every_route(clien
                                           "tool_choice": {"type": "any"}}),
         client.post("/v1/messages", json={**_messages({"type": "text", "text": "Hi?"}),
                                           "tool_choice": {"type": "tool", "name": "f"}}),
+        client.post("/v1/messages/count_tokens", json={"model": "default", "messages": ASK,
+                                                       "tool_choice": {"type": "any"}}),
         client.post("/v1/responses", json={"input": "Hi?", "tool_choice": "required"}),
         client.post("/v1/responses", json={"input": "Hi?", "tool_choice": {"type": "function", "name": "f"}}),
     ]
     messages = {(r.json().get("error") or {}).get("message") for r in refused}
-    assert [r.status_code for r in refused] == [400] * 5 and messages == {"tool_choice needs tools"}, messages
+    assert [r.status_code for r in refused] == [400] * 6 and messages == {"tool_choice needs tools"}, messages
     fine = client.post("/v1/messages", json={**_messages({"type": "text", "text": "Hi?"}),
                                              "tool_choice": {"type": "auto"}})
     assert fine.status_code == 200, fine.text
