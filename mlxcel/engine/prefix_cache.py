@@ -29,16 +29,32 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from ..observability import CacheStats
 
-if TYPE_CHECKING:
-    from .prompt_disk import DiskTier
-
 logger = logging.getLogger(__name__)
+
+
+class DiskTier(Protocol):
+    """What the prefix cache asks of its disk tier (:class:`.prompt_disk.DiskTier`, which knows this module,
+    not the other way round)."""
+
+    max_bytes: int
+
+    @property
+    def entries(self) -> int: ...
+
+    @property
+    def bytes(self) -> int: ...
+
+    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any], Any] | None: ...
+
+    def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def rewindable(cache: list[Any]) -> bool:
