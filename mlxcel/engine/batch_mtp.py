@@ -18,7 +18,7 @@ from .requests import BurstStats
 from .sequence import Sequence
 
 if TYPE_CHECKING:
-    from ..models.speculative import SequenceDrafter
+    from ..models.speculative import SequenceDrafter, Split
     from .batch import ContinuousBatch
     from .batch_speculation import BatchSpeculation
     from .speculation import Speculation
@@ -35,7 +35,8 @@ class BatchMtp:
     """Speculation inside the continuous batch for the served pairing, or the reason there is none."""
 
     def __init__(self, model: Any, speculation: Speculation | None, layers: list[Any], pin: bool | None,
-                 block_size: int, policy: MtpPolicy, hints: HintStore | None, pairing: PairingKey | None) -> None:
+                 block_size: int, parallel: int, policy: MtpPolicy, hints: HintStore | None,
+                 pairing: PairingKey | None) -> None:
         self.policy, self.hints, self.pairing = policy, hints, pairing
         self.speculation: BatchSpeculation | None = None
         self.rule: DraftLength | None = None
@@ -48,7 +49,8 @@ class BatchMtp:
         from .batch_speculation import BatchSpeculation
 
         head = cast(BatchDraftHead, speculation.drafter)  # _refusal checked that it batches
-        self.speculation = BatchSpeculation(model, speculation.target, head, speculation.split)
+        self.speculation = BatchSpeculation(model, speculation.target, head, _batch_split(model, speculation,
+                                                                                          block_size, parallel))
         self.rule = DraftLength(block_size - 1, forced=pin is True)
         self._restore()
 
@@ -104,6 +106,20 @@ class BatchMtp:
         else:
             logger.info("restored the batch's step costs measured earlier (%d widths and depths)",
                         len(self.rule.cells()))
+
+
+def _batch_split(model: Any, speculation: Speculation, block_size: int, parallel: int) -> Split:
+    """How the batch verifies: where the burst is exact, the ``rows`` split with the products a batch's block
+    multiplies apart measured for every width up to *parallel* rows (a BLAS picks its kernel by a product's
+    whole row count: the batch's (B, K) block is not K products of B rows, the classic step's, unless it is
+    made so), and the attention a query at a time, as the classic step attends; under
+    ``MLXCEL_MTP_ALLOW_INEXACT`` (the burst's probe vetoed), the burst's own split."""
+    from ..models.row_exact import measure
+
+    if speculation.decline is not None or speculation.split is None:
+        return speculation.split or "wide"
+    measure(model, block_size, max_batch=parallel)
+    return "rows"
 
 
 def _refusal(speculation: Speculation | None, layers: list[Any], pin: bool | None) -> str | None:

@@ -49,17 +49,28 @@ from typing import Any
 
 
 class RowSplit:
-    """One model's row-split verify: the weight shapes it multiplies a row at a time, and the flag that says when."""
+    """One model's row-split verify: the weight shapes it multiplies a position at a time, and the flag that
+    says when."""
 
-    def __init__(self, shapes: frozenset[tuple[int, int]], share: float, max_rows: int = 0) -> None:
+    def __init__(self, shapes: frozenset[tuple[int, int]], share: float, max_rows: int = 0,
+                 batch_shapes: frozenset[tuple[int, int]] = frozenset(), max_batch: int = 1) -> None:
         self.shapes = shapes
         """The (out, in) weight shapes whose 2..K-row products differ from 1-row ones on this BLAS."""
         self.share = share
         """Their share of the bytes of the model's float linear layers (and tied embeddings)."""
         self.max_rows = max_rows
-        """Products of up to this many rows were measured."""
+        """Products of up to this many rows (positions) were measured."""
+        self.batch_shapes = batch_shapes
+        """The shapes whose product over a batch's (B, W) block differs from its W products of B rows (the
+        continuous batch's classic step multiplies B rows), for B = 2..*max_batch*."""
+        self.max_batch = max_batch
         self.active = False
         self._thread = threading.get_ident()
+
+    def splits(self, shape: tuple[int, int], rows: int) -> bool:
+        """Whether a product by the weight *shape* of a block of *rows* rows a position multiplies a position
+        at a time."""
+        return shape in (self.shapes if rows == 1 else self.batch_shapes)
 
     @contextmanager
     def apart(self) -> Iterator[None]:
@@ -76,16 +87,21 @@ class RowSplit:
                 self.active = False
 
 
-def measure(model: Any, max_rows: int) -> RowSplit:
-    """The float weight shapes of *model*'s linear layers (and tied embeddings) whose 2..*max_rows*-row
-    products differ from 1-row ones, and their share of those layers' bytes. Measured once per model:
-    its layers of those shapes then multiply a row at a time whenever its :class:`RowSplit` is active."""
+def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
+    """The float weight shapes of *model*'s linear layers (and tied embeddings) whose products over a block of
+    2..*max_rows* positions differ from the block's products a position at a time: for one row (the burst,
+    against classic decode's 1-row products) and, with *max_batch* over 1, for 2..*max_batch* rows (the
+    continuous batch's speculative step, against its classic step's B-row products: a BLAS picks its kernel
+    by the whole product's row count, and 8 rows of 4 positions are not 4 products of 8). Measured once per
+    model and batch bound: its layers of those shapes then multiply a position at a time whenever its
+    :class:`RowSplit` is active."""
     import mlx.core as mx
     import mlx.nn as nn
 
     known: RowSplit | None = getattr(model, "row_split", None)
-    if known is not None and known.max_rows >= max_rows:
+    if known is not None and known.max_rows >= max_rows and known.max_batch >= max_batch:
         return known
+    max_batch = max(max_batch, known.max_batch if known is not None else 1)
     sizes: dict[tuple[int, int], int] = {}
     weights: dict[tuple[int, int], Any] = {}
     layers: list[Any] = []
@@ -95,16 +111,21 @@ def measure(model: Any, max_rows: int) -> RowSplit:
             sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
             weights.setdefault(shape, module.weight)  # the model's own: no copy of a large head
             layers.append(module)
-    inexact = set()
-    for shape, weight in weights.items():
-        rows = mx.random.normal((max_rows, shape[1]), key=mx.random.key(0)).astype(weight.dtype)
-        single = mx.concatenate([rows[i:i + 1] @ weight.T for i in range(max_rows)])
-        if any(not bool(mx.array_equal(rows[:m] @ weight.T, single[:m]).item()) for m in range(2, max_rows + 1)):
-            inexact.add(shape)
+
+    def differs(weight: Any, batch: int) -> bool:
+        block = mx.random.normal((batch, max_rows, weight.shape[1]), key=mx.random.key(0)).astype(weight.dtype)
+        apart = mx.concatenate([block[:, i:i + 1] @ weight.T for i in range(max_rows)], axis=1)
+        return any(not bool(mx.array_equal(block[:, :m] @ weight.T, apart[:, :m]).item())
+                   for m in range(2, max_rows + 1))
+
+    inexact = {shape for shape, weight in weights.items() if differs(weight, 1)}
+    batched = {shape for shape, weight in weights.items()
+               if any(differs(weight, batch) for batch in range(2, max_batch + 1))}
     total = sum(sizes.values())
-    split = RowSplit(frozenset(inexact), sum(sizes[s] for s in inexact) / total if total else 0.0, max_rows)
+    split = RowSplit(frozenset(inexact), sum(sizes[s] for s in inexact) / total if total else 0.0, max_rows,
+                     frozenset(batched), max_batch)
     for layer in layers:
-        if tuple(layer.weight.shape) in split.shapes:
+        if tuple(layer.weight.shape) in split.shapes | split.batch_shapes:
             if not hasattr(layer, "row_split"):
                 layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
             layer.row_split = split  # a plain attribute: not a parameter, never saved
@@ -114,13 +135,15 @@ def measure(model: Any, max_rows: int) -> RowSplit:
 
 @functools.cache
 def _by_rows(cls: Any) -> type:
-    """*cls* (a Linear or an Embedding) multiplying a row at a time while its model's RowSplit is active."""
+    """*cls* (a Linear or an Embedding) multiplying a position at a time (all of a batch's rows at once) while
+    its model's RowSplit is active."""
     import mlx.nn as nn
 
     def by_rows(original: Any) -> Any:
         def call(self: Any, x: Any) -> Any:
             split = self.row_split
-            if not split.active or x.ndim < 2 or x.shape[-2] < 2 or tuple(self.weight.shape) not in split.shapes:
+            rows = x.shape[0] if x.ndim == 3 else 1
+            if not split.active or x.ndim < 2 or x.shape[-2] < 2 or not split.splits(tuple(self.weight.shape), rows):
                 return original(self, x)
             import mlx.core as mx
 
