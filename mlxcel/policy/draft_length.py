@@ -120,12 +120,18 @@ class _Cell:
     losses: int = 0
     parked_for: int = 0
     cooldown: int = FIRST_COOLDOWN
+    restored: set[int] = field(default_factory=set)
+    """The Ks whose cost an earlier run measured: trusted (no trial), and replaced by this run's first
+    measurement of them (the K run, or a look at a neighbour), not averaged with it: one noisy restored cost
+    would otherwise hold the rule on the wrong K for many looks."""
 
     def add(self, k: int, seconds: float) -> None:
         old, count = self.costs.get(k), self.samples.get(k, 0)
         # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
-        self.costs[k] = seconds if old is None or count < TRIALS else old + COST_WEIGHT * (seconds - old)
+        fresh = old is None or count < TRIALS or k in self.restored
+        self.costs[k] = seconds if fresh else old + COST_WEIGHT * (seconds - old)  # type: ignore[operator]
         self.samples[k] = count + 1
+        self.restored.discard(k)
 
 
 class DraftLength:
@@ -298,6 +304,7 @@ class DraftLength:
                         and isinstance(value, float) and math.isfinite(value) and value > 0):
                     return "a cell's seconds are not positive numbers by K"
                 cell.costs[int(k)], cell.samples[int(k)] = value, TRIALS
+                cell.restored.add(int(k))
             cells[(width, band)] = cell
         self._cells.update(cells)
         return None

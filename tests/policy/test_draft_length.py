@@ -242,3 +242,15 @@ def test_a_head_that_never_agrees_parks_even_where_a_verify_costs_about_a_classi
 
     _, chosen = run(DraftLength(3), cost, lambda _: 0.02, 800)
     assert chosen[-300:].count(0) >= 285
+
+
+def test_a_restored_cost_is_replaced_by_the_first_measurement_of_this_run() -> None:
+    """Restored costs are trusted (no trial), but one that an earlier run measured badly (K = 3 at nearly twice
+    its cost) is replaced by the first look at it, not averaged with it: the rule moves to K = 3 at once."""
+    cost = linear_cost(0.010, 0.001)  # width 4: K = 3 pays best with drafts that always agree
+    table = {"max_drafts": 3, "cells": [{"width": 4, "band": depth_band(100), "seconds": {
+        "0": cost(4, 100, 0), "1": cost(4, 100, 1), "2": cost(4, 100, 2), "3": 0.06}}]}
+    rule = DraftLength(3)
+    assert rule.restore(table) is None
+    _, chosen = run(rule, cost, lambda _: 1.0, 40)
+    assert chosen[-20:].count(3) >= 19, chosen
