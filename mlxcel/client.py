@@ -143,9 +143,12 @@ def _batch(body: dict[str, Any]) -> str | None:
         speedup = cell.get("estimated_speedup")
         gain = f", {speedup:.2f}x" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else ""
         parts.append(f"{where}: {f'K={k}{gain}' if k else 'classic'}")
+    declined = [f"{w['width']} at once" for w in batch.get("inexact_widths") or ()
+                if isinstance(w, dict) and isinstance(w.get("width"), int)]
+    inexact = f" (classic, not exact here: {', '.join(declined)})" if declined else ""
     if not parts:
-        return "in the batch: speculation measured per step; nothing measured yet"
-    return "in the batch: " + "; ".join(parts)
+        return "in the batch: speculation measured per step; nothing measured yet" + inexact
+    return "in the batch: " + "; ".join(parts) + inexact
 
 
 def render(body: Any) -> str | None:

@@ -123,6 +123,10 @@ def test_the_batch_s_speculation_is_one_line_per_server() -> None:
         "pairing: Gemma4-12B + Gemma4-12B-MTP on M5-16c, K=4\n"
         "in the batch: 2 at once, 0-1023 tokens: K=3, 1.52x; 8 at once, 0-1023 tokens: classic; "
         "2 at once, 1024-2047 tokens: K=1")
+    policy.on_batch(BatchView(True, None, (BatchCell(2, 0, 1023, 3, 1.52),), ((5, "a 5 x 4 verify differs"),)))
+    validate_wire(policy.snapshot.to_wire())
+    assert render(policy.snapshot.to_wire()).splitlines()[-1] == (  # type: ignore[union-attr]
+        "in the batch: 2 at once, 0-1023 tokens: K=3, 1.52x (classic, not exact here: 5 at once)")
     policy.on_batch(BatchView(False, "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)"))
     validate_wire(policy.snapshot.to_wire())
     assert render(policy.snapshot.to_wire()).splitlines()[-1] == (  # type: ignore[union-attr]

@@ -49,9 +49,11 @@ class BatchMtp:
         from .batch_speculation import BatchSpeculation
 
         head = cast(BatchDraftHead, speculation.drafter)  # _refusal checked that it batches
-        self.speculation = BatchSpeculation(model, speculation.target, head, _batch_split(model, speculation,
-                                                                                          block_size, parallel))
-        self.rule = DraftLength(block_size - 1, forced=pin is True)
+        split = _batch_split(model, speculation, block_size, parallel)
+        self.speculation = BatchSpeculation(model, speculation.target, head, split)
+        inexact = {} if speculation.decline is not None else _probe_widths(model, speculation, layers, block_size,
+                                                                            parallel, split)
+        self.rule = DraftLength(block_size - 1, forced=pin is True, inexact=inexact)
         self._restore()
 
     def join(self, uid: int, sequence: Sequence, drafter: SequenceDrafter | None,
@@ -83,7 +85,7 @@ class BatchMtp:
         elif self.rule is None:
             view = BatchView(False, self.refusal)
         else:
-            view = BatchView(True, None, self.rule.cells())
+            view = BatchView(True, None, self.rule.cells(), tuple(sorted(self.rule.inexact.items())))
         if view != self.policy.snapshot.batch:
             self.policy.on_batch(view)
 
@@ -108,6 +110,25 @@ class BatchMtp:
                         len(self.rule.cells()))
 
 
+def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block_size: int, parallel: int,
+                  split: Split) -> dict[int, str]:
+    """The batch widths (2 up to the batch's overflow place, ``parallel + 1``) whose verify is not byte for
+    byte the batch's classic steps, each with why (logged): the classic step runs there."""
+    import time
+
+    from .exactness import probe_batch_widths
+
+    started = time.perf_counter()
+    vocab = int(speculation.target.embed.weight.shape[0]) if hasattr(speculation.target, "embed") else 100
+    inexact = probe_batch_widths(speculation.target, model, layers, block_size, range(2, parallel + 2), split,
+                                 vocab)
+    for width, detail in sorted(inexact.items()):
+        logger.warning("MTP in the batch declines width %d: %s", width, detail)
+    logger.info("MTP batch exactness probe: widths 2..%d checked in %.1fs, %d declined", parallel + 1,
+                time.perf_counter() - started, len(inexact))
+    return inexact
+
+
 def _batch_split(model: Any, speculation: Speculation, block_size: int, parallel: int) -> Split:
     """How the batch verifies: where the burst is exact, the ``rows`` split with the products a batch's block
     multiplies apart measured for every width up to *parallel* rows (a BLAS picks its kernel by a product's
@@ -118,7 +139,7 @@ def _batch_split(model: Any, speculation: Speculation, block_size: int, parallel
 
     if speculation.decline is not None or speculation.split is None:
         return speculation.split or "wide"
-    measure(model, block_size, max_batch=parallel)
+    measure(model, block_size, max_batch=parallel + 1)  # the batch's overflow place is a row too
     return "rows"
 
 

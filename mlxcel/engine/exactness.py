@@ -226,3 +226,41 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
         failures.append(f"with {DESCRIBE[split]}, {found}")
     detail = "; ".join(failures)
     return ProbeResult(None, detail[0].upper() + detail[1:] + ".")
+
+
+def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[Any], block_size: int,
+                       widths: range, split: Split, vocab: int, seed: int = 0) -> dict[int, str]:
+    """The batch widths at which a speculative step is not byte for byte the batch's classic steps, each with
+    the one-line reason; empty when every width in *widths* is exact.
+
+    Per width B: B rows of different prompt lengths (prefilled alone, then merged as mlx-lm's batch holds
+    them: a left-padded KV cache, stacked recurrent state), then the batch's K classic steps (the target's
+    forward over one token a row, as the batch's tap runs them) against one (B, K) verify under *split*,
+    logit bytes compared at every position. *fresh_cache*: an empty cache of the model, copied per row.
+    Rollbacks are checked by the tests (``tests/engine/test_batch_rollback.py``), not here.
+    """
+    rng = np.random.default_rng(seed)
+    declined = {}
+    for width in widths:
+        rows = []
+        for row in range(width):
+            cache = copy.deepcopy(fresh_cache)
+            model(mx.array([rng.integers(0, vocab, size=5 + 3 * row).tolist()]), cache=cache)
+            rows.append(_evaluated(cache))
+        base = [type(layers[0]).merge(list(layers)) for layers in zip(*rows, strict=True)]  # as the batch holds them
+        block = mx.array(rng.integers(0, vocab, size=(width, block_size)).tolist())
+        chain, steps = copy.deepcopy(base), []
+        for position in range(block_size):
+            logits, _ = target.forward(block[:, position:position + 1], chain)
+            mx.eval(logits)
+            steps.append([_bytes(logits[row, 0]) for row in range(width)])
+        verify = target.verify(block, copy.deepcopy(base), split)
+        mx.eval(verify.logits)
+        for position in range(block_size):
+            differing = sum(int((_bytes(verify.logits[row, position]) != steps[position][row]).sum())
+                            for row in range(width))
+            if differing:
+                declined[width] = (f"a {width} x {block_size} verify differs from the batch's classic steps at "
+                                   f"position {position} in {differing} logit bytes")
+                break
+    return declined

@@ -95,11 +95,18 @@ class BatchView:
     reason: str | None
     """Why it cannot, when it cannot."""
     cells: tuple[BatchCell, ...] = ()
+    inexact: tuple[tuple[int, str], ...] = ()
+    """(width, why) for each batch width whose verify the exactness probe found not byte for byte the batch's
+    classic steps: the classic step runs there."""
 
     def to_wire(self) -> dict[str, object]:
-        return {"speculates": self.speculates, "reason": self.reason,
-                "cells": [{"width": c.width, "min_depth": c.min_depth, "max_depth": c.max_depth,
-                           "drafts": c.drafts, "estimated_speedup": c.estimated_speedup} for c in self.cells]}
+        wire: dict[str, object] = {
+            "speculates": self.speculates, "reason": self.reason,
+            "cells": [{"width": c.width, "min_depth": c.min_depth, "max_depth": c.max_depth,
+                       "drafts": c.drafts, "estimated_speedup": c.estimated_speedup} for c in self.cells]}
+        if self.inexact:  # additive: present only when a width was declined
+            wire["inexact_widths"] = [{"width": width, "detail": detail} for width, detail in self.inexact]
+        return wire
 
 
 @dataclass(slots=True)
@@ -141,11 +148,13 @@ class DraftLength:
     *forced*: always *max_drafts* (an operator's pin), still measuring.
     """
 
-    def __init__(self, max_drafts: int, forced: bool = False) -> None:
+    def __init__(self, max_drafts: int, forced: bool = False, inexact: dict[int, str] | None = None) -> None:
         if max_drafts < 1:
             raise ValueError("max_drafts must be at least 1")
         self.max_drafts = max_drafts
         self.forced = forced
+        self.inexact = dict(inexact or {})
+        """Widths the exactness probe declined (width -> why): the classic step, pinned or not."""
         self._cells: dict[tuple[int, int], _Cell] = {}
         self._tried = [0.0] * (max_drafts + 1)  # index j: draft j proposed with 1..j-1 kept (pooled)
         self._kept = [0.0] * (max_drafts + 1)
@@ -202,6 +211,8 @@ class DraftLength:
     def choose(self, width: int, depth: int, drafting: int | None = None) -> int:
         """K for the next step of *width* rows at context *depth* (0: the classic step), *drafting* of them
         able to draft (all, if not given: the others would ride along at K=0)."""
+        if width in self.inexact:
+            return 0
         if self.forced:
             return self.max_drafts
         share = 1.0 if drafting is None else drafting / width

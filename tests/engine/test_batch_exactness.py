@@ -60,3 +60,30 @@ def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows
     mx.eval(verify.logits)
     differing = [int((np.array(verify.logits[:, p]).view(np.uint8) != steps[p]).sum()) for p in range(WIDTH)]
     assert differing == [0] * WIDTH
+
+
+def test_the_probe_finds_every_width_exact_under_the_measured_split_and_declines_a_width_that_is_not(
+        wide_model: Any) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcel.engine.exactness import probe_batch_widths
+
+    target = Qwen35Target(wide_model)
+    measure(wide_model, WIDTH, max_batch=4)
+    fresh = make_prompt_cache(wide_model)
+    assert probe_batch_widths(target, wide_model, fresh, WIDTH, range(2, 5), "rows", 200) == {}
+
+    class OffByOneUlp:  # a verify whose last position's logits are not the classic step's: what the probe is for
+        def __init__(self, inner: Qwen35Target) -> None:
+            self.inner = inner
+
+        def forward(self, tokens: Any, cache: list[Any]) -> Any:
+            return self.inner.forward(tokens, cache)
+
+        def verify(self, tokens: Any, cache: list[Any], split: Any) -> Any:
+            verify = self.inner.verify(tokens, cache, split)
+            nudged = verify.logits.at[:, -1, 0].add(mx.array(1e-3, dtype=verify.logits.dtype))
+            return type(verify)(nudged, verify.hidden, verify.width, verify.states)
+
+    declined = probe_batch_widths(OffByOneUlp(target), wide_model, fresh, WIDTH, range(2, 4), "rows", 200)  # type: ignore[arg-type]
+    assert sorted(declined) == [2, 3] and all(f"at position {WIDTH - 1}" in d for d in declined.values()), declined

@@ -254,3 +254,13 @@ def test_a_restored_cost_is_replaced_by_the_first_measurement_of_this_run() -> N
     assert rule.restore(table) is None
     _, chosen = run(rule, cost, lambda _: 1.0, 40)
     assert chosen[-20:].count(3) >= 19, chosen
+
+
+def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pinned() -> None:
+    from mlxcel.policy.draft_length import BatchView
+
+    rule = DraftLength(3, forced=True, inexact={3: "a 3 x 4 verify differs"})
+    assert rule.choose(3, 10) == 0 and rule.choose(2, 10) == 3
+    wire = BatchView(True, None, (), tuple(sorted(rule.inexact.items()))).to_wire()
+    assert wire["inexact_widths"] == [{"width": 3, "detail": "a 3 x 4 verify differs"}]
+    assert "inexact_widths" not in BatchView(True, None).to_wire()  # additive: absent when nothing is declined
