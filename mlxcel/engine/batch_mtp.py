@@ -119,6 +119,8 @@ def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block
     from .exactness import probe_batch_widths
 
     started = time.perf_counter()
+    logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
+                parallel + 1)
     vocab = int(speculation.target.embed.weight.shape[0]) if hasattr(speculation.target, "embed") else 100
     inexact = probe_batch_widths(speculation.target, model, layers, block_size, range(2, parallel + 2), split,
                                  vocab)

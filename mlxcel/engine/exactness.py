@@ -240,13 +240,16 @@ def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[
     Rollbacks are checked by the tests (``tests/engine/test_batch_rollback.py``), not here.
     """
     rng = np.random.default_rng(seed)
-    declined = {}
+    declined: dict[int, str] = {}
+    if not widths:
+        return declined
+    prefilled = []  # every row once (a hybrid model's recurrent layers prefill slowly); each width merges copies
+    for row in range(max(widths)):
+        cache = copy.deepcopy(fresh_cache)
+        model(mx.array([rng.integers(0, vocab, size=5 + 3 * row).tolist()]), cache=cache)
+        prefilled.append(_evaluated(cache))
     for width in widths:
-        rows = []
-        for row in range(width):
-            cache = copy.deepcopy(fresh_cache)
-            model(mx.array([rng.integers(0, vocab, size=5 + 3 * row).tolist()]), cache=cache)
-            rows.append(_evaluated(cache))
+        rows = copy.deepcopy(prefilled[:width])
         base = [type(layers[0]).merge(list(layers)) for layers in zip(*rows, strict=True)]  # as the batch holds them
         block = mx.array(rng.integers(0, vocab, size=(width, block_size)).tolist())
         chain, steps = copy.deepcopy(base), []
