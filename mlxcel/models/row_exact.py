@@ -118,7 +118,9 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
         return any(not bool(mx.array_equal(block[:, :m] @ weight.T, apart[:, :m]).item())
                    for m in range(2, max_rows + 1))
 
-    inexact = {shape for shape, weight in weights.items() if differs(weight, 1)}
+    # One row's shapes do not depend on the batch bound: measured already (the burst's probe), they are kept.
+    inexact = set(known.shapes) if known is not None and known.max_rows >= max_rows else \
+        {shape for shape, weight in weights.items() if differs(weight, 1)}
     batched = {shape for shape, weight in weights.items()
                if any(differs(weight, batch) for batch in range(2, max_batch + 1))}
     total = sum(sizes.values())
