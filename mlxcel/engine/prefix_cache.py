@@ -38,7 +38,7 @@ from ..observability import CacheStats
 logger = logging.getLogger(__name__)
 
 
-class DiskTier(Protocol):
+class Disk(Protocol):
     """What the prefix cache asks of its disk tier (:class:`.prompt_disk.DiskTier`, which knows this module,
     not the other way round)."""
 
@@ -108,7 +108,7 @@ class PrefixCache:
     """Kept prompt caches, in memory within *max_bytes* (and *entries*, if given) and on *disk*, if given."""
 
     def __init__(self, entries: int | None, model_type: str = "", max_bytes: int = 1 << 30,
-                 disk: DiskTier | None = None) -> None:
+                 disk: Disk | None = None) -> None:
         self._model_type = model_type
         self._held: OrderedDict[tuple[int, ...], Entry] = OrderedDict()  # least recently used first
         self._bytes = 0
