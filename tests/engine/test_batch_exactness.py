@@ -16,6 +16,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
+from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget
+from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 from mlxcel.families.qwen3_5.target import Qwen35Target
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models.row_exact import measure
@@ -43,13 +45,17 @@ def _batch(model: Any, rows: int, rng: np.random.Generator) -> list[Any]:
             for layers in zip(*caches, strict=True)]
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
-def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows: int) -> None:
-    target = Qwen35Target(wide_model)
-    split = measure(wide_model, WIDTH, max_batch=4)
+@pytest.fixture(scope="module")
+def glm_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model, _ = load(str(build_glm_checkpoint(tmp_path_factory.mktemp("batch-exact") / "glm")))
+    return model
+
+
+def _check(model: Any, target: Any, rows: int) -> None:
+    split = measure(model, WIDTH, max_batch=4)
     assert split.max_batch == 4
     rng = np.random.default_rng(rows)
-    base = _batch(wide_model, rows, rng)
+    base = _batch(model, rows, rng)
     block = mx.array(rng.integers(0, 200, size=(rows, WIDTH)).tolist())
     chain, steps = copy.deepcopy(base), []
     for position in range(WIDTH):  # the batch's classic steps: one token a row, every row at once
@@ -60,6 +66,17 @@ def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows
     mx.eval(verify.logits)
     differing = [int((np.array(verify.logits[:, p]).view(np.uint8) != steps[p]).sum()) for p in range(WIDTH)]
     assert differing == [0] * WIDTH
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows: int) -> None:
+    _check(wide_model, Qwen35Target(wide_model), rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_a_latent_attention_batch_verify_is_byte_for_byte_its_classic_steps(glm_model: Any, rows: int) -> None:
+    # GLM-4.7-Flash's verify attends a query row at a time with each row's left padding masked, as its step does.
+    _check(glm_model, Glm4MoeLiteTarget(glm_model), rows)
 
 
 def test_the_probe_finds_every_width_exact_under_the_measured_split_and_declines_a_width_that_is_not(

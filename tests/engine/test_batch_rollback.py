@@ -11,6 +11,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
+from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget
+from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 from mlxcel.families.qwen3_5.target import Qwen35Target
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models.batch_rollback import batch_rollback_supported, rollback_kv_rows
@@ -22,11 +24,16 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2], [1, 6, 1, 8, 0, 3, 3, 9, 8
 BLOCKS = [[5, 17, 99, 42], [8, 8, 2, 11], [13, 21, 34, 55]]
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> tuple[Qwen35Target, Any]:
-    path = build_mtp_checkpoint(tmp_path_factory.mktemp("batch-rollback") / "qwen35", context_scale=1.0)
-    model, _ = load(str(path))
-    return Qwen35Target(model), model
+@pytest.fixture(scope="module", params=["qwen3_5", "glm4_moe_lite"])
+def hybrid(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """A target whose batch rolls back apart: Qwen 3.5 (attention and gated-delta layers), GLM-4.7-Flash
+    (latent attention, its verify a query row at a time)."""
+    root = tmp_path_factory.mktemp("batch-rollback")
+    if request.param == "qwen3_5":
+        model, _ = load(str(build_mtp_checkpoint(root / "qwen35", context_scale=1.0)))
+        return Qwen35Target(model), model
+    model, _ = load(str(build_glm_checkpoint(root / "glm")))
+    return Glm4MoeLiteTarget(model), model
 
 
 def _row_caches(model: Any, prompts: list[list[int]]) -> list[list[Any]]:
@@ -59,7 +66,7 @@ def _row_arrays(cache: list[Any], row: int) -> list[np.ndarray]:
 
 
 @pytest.mark.parametrize("kept", [[1, 4, 2], [4, 4, 4], [2, 2, 2], [3, 1, 4]])
-def test_each_row_lands_on_its_own_chain_state(hybrid: tuple[Qwen35Target, Any], kept: list[int]) -> None:
+def test_each_row_lands_on_its_own_chain_state(hybrid: tuple[Any, Any], kept: list[int]) -> None:
     target, model = hybrid
     rows = _row_caches(model, PROMPTS)
     batch = _batch(copy.deepcopy(rows))

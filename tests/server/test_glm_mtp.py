@@ -13,7 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import trio
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -156,26 +155,28 @@ async def test_the_policy_profiles_settles_restores_and_declines_a_random_drafte
 
 
 @pytest.mark.slow
-async def test_a_glm_target_with_a_drafter_still_batches(glm: dict[str, Path],
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    prompts = [*PROMPTS, "import os\n"]
-    argv = ["--model", str(glm["raw"]), "--draft-model", str(glm["head"]), "--parallel", "4",
-            "--prompt-cache-size", "0"]
-    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
-    alone, _ = await _run(argv, prompts)
-    together: list[dict[str, object]] = [{} for _ in prompts]
-    async with running_server(argv) as url, httpx.AsyncClient(timeout=120) as client:
-        async def one(i: int) -> None:
-            together[i] = (await client.post(f"{url}/v1/completions", json={
-                "prompt": prompts[i], "max_tokens": 40, "temperature": 0})).json()
+async def test_a_glm_batch_speculates_and_its_text_is_classic_decodes(glm: dict[str, Path],
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLM-4.7-Flash inside the continuous batch: five requests for three places, of different lengths (rows
+    join a speculating batch and leave it mid-way); at temperature 0 each text is the one MTP-off gives."""
+    from tests.server.test_batch_mtp import _at_once, _steps
 
-        async with trio.open_nursery() as nursery:
-            for i in range(len(prompts)):
-                nursery.start_soon(one, i)
-        stats = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
-    assert stats["target"] == "glm-partial"
-    assert [b["choices"][0]["text"] for b in together] == [b["choices"][0]["text"] for b in alone]  # type: ignore[index]
-    assert sum(_timings(together, "draft_rounds")) < sum(_timings(alone, "draft_rounds"))  # some ran batched
+    prompts = [*PROMPTS, "import os\n", "for i in range(10):", "x = ["]
+    requests: list[dict[str, object]] = [{"prompt": p, "max_tokens": 16 + 7 * i, "temperature": 0}
+                                         for i, p in enumerate(prompts)]
+    argv = ["--model", str(glm["raw"]), "--draft-model", str(glm["head"]), "--parallel", "3", "--metrics",
+            "--prompt-cache-size", "0"]
+    texts, batches = {}, {}
+    for pin in ("0", "1"):
+        monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+        async with running_server(argv) as url, httpx.AsyncClient(timeout=120) as client:
+            bodies = await _at_once(url, requests, stagger=0.02)
+            batches[pin] = (await client.get(f"{url}/v1/internal/mtp-policy")).json()["batch"]
+            steps = await _steps(url)
+        texts[pin] = [b["choices"][0]["text"] for b in bodies]  # type: ignore[index]
+    assert texts["1"] == texts["0"]
+    assert batches["1"]["speculates"] is True and batches["0"]["speculates"] is False
+    assert sum(n for k, n in steps.items() if k != "0") > 0, steps  # the pinned server's batch drafted
 
 
 @pytest.mark.slow

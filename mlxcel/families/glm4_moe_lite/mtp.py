@@ -32,7 +32,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.glm4_moe_lite import Glm4MoeLiteDecoderLayer, ModelArgs
 
-from ...models.drafters.own_cache import OwnCacheSequence
+from ...models.drafters.own_cache import OwnCacheBatch, OwnCacheSequence
 
 STANDALONE_TYPE = "glm4_moe_lite_mtp"
 SOURCE_TYPE = "glm4_moe_lite"
@@ -154,3 +154,7 @@ class Glm4MoeLiteDrafter:
     def new_sequence(self, cache: list[Any]) -> OwnCacheSequence:
         del cache  # the layer keeps a cache of its own
         return OwnCacheSequence(self)
+
+    def new_batch(self) -> OwnCacheBatch:
+        """The rows of a continuous batch drafting together: the layer's caches merged as the batch's are."""
+        return OwnCacheBatch(self)

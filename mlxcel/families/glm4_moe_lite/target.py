@@ -9,7 +9,11 @@ expands the latent into per-head keys and values) than for a single token
 single-token chain's bytes. The verify here runs the block's projections and
 MLPs over all K rows at once, but attention one query row at a time in the
 single-token formula, each row a contiguous array against the keys up to its
-own position (decode shape). The MoE is left batched (mlx-lm's switch MLP
+own position (decode shape). In a continuous batch the block is (B, K): each
+query row is the batch's classic step at that position, every row's left
+padding masked as that step masks it; a batch's rollback trims what every row
+rejected alike and moves the rest of each row's rejected keys into its padding
+(:func:`~mlxcel.models.batch_rollback.rollback_kv_rows`). The MoE is left batched (mlx-lm's switch MLP
 changes strategy only at 64 routed rows); the exactness probe checks every
 width at boot and vetoes the pairing where the bytes differ.
 
@@ -24,12 +28,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from ...models.batch_rollback import rollback_kv_rows
 from ...models.speculative import BlockVerify, Split, split_forward
 
 
 def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
-    """mlx-lm's ``Glm4MoeLiteAttention`` over a (1, L) block, each query row in its single-token formula."""
-    from mlx_lm.models.base import scaled_dot_product_attention
+    """mlx-lm's ``Glm4MoeLiteAttention`` over a (B, L) block, each query row in its single-token formula."""
+    from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 
     batch, length, _ = x.shape
     q = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
@@ -41,13 +46,18 @@ def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
     offset = cache.offset
     q_pe, k_pe = attn.rope(q_pe, offset), attn.rope(k_pe, offset)
     latents, rotary = cache.update_and_fetch(latent, k_pe)
+    start = latents.shape[2] - length  # the keys before the block (a batch's shared index, past its padding)
+    padding = getattr(cache, "left_padding", None)  # a batch's rows: each one's unused front
     rows = []
     for row in range(length):
         # A materialised row: a strided view of the block computes other bytes than a decode step's query.
         nope, pe = mx.contiguous(q_nope[:, :, row:row + 1, :]), mx.contiguous(q_pe[:, :, row:row + 1, :])
-        end = offset + row + 1
+        end = start + row + 1
         keys = latents[:, :, :end, :]
         pe_scores = (pe * attn.scale) @ rotary[:, :, :end, :].swapaxes(-1, -2)
+        if padding is not None:  # the mask the batch's classic step at this position gets from its cache
+            mask = create_causal_mask(1, offset=end - 1, left_padding=padding)
+            pe_scores = mx.where(mask, pe_scores, mx.array(mx.finfo(pe_scores.dtype).min, pe_scores.dtype))
         out = scaled_dot_product_attention(attn.embed_q(nope), keys, keys, cache=cache, scale=attn.scale,
                                            mask=pe_scores)
         rows.append(attn.unembed_out(out))
@@ -85,7 +95,7 @@ class Glm4MoeLiteTarget:
         return self.lm_head(hidden), hidden
 
     def verify(self, tokens: mx.array, cache: list[Any], split: Split) -> BlockVerify:
-        """The forward of a (1, K) block under *split*, attention row by row (see the module docstring)."""
+        """The forward of a (B, K) block under *split*, attention row by row (see the module docstring)."""
         width = tokens.shape[1]
         logits, hidden = split_forward(self._verify_forward, tokens, cache, split, self.model)
         return BlockVerify(logits, hidden, width)
@@ -96,3 +106,10 @@ class Glm4MoeLiteTarget:
         if dropped:
             for c in cache:
                 c.trim(dropped)
+
+    def rollback_rows(self, cache: list[Any], verify: BlockVerify, kept: list[int]) -> None:
+        """A batch's rollback: row i back to the state after the first *kept[i]* tokens of its block."""
+        rejected = [verify.width - k for k in kept]
+        if any(rejected):
+            for c in cache:
+                rollback_kv_rows(c, rejected)
