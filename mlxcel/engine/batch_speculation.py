@@ -148,7 +148,7 @@ class BatchSpeculation:
             if row.unpaired is not None:
                 self.drafts.catch_up(uids[i], row.unpaired, pending[i:i + 1][None])
                 row.unpaired = None
-        drafted = self.drafts.draft(uids, drafts).astype(mx.int32)
+        drafted = self.drafts.draft(uids, drafts, batch.prompt_cache).astype(mx.int32)
         _plain_recurrent_state(batch.prompt_cache)
         verify = self.target.verify(mx.concatenate([pending[:, None], drafted], axis=1), batch.prompt_cache,
                                     self.split)

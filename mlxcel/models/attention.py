@@ -35,6 +35,9 @@ class _Rules:
     """A lone query over a deep cache attends grouped (the CPU backend; GPU backends have fused kernels)."""
     by_queries: bool = False
     """A block of queries over a cache attends one query at a time (a ``rows`` verify is open)."""
+    right_justified: bool = False
+    """...and a mask array is a continuous batch's: its rows right-justified at one index, so query i of L
+    sees no key past the first S - L + i + 1, and the batch's step at that position attended over just those."""
 
 
 _thread = threading.local()  # .rules: this thread's _Rules while it is an MLX thread, else absent or None
@@ -60,16 +63,19 @@ def mlx_thread() -> Iterator[None]:
 
 
 @contextmanager
-def one_query_at_a_time() -> Iterator[None]:
+def one_query_at_a_time(right_justified: bool = False) -> Iterator[None]:
     """For the block, a causal block of queries (or one under a mask array) attends one query at a
-    time on this thread: what a ``rows`` verify needs. Only inside :func:`mlx_thread`."""
+    time on this thread: what a ``rows`` verify needs. *right_justified*: the verify is a continuous
+    batch's, whose mask arrays are those of rows right-justified at one index (not a ring's). Only inside
+    :func:`mlx_thread`."""
     rules: _Rules | None = getattr(_thread, "rules", None)
     assert rules is not None, "attention one query at a time runs only on an MLX thread (inside mlx_thread())"
-    outer, rules.by_queries = rules.by_queries, True
+    outer = rules.by_queries, rules.right_justified
+    rules.by_queries, rules.right_justified = True, right_justified
     try:
         yield
     finally:
-        rules.by_queries = outer
+        rules.by_queries, rules.right_justified = outer
 
 
 def dispatching(attention: Any) -> Any:
@@ -83,23 +89,29 @@ def dispatching(attention: Any) -> Any:
             return attention(q, k, v, mask=mask, **kwargs)
         step = lone if rules.grouped else attention
         if rules.by_queries and q.shape[2] > 1 and (mask == "causal" if isinstance(mask, str) else mask is not None):
-            return _each_query(step, q, k, v, mask, **kwargs)
+            return _each_query(step, q, k, v, mask, rules.right_justified, **kwargs)
         return step(q, k, v, mask=mask, **kwargs)
 
     scaled_dot_product_attention.mlxcel_dispatch = True  # type: ignore[attr-defined]
     return scaled_dot_product_attention
 
 
-def _each_query(attention: Any, q: Any, k: Any, v: Any, mask: Any, **kwargs: Any) -> Any:
+def _each_query(attention: Any, q: Any, k: Any, v: Any, mask: Any, right_justified: bool, **kwargs: Any) -> Any:
     """q's L queries attending one at a time: under a causal block (the last L of k's S positions), each
-    over its own prefix, unmasked; under a mask array (a sliding window's ring), each over every
-    position with its own row of the mask. Either way, what the step at that position computes."""
+    over its own prefix, unmasked; under a continuous batch's mask array (*right_justified*), each over its
+    own prefix with its row of the mask; under any other mask array (a sliding window's ring), each over
+    every position with its own row of the mask. Each way, what the step at that position computes."""
     import mlx.core as mx
 
     length, cached = q.shape[2], k.shape[2]
     if isinstance(mask, str):
         return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
                                          v[:, :, :cached - length + i + 1], **kwargs, mask=None)
+                               for i in range(length)], axis=2)
+    if right_justified:
+        return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
+                                         v[:, :, :cached - length + i + 1], **kwargs,
+                                         mask=mask[..., i:i + 1, :cached - length + i + 1])
                                for i in range(length)], axis=2)
     return mx.concatenate([attention(q[:, :, i:i + 1], k, v, **kwargs, mask=mask[..., i:i + 1, :])
                            for i in range(length)], axis=2)

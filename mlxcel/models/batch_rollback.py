@@ -31,10 +31,12 @@ def rollback_kv_rows(layer: Any, rejected: Sequence[int]) -> None:
 
 def batch_rollback_supported(cache: list[Any]) -> str | None:
     """Why a batch of caches like *cache* (a sequence's own, or the batch's) cannot roll rows back apart,
-    or None when it can: plain KV layers (a batch holds them as ``BatchKVCache``) and recurrent ones."""
+    or None when it can: plain KV layers (a batch holds them as ``BatchKVCache``), recurrent ones, and a
+    family's own cache class that says its batch rolls back by row (``rows_roll_back``)."""
     from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
     for layer in cache:
-        if type(layer) not in (KVCache, BatchKVCache) and not isinstance(layer, ArraysCache):
+        if type(layer) not in (KVCache, BatchKVCache) and not isinstance(layer, ArraysCache) \
+                and not getattr(layer, "rows_roll_back", False):
             return f"a {type(layer).__name__} layer cannot be rolled back row by row"
     return None

@@ -73,13 +73,13 @@ class RowSplit:
         return shape in (self.shapes if rows == 1 else self.batch_shapes)
 
     @contextmanager
-    def apart(self) -> Iterator[None]:
+    def apart(self, batch: bool = False) -> Iterator[None]:
         """While open, this model's measured layers multiply one row at a time, and attention over a cache
-        (causal, or under a mask array) attends one query at a time."""
+        (causal, or under a mask array) attends one query at a time (*batch*: a continuous batch's cache)."""
         from .attention import one_query_at_a_time
 
         assert threading.get_ident() == self._thread, "a rows verify runs on the MLX thread that measured it"
-        with one_query_at_a_time():
+        with one_query_at_a_time(right_justified=batch):
             self.active = True
             try:
                 yield
@@ -157,8 +157,9 @@ def _by_rows(cls: Any) -> type:
 
 
 @contextmanager
-def rows_apart(model: Any) -> Iterator[None]:
-    """:meth:`RowSplit.apart` of *model* (measured for one row shapes' set, or none: attention only)."""
+def rows_apart(model: Any, batch: bool = False) -> Iterator[None]:
+    """:meth:`RowSplit.apart` of *model* (measured for one row shapes' set, or none: attention only); *batch*:
+    over a continuous batch's cache."""
     split: RowSplit | None = getattr(model, "row_split", None)
-    with (split or RowSplit(frozenset(), 0.0)).apart():
+    with (split or RowSplit(frozenset(), 0.0)).apart(batch):
         yield

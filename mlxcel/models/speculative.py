@@ -43,7 +43,9 @@ def split_forward(forward: Callable[[Any, list[Any]], tuple[Any, Any]], tokens: 
     if split == "rows":
         from .row_exact import rows_apart
 
-        with rows_apart(model):
+        # A batch's caches (left-padded rows, right-justified at one index) make every mask array's query
+        # see a prefix of the keys, as the batch's step at its position did.
+        with rows_apart(model, batch=any(getattr(c, "left_padding", None) is not None for c in cache)):
             return forward(tokens, cache)
     if split == "wide" or width <= 2:
         return forward(tokens, cache)
@@ -179,8 +181,9 @@ class BatchDrafter(Protocol):
         """Read what is queued now; the arrays to evaluate."""
         ...
 
-    def draft(self, uids: list[int], count: int) -> Any:
-        """*count* greedy drafts per row, (B, count), on device."""
+    def draft(self, uids: list[int], count: int, cache: list[Any]) -> Any:
+        """*count* greedy drafts per row, (B, count), on device; *cache* is the batch's target cache (a
+        drafter that attends into the target's keys and values reads them there)."""
         ...
 
     def accept(self, uids: list[int], hidden: Any, tokens: Any, kept: list[int], drafted: int) -> None:

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget
 from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
@@ -33,16 +33,17 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return model
 
 
-def _batch(model: Any, rows: int, rng: np.random.Generator) -> list[Any]:
-    """*rows* prompts of different lengths, each prefilled alone, merged as mlx-lm's batch holds them."""
+def _batch(model: Any, rows: int, rng: np.random.Generator, lengths: tuple[int, ...] = ()) -> list[Any]:
+    """*rows* prompts of different lengths (*lengths*, else 5, 8, ...), each prefilled alone, merged as
+    mlx-lm's batch holds them."""
     caches = []
     for row in range(rows):
         cache = make_prompt_cache(model)
-        model(mx.array([rng.integers(0, 200, size=5 + 3 * row).tolist()]), cache=cache)
+        size = lengths[row % len(lengths)] if lengths else 5 + 3 * row
+        model(mx.array([rng.integers(3, 90, size=size).tolist()]), cache=cache)
         mx.eval([c.state for c in cache])
         caches.append(cache)
-    return [BatchKVCache.merge(list(layers)) if hasattr(layers[0], "offset") else type(layers[0]).merge(list(layers))
-            for layers in zip(*caches, strict=True)]
+    return [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +52,20 @@ def glm_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return model
 
 
-def _check(model: Any, target: Any, rows: int) -> None:
+@pytest.fixture(scope="module")
+def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from mlxcel.families.gemma4.tiny import build_target
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    model, _ = load_checkpoint(inspect_checkpoint(build_target(tmp_path_factory.mktemp("batch-exact") / "gemma4")))
+    return model
+
+
+def _check(model: Any, target: Any, rows: int, lengths: tuple[int, ...] = ()) -> None:
     split = measure(model, WIDTH, max_batch=4)
     assert split.max_batch == 4
     rng = np.random.default_rng(rows)
-    base = _batch(model, rows, rng)
+    base = _batch(model, rows, rng, lengths)
     block = mx.array(rng.integers(0, 200, size=(rows, WIDTH)).tolist())
     chain, steps = copy.deepcopy(base), []
     for position in range(WIDTH):  # the batch's classic steps: one token a row, every row at once
@@ -77,6 +87,14 @@ def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows
 def test_a_latent_attention_batch_verify_is_byte_for_byte_its_classic_steps(glm_model: Any, rows: int) -> None:
     # GLM-4.7-Flash's verify attends a query row at a time with each row's left padding masked, as its step does.
     _check(glm_model, Glm4MoeLiteTarget(glm_model), rows)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_a_sliding_window_batch_verify_is_byte_for_byte_its_classic_steps(gemma_model: Any, rows: int) -> None:
+    # Gemma 4: rows inside the window, past it, and past the ring of window + slack.
+    from mlxcel.families.gemma4.target import Gemma4Target
+
+    _check(gemma_model, Gemma4Target(gemma_model), rows, lengths=(5, 30, 120, 9))
 
 
 def test_the_probe_finds_every_width_exact_under_the_measured_split_and_declines_a_width_that_is_not(

@@ -107,3 +107,54 @@ def test_a_cache_that_cannot_roll_back_by_row_says_so() -> None:
     from mlx_lm.models.cache import BatchRotatingKVCache
 
     assert "BatchRotatingKVCache" in (batch_rollback_supported([BatchRotatingKVCache(8, [0])]) or "")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from mlxcel.families.gemma4.target import Gemma4Target
+    from mlxcel.families.gemma4.tiny import build_target
+    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+
+    model, _ = load_checkpoint(inspect_checkpoint(build_target(tmp_path_factory.mktemp("batch-gemma") / "gemma4")))
+    return Gemma4Target(model), model
+
+
+@pytest.mark.parametrize("kept", [[1, 4, 2], [4, 4, 4], [3, 1, 4]])
+def test_gemma_rows_roll_back_apart_past_the_window_and_the_ring(gemma: tuple[Any, Any], kept: list[int]) -> None:
+    """Gemma 4's sliding-window rows (a ring of window + slack slots alone, a batch KV layer in the batch):
+    rows inside the window, past the ring, and far past it, the batch's front dropped by the verify itself
+    (a small growth step); each row then decodes as its single-token chain does, and comes back out of the
+    batch as that chain's ring."""
+    from mlxcel.families.gemma4.target import BatchWindowCache, SlidingWindowCache
+
+    target, model = gemma
+    prompts = [[3, 1, 4, 1, 5], [3 + (7 * i) % 90 for i in range(100)], [3 + (5 * i) % 91 for i in range(300)]]
+    rows = _row_caches(model, prompts)
+    batch = [type(layers[0]).merge(list(layers)) for layers in zip(*copy.deepcopy(rows), strict=True)]
+    assert batch_rollback_supported(rows[0]) is None and batch_rollback_supported(batch) is None
+    sliding = [layer for layer in batch if isinstance(layer, BatchWindowCache)]
+    assert sliding and len(sliding) < len(batch)
+    for layer in sliding:
+        layer.step = 4
+    width_before = sliding[0].size()
+    verify = target.verify(mx.array(BLOCKS), batch, "wide")
+    target.rollback_rows(batch, verify, kept)
+    # The verify's block went in and the front as far went out: the batch holds what the window needs.
+    assert sliding[0].size() == width_before - min(len(BLOCKS[0]) - k for k in kept)
+
+    chains = copy.deepcopy(rows)
+    for chain, block, count in zip(chains, BLOCKS, kept, strict=True):
+        for token in block[:count]:
+            model(mx.array([[token]]), cache=chain)
+    for row, chain in enumerate(chains):
+        for layer, own in zip(batch, chain, strict=True):
+            out = layer.extract(row)
+            assert type(out) is type(own) and out.offset == own.offset
+            if isinstance(own, SlidingWindowCache):
+                for a, b in zip(out.live_state()[:2], own.live_state()[:2], strict=True):
+                    np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-4, atol=1e-5)
+    for _ in range(3):  # decoding on: every row's logits are its chain's
+        after = model(mx.array([[7], [7], [7]]), cache=batch)
+        for row, chain in enumerate(chains):
+            np.testing.assert_allclose(np.array(after[row]), np.array(model(mx.array([[7]]), cache=chain)[0]),
+                                       rtol=1e-4, atol=1e-4)

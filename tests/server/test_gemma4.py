@@ -228,3 +228,36 @@ def test_prefixes_a_batch_left_in_the_prefix_cache_serve_the_burst_exactly(gemma
         stats = client.get("/v1/cache/stats").json()
     assert burst == classic
     assert stats["hits"] >= len(prompts), stats
+
+
+@pytest.mark.slow
+async def test_the_batch_speculates_with_the_assistant_and_its_text_is_classic_decodes(
+        gemma: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 4 inside the continuous batch: five requests for three places, of different lengths (rows join
+    a speculating batch and leave it mid-way), some of their prompts past the sliding window and the ring;
+    the assistant agreeing in part, so rows keep different counts. At temperature 0 each text is the one
+    MTP-off gives under the same arrivals."""
+    import numpy as np
+
+    from tests.server.test_batch_mtp import _at_once, _steps
+
+    lengths = [6, 40, 120, 10, 300]
+    requests: list[dict[str, object]] = [
+        {"prompt": [int(t) for t in np.random.default_rng(i).integers(3, 512, n)], "max_tokens": 18 + 9 * i,
+         "temperature": 0} for i, n in enumerate(lengths)]
+    argv = ["--model", str(gemma["permutation"]), "--draft-model", str(gemma["partly"]), "--parallel", "3",
+            "--metrics", "--prompt-cache-size", "0"]
+    texts, batches, steps = {}, {}, {}
+    for pin in ("0", "1"):
+        monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+        monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path / f"cache-{pin}"))
+        async with running_server(argv) as url, httpx.AsyncClient(timeout=120) as client:
+            bodies = await _at_once(url, requests, stagger=0.02)
+            batches[pin] = (await client.get(f"{url}/v1/internal/mtp-policy")).json()["batch"]
+            steps[pin] = await _steps(url)
+        texts[pin] = [b["choices"][0]["text"] for b in bodies]  # type: ignore[index]
+    assert texts["1"] == texts["0"]
+    assert batches["1"]["speculates"] is True and not batches["1"].get("inexact_widths")
+    assert sum(n for k, n in steps["1"].items() if k != "0") > 0, steps  # the pinned server's batch drafted
+    proposed, accepted = (sum(b["timings"][key] for b in bodies) for key in ("draft_n", "draft_n_accepted"))  # type: ignore[index]
+    assert 0 < accepted < proposed  # rows kept different counts: they rolled back apart

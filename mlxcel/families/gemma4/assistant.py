@@ -29,7 +29,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.gemma4_text import DecoderLayer, ModelArgs
 
-from .target import SlidingWindowCache, config_overrides, text_model
+from .target import BatchWindowCache, SlidingWindowCache, config_overrides, text_model
 
 TYPES = ("gemma4_assistant", "gemma4_unified_assistant")
 #: Cached positions a sliding layer of the assistant sees: transformers' bidirectional sliding mask
@@ -167,6 +167,21 @@ class Gemma4AssistantDrafter:
     def new_sequence(self, cache: list[Any]) -> _SequenceDrafter:
         return _SequenceDrafter(self, cache)
 
+    def new_batch(self) -> _BatchDrafter:
+        return _BatchDrafter(self)
+
+    def chain(self, token: mx.array, hidden: mx.array, shared: dict[str, tuple[mx.array, mx.array]],
+              masks: dict[str, Any], position: Any, count: int) -> mx.array:
+        """*count* greedy drafts (rows, count) from each row's next *token* (rows, 1) and the target's hidden
+        state before it (rows, 1, H), every step at the same *position* against the same keys."""
+        drafts = []
+        for _ in range(count):
+            inputs = mx.concatenate([self.embed(token) * self.embed_scale, hidden], axis=-1)
+            hidden, logits = self.assistant(inputs, shared, masks, position)
+            token = mx.argmax(logits, axis=-1).astype(mx.int32)
+            drafts.append(token)
+        return mx.concatenate(drafts, axis=1)
+
 
 class _SequenceDrafter:
     """One sequence: the target's cache it reads, and the last (hidden state, token) pair."""
@@ -206,16 +221,8 @@ class _SequenceDrafter:
 
     def draft(self, count: int) -> mx.array:
         assert self._hidden is not None and self._token is not None
-        d = self._drafter
         shared, masks, position = self._shared()
-        token, hidden = self._token, self._hidden
-        drafts = []
-        for _ in range(count):
-            inputs = mx.concatenate([d.embed(token) * d.embed_scale, hidden], axis=-1)
-            hidden, logits = d.assistant(inputs, shared, masks, position)
-            token = mx.argmax(logits, axis=-1).astype(mx.int32)
-            drafts.append(token)
-        return mx.concatenate(drafts, axis=1)
+        return self._drafter.chain(self._token, self._hidden, shared, masks, position, count)
 
     def accept(self, hidden: mx.array, tokens: mx.array, drafted: int) -> None:
         del drafted  # no cache of its own to trim
@@ -226,6 +233,57 @@ class _SequenceDrafter:
 
     def restore(self, state: Any) -> None:
         self._hidden, self._token = state
+
+
+class _BatchDrafter:
+    """A continuous batch's rows drafting together: each row's last (hidden state, next token) pair, and the
+    batch's own caches, which every row's query reads with its padding, and beyond the sliding layers'
+    window, masked (the batch holds both kinds as left-padded KV layers right-justified at one index)."""
+
+    def __init__(self, drafter: Gemma4AssistantDrafter) -> None:
+        self._drafter = drafter
+        self._last: dict[int, tuple[mx.array, mx.array]] = {}
+
+    def join(self, uid: int, sequence: _SequenceDrafter | None) -> None:
+        if sequence is not None and sequence._hidden is not None and sequence._token is not None:
+            self._last[uid] = (sequence._hidden, sequence._token)
+
+    def leave(self, uid: int) -> None:
+        self._last.pop(uid, None)
+
+    def ready(self, uid: int) -> bool:
+        return uid in self._last
+
+    def pending(self, uid: int) -> int:
+        return 0  # nothing deferred
+
+    def catch_up(self, uid: int, hidden: mx.array, tokens: mx.array) -> None:
+        self._last[uid] = (hidden[:, -1:, :], tokens[:, -1:].astype(mx.int32))
+
+    def settle(self, uids: list[int]) -> list[mx.array]:
+        return []
+
+    def draft(self, uids: list[int], count: int, cache: list[Any]) -> mx.array:
+        d = self._drafter
+        shared, masks, position = {}, {}, None
+        for kind, index in d.sources.items():
+            layer = cache[index]
+            width = layer.size()
+            shared[kind] = (layer.keys[..., :width, :], layer.values[..., :width, :])
+            columns = mx.arange(width)[None, :]
+            visible = columns >= layer.left_padding[:, None]
+            if isinstance(layer, BatchWindowCache):
+                visible = visible & (columns >= width - d.window - SLIDING_EXTRA)
+            masks[kind] = visible[:, None, None, :]
+            position = layer.offset
+        token = mx.concatenate([self._last[uid][1] for uid in uids], axis=0)
+        hidden = mx.concatenate([self._last[uid][0] for uid in uids], axis=0)
+        return d.chain(token, hidden, shared, masks, position, count)
+
+    def accept(self, uids: list[int], hidden: mx.array, tokens: mx.array, kept: list[int], drafted: int) -> None:
+        del drafted  # no cache of its own to trim
+        for i, (uid, k) in enumerate(zip(uids, kept, strict=True)):
+            self._last[uid] = (hidden[i:i + 1, k - 1:k, :], tokens[i:i + 1, k - 1:k].astype(mx.int32))
 
 
 def load(directory: Path, target: Any) -> Gemma4AssistantDrafter:

@@ -12,6 +12,11 @@ mlx-lm serves the model; this file adds three things.
   single steps would, and masks by position; with the slack, the slots it overwrites hold only tokens no
   query of the block can see, so a rejected round rewinds (:meth:`SlidingWindowCache.rewind`) to exactly
   the state K single steps would have left, past the window too.
+- :class:`BatchWindowCache`, what a continuous batch holds a sliding-window layer's rows in (the
+  :class:`SlidingWindowCache` of each row merge into one): mlx-lm's left-padded ``BatchKVCache``, its
+  window masked by position, its front dropped as it grows. mlx-lm's ``BatchRotatingKVCache`` shares one
+  ring index between the rows, so a row's last keys cannot be taken back apart from the others'; here they
+  can, as from any batch KV layer (:func:`~mlxcel.models.batch_rollback.rollback_kv_rows`).
 - :class:`Gemma4Target`: logits exactly as ``Model.__call__`` computes them (soft-capped), and the final
   normed hidden state, which the ``gemma4_assistant`` drafter reads.
 """
@@ -22,8 +27,9 @@ import types
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
+from ...models.batch_rollback import rollback_kv_rows
 from ...models.speculative import BlockVerify, Split, split_forward
 
 #: Ring slots beyond the sliding window. A verify block of up to SLACK tokens writes in place and
@@ -86,9 +92,27 @@ class SlidingWindowCache(RotatingKVCache):
     rebuilt after it.
     """
 
+    rows_roll_back = True
+    """A batch of these (:class:`BatchWindowCache`) rolls its rows back apart."""
+
     def __init__(self, window: int) -> None:
         super().__init__(max_size=window + SLACK, keep=0)
         self.window = window
+
+    @classmethod
+    def merge(cls, caches: list[SlidingWindowCache]) -> BatchWindowCache:  # type: ignore[override]
+        """The rows *caches* as a continuous batch holds them (mlx-lm's batch merges its rows' caches so)."""
+        return BatchWindowCache.of_rows(caches)
+
+    def temporal(self) -> tuple[mx.array, mx.array] | None:
+        """The keys and values of the last ``min(offset, max_size)`` positions, oldest first (None: empty)."""
+        if self.keys is None or self.offset == 0:
+            return None
+        length = min(self.offset, self.max_size)
+        keys, values = self.keys[..., :length, :], self.values[..., :length, :]
+        if self.offset > self.max_size:  # the oldest position's slot is the next one written
+            keys, values = mx.roll(keys, -self._idx, 2), mx.roll(values, -self._idx, 2)
+        return keys, values
 
     @classmethod
     def from_state(cls, state: Any) -> SlidingWindowCache:
@@ -195,6 +219,67 @@ class SlidingWindowCache(RotatingKVCache):
                 mx.array([self.offset])]
 
 
+class BatchWindowCache(BatchKVCache):
+    """A continuous batch's sliding-window layer: mlx-lm's ``BatchKVCache`` (rows right-justified at one
+    shared index, each row's unused front masked as left padding, so a column's distance from the index is
+    a position's distance in every row and the model's window mask holds), with the front dropped whenever
+    it holds a ``step`` more than ``window +`` :data:`SLACK` positions: the window for every later query,
+    and the slack for a rejected verify block. A dropped front makes a row's padding negative (all of its
+    columns are its own). :meth:`extract` gives a row back as a :class:`SlidingWindowCache`.
+    """
+
+    rows_roll_back = True
+
+    def __init__(self, window: int, left_padding: list[int]) -> None:
+        super().__init__(left_padding)
+        self.window = window
+
+    @classmethod
+    def of_rows(cls, rows: list[SlidingWindowCache]) -> BatchWindowCache:
+        """*rows* right-justified at one index, each row's positions kept (its RoPE offset included)."""
+        held = [row.temporal() for row in rows]
+        lengths = [0 if h is None else h[0].shape[2] for h in held]
+        longest = max(lengths)
+        cache = cls(rows[0].window, [longest - n for n in lengths])
+        cache.offset = mx.array([row.offset for row in rows])
+        present = [h for h in held if h is not None]
+        if not present:
+            return cache
+        like_keys, like_values = present[0]
+        keys = mx.zeros((len(rows), like_keys.shape[1], longest, like_keys.shape[3]), like_keys.dtype)
+        values = mx.zeros((len(rows), like_values.shape[1], longest, like_values.shape[3]), like_values.dtype)
+        for i, (h, n) in enumerate(zip(held, lengths, strict=True)):
+            if h is not None:
+                keys[i:i + 1, :, longest - n:] = h[0]
+                values[i:i + 1, :, longest - n:] = h[1]
+        cache.keys, cache.values, cache._idx = keys, values, longest  # type: ignore[assignment]
+        return cache
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fetched: tuple[mx.array, mx.array] = super().update_and_fetch(keys, values)
+        surplus = self._idx - (self.window + SLACK)
+        if surplus >= self.step:  # this step attends over what it fetched; later ones need no more than kept
+            assert self.keys is not None and self.values is not None
+            self.keys, self.values = self.keys[..., surplus:, :], self.values[..., surplus:, :]
+            self._idx -= surplus
+            self.left_padding = self.left_padding - surplus
+        return fetched
+
+    def extract(self, idx: int) -> SlidingWindowCache:
+        offsets: list[int] = self.offset.tolist()  # type: ignore[assignment]
+        paddings: list[int] = self.left_padding.tolist()  # type: ignore[assignment]
+        cache = SlidingWindowCache(self.window)
+        cache.offset = offsets[idx]
+        if self.keys is None or cache.offset == 0:
+            return cache
+        assert self.values is not None
+        start = max(self._idx - cache.max_size, paddings[idx], 0)
+        cache.keys = mx.contiguous(self.keys[idx:idx + 1, :, start:self._idx])
+        cache.values = mx.contiguous(self.values[idx:idx + 1, :, start:self._idx])
+        cache._to_ring()
+        return cache
+
+
 class Gemma4Target:
     """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a Gemma 4 model.
 
@@ -229,6 +314,14 @@ class Gemma4Target:
             raise ValueError(f"a Gemma 4 verify block is at most {SLACK} tokens, not {width}")
         logits, hidden = split_forward(self.forward, tokens, cache, split, self.model)
         return BlockVerify(logits, hidden, width)
+
+    def rollback_rows(self, cache: list[Any], verify: BlockVerify, kept: list[int]) -> None:
+        """A batch's rollback: row i back to the state after the first *kept[i]* tokens of its block (its
+        full-attention and sliding-window layers alike are batch KV layers)."""
+        rejected = [verify.width - k for k in kept]
+        if any(rejected):
+            for c in cache:
+                rollback_kv_rows(c, rejected)
 
     def rollback(self, cache: list[Any], verify: BlockVerify, kept: int) -> None:
         dropped = verify.width - kept

@@ -118,8 +118,9 @@ class OwnCacheBatch:
         if uid in self._pending:
             self._pending[uid].append((hidden, tokens))
 
-    def draft(self, uids: list[int], count: int) -> mx.array:
+    def draft(self, uids: list[int], count: int, cache: list[Any]) -> mx.array:
         """*count* greedy drafts for each row of *uids* (the batch's order), (B, count), on device."""
+        del cache  # the head reads a cache of its own
         self._settle(uids)
         assert self._last is not None
         return _chain(self._drafter, self._last, self._cache, count)
