@@ -40,13 +40,11 @@ def main() -> None:
 
     from mlx_lm import load
 
+    from mlxcel.checkpoints import inspect_checkpoint, inspect_drafter, load_drafter, speculative_target
     from mlxcel.engine.batch import ContinuousBatch
     from mlxcel.engine.batch_speculation import BatchSpeculation
     from mlxcel.engine.requests import BurstStats
     from mlxcel.models.attention import mlx_thread
-    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
-    from mlxcel.models.loader import inspect_checkpoint
-    from mlxcel.models.speculative import speculative_target
     from mlxcel.policy.draft_length import DraftLength
 
     path = mtp_model("aligned", 0.0, args.layers, args.hidden)

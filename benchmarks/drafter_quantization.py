@@ -23,12 +23,15 @@ from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from benchmarks._common import mtp_model  # noqa: E402
+from mlxcel.checkpoints import (  # noqa: E402
+    inspect_checkpoint,
+    inspect_drafter,
+    load_drafter,
+    speculative_target,
+)
 from mlxcel.engine.burst import Burst  # noqa: E402
 from mlxcel.engine.solo import SoloDecoder  # noqa: E402
 from mlxcel.models.attention import mlx_thread  # noqa: E402
-from mlxcel.models.drafters.loader import inspect_drafter, load_drafter  # noqa: E402
-from mlxcel.models.loader import inspect_checkpoint  # noqa: E402
-from mlxcel.models.speculative import speculative_target  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:"]
 

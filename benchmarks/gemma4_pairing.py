@@ -58,10 +58,14 @@ def step_costs(paths: dict[str, Path], blocks: list[int], repeats: int = 60) -> 
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.blas import blas_kind, load_fast_blas
+    from mlxcel.checkpoints import (
+        inspect_checkpoint,
+        inspect_drafter,
+        load_checkpoint,
+        load_drafter,
+        speculative_target,
+    )
     from mlxcel.engine.exactness import probe_exactness
-    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
-    from mlxcel.models.speculative import speculative_target
 
     load_fast_blas()
     info = inspect_checkpoint(paths["target"])

@@ -58,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_arguments(parser, rounds=5, tokens=64)
     args = parser.parse_args()
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
 
     models = {"inkling": load_checkpoint(inspect_checkpoint(inkling_model(args.hidden, args.layers)))[0],
               "llama": load_checkpoint(inspect_checkpoint(bench_model("llama", args.hidden, args.layers)))[0]}

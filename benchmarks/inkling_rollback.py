@@ -41,8 +41,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
     from mlxcel.families.inkling.target import InklingTarget
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
     directory = inkling_model(args.hidden, args.layers)
     model, _ = load_checkpoint(inspect_checkpoint(directory))

@@ -57,13 +57,18 @@ import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from benchmarks._common import median, mtp_model, words  # noqa: E402
+from mlxcel.checkpoints import (  # noqa: E402  # noqa: E402
+    inspect_checkpoint,
+    inspect_drafter,
+    load_checkpoint,
+    load_drafter,
+    speculative_target,
+)
 from mlxcel.engine.burst import Burst  # noqa: E402
 from mlxcel.engine.exactness import probe_exactness  # noqa: E402
 from mlxcel.engine.solo import SoloDecoder  # noqa: E402
 from mlxcel.models.attention import mlx_thread  # noqa: E402
-from mlxcel.models.drafters.loader import inspect_drafter, load_drafter  # noqa: E402
-from mlxcel.models.loader import inspect_checkpoint, load_checkpoint  # noqa: E402
-from mlxcel.models.speculative import Split, speculative_target  # noqa: E402
+from mlxcel.models.speculative import Split  # noqa: E402
 
 PROMPT = "def wrap(text, width=70):"
 STAGES = ("draft", "attention", "verify", "sync", "rollback", "python")

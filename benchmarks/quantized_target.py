@@ -38,7 +38,7 @@ def main() -> None:
 
         convert(str(raw), mlx_path=str(quantized), quantize=True, q_bits=args.bits, q_group_size=64)
     if not (head / "config.json").exists():
-        from mlxcel.models.drafters.split import split_mtp
+        from mlxcel.checkpoints import split_mtp
 
         split_mtp(raw, head, block_size=args.k, report=lambda _: None)
     env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}

@@ -72,8 +72,8 @@ def _split_mtp(args: argparse.Namespace) -> int:
         print(f"mlxcel split-mtp: {exc}", file=sys.stderr)
         return EXIT_USAGE
     load_fast_blas()  # before mlx is imported, as everywhere
+    from .checkpoints import split_mtp
     from .models.drafters.loader import DrafterError
-    from .models.drafters.split import split_mtp
 
     try:
         quantize = None if args.q_bits is None else (args.q_bits, args.q_group_size)

@@ -187,10 +187,11 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         raise UsageError(str(exc)) from exc
     logger.info("BLAS: %s", blas)
 
+    from .checkpoints import inspect_checkpoint
     from .engine import WorkerSettings
     from .http.auth import KeyFileError, read_keys
     from .http.listener import connection_limits
-    from .models.loader import CheckpointError, import_mlx_lm, inspect_checkpoint
+    from .models.loader import CheckpointError, import_mlx_lm
     from .serve import ServeConfig
     from .server import ServerOptions
 
@@ -219,7 +220,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     drafter = None
     block_size = chosen_block_size or default_block_size
     if args.mtp or args.draft_model is not None:
-        from .models.drafters.loader import DrafterError, inspect_drafter
+        from .checkpoints import inspect_drafter
+        from .models.drafters.loader import DrafterError
 
         try:
             drafter = inspect_drafter(checkpoint, mtp=args.mtp, draft_model=args.draft_model)

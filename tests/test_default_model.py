@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxcel.models.loader import inspect_checkpoint
+from mlxcel.checkpoints import inspect_checkpoint
 from mlxcel.serve_cli import BUNDLED_BLOCK_SIZE, BUNDLED_MODEL
 from mlxcel.testing.serving import child_env, serve_subprocess
 from tests.conftest import validate_wire

@@ -18,7 +18,7 @@ import jinja2
 import pytest
 from tokenizers import Tokenizer
 
-from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
 from mlxcel.serve_cli import BUNDLED_MODEL
 from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
 from tests.server.conftest import running_server

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..checkpoints import load_checkpoint
 from ..families import BATCH_BROKEN
 from ..hardware import HostInfo, detect_host
-from ..models.loader import CheckpointInfo, load_checkpoint
+from ..models.loader import CheckpointInfo
 from ..policy import PairingKey
 from .batch import batchable
 from .messages import WorkerSettings

@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..checkpoints import load_drafter, speculative_target
 from ..models.drafters import DrafterSpec
 from ..models.loader import CheckpointInfo
-from ..models.speculative import DESCRIBE, DraftHead, SpeculativeTarget, Split, speculative_target
+from ..models.speculative import DESCRIBE, DraftHead, SpeculativeTarget, Split
 from ..policy import PairingKey
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,6 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from ..models.drafters.loader import load_drafter
     from .exactness import ProbeResult, probe_exactness
 
     target = speculative_target(checkpoint.model_type, model)

@@ -5,6 +5,9 @@ directory that is missing, has no ``config.json``, names an unsupported
 ``model_type`` or holds broken weights stops startup with one clear line. It
 reads only JSON and safetensors headers. :func:`load_checkpoint` does the real
 load through mlx-lm, on the engine's worker thread, with progress logged.
+
+Neither knows any family: what a family changes is handed in (*own_models*, a
+:class:`ModelHooks`); :mod:`mlxcel.checkpoints` hands in the checkpoint's own.
 """
 
 from __future__ import annotations
@@ -15,10 +18,10 @@ import logging
 import resource
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +86,27 @@ def mlx_lm_module(model_type: str) -> Any:
     return importlib.import_module(f"mlx_lm.models.{name}")
 
 
-def _supported(model_type: str) -> bool:
-    from ..families import family
+class ModelHooks(Protocol):
+    """What loading a checkpoint needs of its family (a :class:`mlxcel.families.Family`)."""
 
-    if family(model_type).own_model or _has_model_file(model_type):
+    own_model: bool
+    """mlxcel carries the model file: :meth:`model_classes` builds it."""
+
+    def config_overrides(self, config: dict[str, Any]) -> dict[str, Any]:
+        """Config values mlx-lm must be given on top of the checkpoint's ``config.json``."""
+        ...
+
+    def model_classes(self, config: dict[str, Any]) -> tuple[Any, Any]:
+        """(Model, ModelArgs) of an own model file."""
+        ...
+
+    def prepare(self, model: Any) -> None:
+        """Change the loaded model in place before anything runs on it."""
+        ...
+
+
+def _supported(model_type: str, own_models: Collection[str]) -> bool:
+    if model_type in own_models or _has_model_file(model_type):
         return True
     module = _mlx_lm_utils().MODEL_REMAPPING.get(model_type, model_type)
     return importlib.util.find_spec(f"mlx_lm.models.{module}") is not None
@@ -155,8 +175,9 @@ def _check_config_keys(config: dict[str, Any], config_path: Path) -> None:
                               f"(mlx-lm computes {' / '.join(sorted(_GATE_ACTIVATIONS))})")
 
 
-def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
-    """Check *path* is a servable checkpoint without loading it."""
+def inspect_checkpoint(path: str | Path, *, own_models: Collection[str]) -> CheckpointInfo:
+    """Check *path* is a servable checkpoint without loading it; *own_models*: the ``model_type`` values
+    mlxcel carries a model file for (mlx-lm serves the rest)."""
     directory = Path(path).expanduser()
     if not directory.is_dir():
         if directory.exists():
@@ -179,7 +200,7 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not isinstance(model_type, str) or not model_type:
         raise CheckpointError(f"{config_path} names no model_type")
-    if not _supported(model_type):
+    if not _supported(model_type, own_models):
         raise CheckpointError(f"model_type {model_type!r} in {config_path} is not supported")
     _check_config_keys(config, config_path)
     weights = tuple(sorted(directory.glob("model*.safetensors")))
@@ -204,8 +225,10 @@ def inspect_checkpoint(path: str | Path) -> CheckpointInfo:
                           weight_bytes=sum(f.stat().st_size for f in weights), config=config)
 
 
-def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = None) -> tuple[Any, Any]:
-    """(model, tokenizer) through mlx-lm, materialising weights with progress logs.
+def load_checkpoint(info: CheckpointInfo, served: ModelHooks,
+                    check: Callable[[], None] | None = None) -> tuple[Any, Any]:
+    """(model, tokenizer) through mlx-lm (or *served*'s own model file), materialising weights with progress
+    logs; *served*: what the checkpoint's family changes.
 
     Must run on the thread that will use the model (MLX streams are thread-bound).
     *check* runs between the twenty slices the weights are read in: it raises
@@ -217,9 +240,6 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     load = _mlx_lm_utils().load  # `mlxcel serve` imported it before binding; a caller that did not, here
     started = time.perf_counter()
     logger.info("loading %s (%s, %.1f MB of weights)", info.name, info.model_type, info.weight_bytes / 1e6)
-    from ..families import family
-
-    served = family(info.model_type)
     try:
         config = info.config
         if served.own_model:  # mlxcel's own model file, through mlx-lm's loader

@@ -201,13 +201,3 @@ class BatchDraftHead(DraftHead, Protocol):
 def batch_drafting(head: DraftHead) -> bool:
     """Whether *head* can draft for a continuous batch's rows at once."""
     return callable(getattr(head, "new_batch", None))
-
-
-def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
-    """The family's target adapter around the loaded mlx-lm *model* (:mod:`mlxcel.families`)."""
-    from ..families import family
-
-    served = family(model_type)
-    if not served.mtp:
-        raise ValueError(f"model_type {model_type!r} has no speculative target adapter")
-    return served.target(model)

@@ -36,9 +36,13 @@ def run(check: str, *args: str) -> None:
 def _target(directory: Path, assistant: Path | None = None) -> tuple[Any, Any]:
     """The model and its speculative target, loaded as a server loads them (with *assistant*, its
     drafter too: the same load the tests' in-process checks make)."""
-    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
-    from mlxcel.models.speculative import speculative_target
+    from mlxcel.checkpoints import (
+        inspect_checkpoint,
+        inspect_drafter,
+        load_checkpoint,
+        load_drafter,
+        speculative_target,
+    )
 
     info = inspect_checkpoint(directory)
     model, _ = load_checkpoint(info)

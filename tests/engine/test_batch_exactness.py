@@ -54,8 +54,8 @@ def glm_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
     from mlxcel.families.gemma4.tiny import build_target
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
     model, _ = load_checkpoint(inspect_checkpoint(build_target(tmp_path_factory.mktemp("batch-exact") / "gemma4")))
     return model

@@ -111,9 +111,9 @@ def test_a_cache_that_cannot_roll_back_by_row_says_so() -> None:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
     from mlxcel.families.gemma4.target import Gemma4Target
     from mlxcel.families.gemma4.tiny import build_target
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
     model, _ = load_checkpoint(inspect_checkpoint(build_target(tmp_path_factory.mktemp("batch-gemma") / "gemma4")))
     return Gemma4Target(model), model

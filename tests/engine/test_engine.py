@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from mlxcel.checkpoints import inspect_checkpoint
 from mlxcel.engine import Engine, Finish, GenerationRequest, QueueFull, SamplingParams, WorkerSettings
-from mlxcel.models.loader import inspect_checkpoint
 from mlxcel.observability import Observability
 from mlxcel.policy import MtpPolicy, PolicySettings
 from mlxcel.testing.checkpoints import build_checkpoint

@@ -37,9 +37,13 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def _load(target: Path, assistant: Path) -> tuple[Any, Any, Any]:
-    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
-    from mlxcel.models.speculative import speculative_target
+    from mlxcel.checkpoints import (
+        inspect_checkpoint,
+        inspect_drafter,
+        load_checkpoint,
+        load_drafter,
+        speculative_target,
+    )
 
     info = inspect_checkpoint(target)
     model, _ = load_checkpoint(info)
@@ -140,10 +144,9 @@ def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the
 def test_a_stop_during_the_exactness_probe_abandons_it_instead_of_vetoing(pairs: dict[str, Path]) -> None:
     """A server stopped while it probes a big model stops between the probe's steps; the stop is not
     mistaken for a probe that could not run (which would veto and serve on)."""
+    from mlxcel.checkpoints import inspect_checkpoint, inspect_drafter, load_checkpoint
     from mlxcel.engine.messages import LoadCancelled
     from mlxcel.engine.speculation import set_up
-    from mlxcel.models.drafters.loader import inspect_drafter
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
 
     info = inspect_checkpoint(pairs["target"])
     model, _ = load_checkpoint(info)

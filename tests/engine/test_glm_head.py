@@ -24,11 +24,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from mlxcel.checkpoints import inspect_checkpoint, inspect_drafter, load_drafter, speculative_target
 from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
-from mlxcel.models.drafters import load_drafter
-from mlxcel.models.drafters.loader import inspect_drafter
-from mlxcel.models.loader import inspect_checkpoint
-from mlxcel.models.speculative import speculative_target
 from tests.server.conftest import mlxcel
 
 

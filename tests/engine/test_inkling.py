@@ -28,7 +28,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def loaded(checkpoint: Path) -> tuple[Any, Any]:
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
 
     model, _ = load_checkpoint(inspect_checkpoint(checkpoint))
     return model, load_reference(checkpoint)

@@ -43,9 +43,13 @@ def pair(pairs: dict[str, tuple[Path, Any]]) -> tuple[Path, Any]:
 
 
 def _load(target: Path) -> tuple[Any, Any, Any]:
-    from mlxcel.models.drafters.loader import inspect_drafter, load_drafter
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
-    from mlxcel.models.speculative import speculative_target
+    from mlxcel.checkpoints import (
+        inspect_checkpoint,
+        inspect_drafter,
+        load_checkpoint,
+        load_drafter,
+        speculative_target,
+    )
 
     info = inspect_checkpoint(target)
     model, _ = load_checkpoint(info)

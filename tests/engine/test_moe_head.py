@@ -24,9 +24,9 @@ import pytest
 from mlx_lm import load
 from safetensors.numpy import load_file
 
+from mlxcel.checkpoints import inspect_checkpoint, load_drafter
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models.drafters import DrafterSpec, load_drafter
-from mlxcel.models.loader import inspect_checkpoint
+from mlxcel.models.drafters import DrafterSpec
 
 
 def _rms(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

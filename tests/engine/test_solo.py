@@ -9,13 +9,12 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from mlxcel.checkpoints import inspect_checkpoint, load_drafter, speculative_target
 from mlxcel.engine.burst import Burst
 from mlxcel.engine.solo import SoloDecoder
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models.drafters import DrafterSpec
-from mlxcel.models.drafters.loader import load_drafter
-from mlxcel.models.loader import inspect_checkpoint
-from mlxcel.models.speculative import DraftHead, speculative_target
+from mlxcel.models.speculative import DraftHead
 
 
 @pytest.fixture(scope="module")

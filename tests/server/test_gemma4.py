@@ -196,7 +196,7 @@ def test_prefixes_a_batch_left_in_the_prefix_cache_serve_the_burst_exactly(gemma
     import numpy as np
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
 
     target, assistant = gemma["target"], gemma["assistant"]
     model, tokenizer = load_checkpoint(inspect_checkpoint(target))

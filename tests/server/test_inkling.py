@@ -33,7 +33,7 @@ def _greedy(hf: Any, prompt: list[int], count: int) -> list[int]:
 
 @pytest.mark.slow
 async def test_concurrent_requests_decode_solo_as_transformers_and_reuse_the_prefix_cache(checkpoint: Path) -> None:
-    from mlxcel.models.loader import inspect_checkpoint, load_checkpoint
+    from mlxcel.checkpoints import inspect_checkpoint, load_checkpoint
 
     _, tokenizer = load_checkpoint(inspect_checkpoint(checkpoint))
     hf = load_reference(checkpoint)

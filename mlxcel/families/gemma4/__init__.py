@@ -8,11 +8,11 @@ assistant checkpoint, which attends into the target's cache).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import Family
+from .._family import Family
 
 if TYPE_CHECKING:
     from ...models.loader import CheckpointInfo
@@ -48,7 +48,8 @@ class Gemma4(Family):
 
         return Gemma4Target(model)
 
-    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None,
+                        head_types: Collection[str]) -> Any:
         """An assistant checkpoint directory, never the target itself."""
         from ...models.drafters.loader import (
             DrafterError,

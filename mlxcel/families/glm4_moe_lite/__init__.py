@@ -8,11 +8,11 @@ directory, never from inside the target.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import Family
+from .._family import Family
 
 if TYPE_CHECKING:
     from ...models.loader import CheckpointInfo
@@ -28,11 +28,13 @@ class Glm4MoeLite(Family):
 
         return Glm4MoeLiteTarget(model)
 
-    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None,
+                        head_types: Collection[str]) -> Any:
         from ...models.drafters.loader import inspect_mtp_head
         from . import mtp as head
 
-        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model, split_only=True)
+        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model, head_types=head_types,
+                                split_only=True)
 
     def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         from ...models.drafters.loader import DrafterError

@@ -7,11 +7,11 @@ Served one sequence at a time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import Family
+from .._family import Family
 
 if TYPE_CHECKING:
     from ...models.loader import CheckpointInfo
@@ -38,7 +38,8 @@ class Inkling(Family):
 
         return InklingTarget(model)
 
-    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None,
+                        head_types: Collection[str]) -> Any:
         """The unindexed ``mtp.safetensors`` of the target (``--mtp``) or of the ``--draft-model``
         directory (a full checkpoint: only that file is read)."""
         from safetensors import SafetensorError, safe_open

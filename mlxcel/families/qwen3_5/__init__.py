@@ -8,11 +8,11 @@ serves with no ``--model``) and ``train_default.py`` (the script that trained it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import Family
+from .._family import Family
 
 if TYPE_CHECKING:
     from ...models.loader import CheckpointInfo
@@ -32,11 +32,12 @@ class Qwen35(Family):
 
         return Qwen35Target(model)
 
-    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> Any:
+    def inspect_drafter(self, target: CheckpointInfo, *, mtp: bool, draft_model: Path | None,
+                        head_types: Collection[str]) -> Any:
         from ...models.drafters.loader import inspect_mtp_head
         from . import mtp as head
 
-        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model)
+        return inspect_mtp_head(target, head, mtp=mtp, draft_model=draft_model, head_types=head_types)
 
     def load_head(self, spec: Any, target: CheckpointInfo, model: Any) -> tuple[Any, Callable[[Any], Any]]:
         import mlx.core as mx

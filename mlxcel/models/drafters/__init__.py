@@ -3,6 +3,6 @@
 The heads themselves live with their families (:mod:`mlxcel.families`).
 """
 
-from .loader import DrafterError, DrafterSpec, load_drafter
+from .loader import DrafterError, DrafterSpec, finish_drafter
 
-__all__ = ["DrafterError", "DrafterSpec", "load_drafter"]
+__all__ = ["DrafterError", "DrafterSpec", "finish_drafter"]

@@ -2,14 +2,16 @@
 
 What is common to every family's drafter: the spec, the checks on safetensors
 headers and standalone heads, quantization. The family of the target's
-``model_type`` (:mod:`mlxcel.families`) decides the rest.
-:func:`inspect_drafter` runs before the port is bound and reads only JSON and
-safetensors headers; :func:`load_drafter` runs on the worker thread.
+``model_type`` (:mod:`mlxcel.families`) decides the rest, and
+:mod:`mlxcel.checkpoints` picks it: its ``inspect_drafter`` runs before the
+port is bound and reads only JSON and safetensors headers; its
+``load_drafter`` runs on the worker thread and ends in :func:`finish_drafter`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -91,13 +93,6 @@ def raw_layout(target: Path) -> bool:
     return False  # no gated-delta layers: mlx-lm applies no norm shift, and neither do we
 
 
-def inspect_drafter(target: CheckpointInfo, *, mtp: bool, draft_model: Path | None) -> DrafterSpec:
-    """Check the drafter exists and has weights for a family mlxcel can run (before the port is bound)."""
-    from ...families import family
-
-    return family(target.model_type).inspect_drafter(target, mtp=mtp, draft_model=draft_model)
-
-
 def drafter_directory(draft_model: Path) -> Path:
     directory = draft_model.expanduser()
     if not directory.is_dir():
@@ -106,17 +101,18 @@ def drafter_directory(draft_model: Path) -> Path:
 
 
 def inspect_mtp_head(target: CheckpointInfo, head: Any, *, mtp: bool, draft_model: Path | None,
-                     split_only: bool = False) -> DrafterSpec:
+                     head_types: Collection[str], split_only: bool = False) -> DrafterSpec:
     """A head of ``mtp.*`` tensors (in the target, ``--mtp``, or a checkpoint directory) or a standalone
     one (``mlxcel split-mtp``). *head*: the head's module (``STANDALONE_TYPE``, ``inventory``,
-    ``text_config``); *split_only*: served only from a standalone directory, never from inside the target."""
+    ``text_config``); *head_types*: every drafter kind a family runs (a directory of another is refused by
+    name); *split_only*: served only from a standalone directory, never from inside the target."""
     head_type, model_type = head.STANDALONE_TYPE, target.model_type
     if draft_model is None and split_only:
         raise DrafterError(f"a {model_type} target's next-token layer is served from its own directory: "
                            f"`mlxcel split-mtp -m RAW_DIR -o OUT_DIR`, then --draft-model OUT_DIR")
     if draft_model is not None:
         directory = drafter_directory(draft_model)
-        standalone = _standalone_config(directory, head_type, split_only)
+        standalone = _standalone_config(directory, head_type, head_types, split_only)
         if standalone is not None:
             return _inspect_standalone(directory, standalone, target, head)
         spec = DrafterSpec(path=directory, name=directory.resolve().name, in_checkpoint=False, model_type=model_type)
@@ -133,18 +129,17 @@ def inspect_mtp_head(target: CheckpointInfo, head: Any, *, mtp: bool, draft_mode
     return spec
 
 
-def _standalone_config(directory: Path, head_type: str, split_only: bool) -> dict[str, Any] | None:
+def _standalone_config(directory: Path, head_type: str, head_types: Collection[str],
+                       split_only: bool) -> dict[str, Any] | None:
     """A drafter directory's config, if it is a standalone *head_type* head; a clear error if it is something else."""
     path = directory / "config.json"
     if not path.is_file():
         return None  # safetensors holding mtp.* tensors, beside nothing else
     config = read_config(path)
-    from ...families import head_types
-
     model_type = config.get("model_type")
     if model_type == head_type:
         return config
-    if model_type in head_types():
+    if model_type in head_types:
         raise DrafterError(f"{directory} is a {model_type} head; this target needs a {head_type} one")
     if split_only:
         raise DrafterError(f"{directory} does not look like a standalone {head_type} head: its config.json "
@@ -184,14 +179,12 @@ def _inspect_standalone(directory: Path, config: dict[str, Any], target: Checkpo
                        standalone=True, block_size=block_size_of(config.get("block_size")))
 
 
-def load_drafter(spec: DrafterSpec, target: CheckpointInfo, model: Any, quantize: int | None = None) -> DraftHead:
-    """The drafter for the loaded target *model* (worker thread only); *quantize*: its linear layers'
-    bits (affine, group 64; layers whose width does not divide are kept as they are)."""
+def finish_drafter(head: Any, drafter: Callable[[Any], DraftHead], quantize: int | None = None) -> DraftHead:
+    """The drafter *drafter* makes of the loaded *head* (an ``nn.Module``, evaluated here; worker thread
+    only); *quantize*: its linear layers' bits first (affine, group 64; layers whose width does not divide
+    are kept as they are)."""
     import mlx.core as mx
 
-    from ...families import family
-
-    head, drafter = family(spec.model_type).load_head(spec, target, model)
     if quantize is not None:
         _quantize(head, quantize)
     mx.eval(head.parameters())

@@ -5,15 +5,16 @@ loader does not keep them), so the head has to come from the raw checkpoint,
 once, into a directory that ``--draft-model`` serves beside any conversion of
 the same target. Reads only the shards that hold the head (through the
 checkpoint's ``model.safetensors.index.json`` when it has one). The checks
-every family shares are here; the family of the checkpoint's ``model_type``
-writes its head (``Family.split_head``).
+every family shares are here (:func:`split_source`); the family of the
+checkpoint's ``model_type`` writes its head (``Family.split_head``), which
+:func:`mlxcel.checkpoints.split_mtp` calls.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -38,23 +39,18 @@ def copy_tokenizer(source: Path, out: Path) -> None:
             shutil.copyfile(source / name, out / name)
 
 
-def split_mtp(source: Path, out: Path, *, block_size: int | None = None, force: bool = False,
-              quantize: tuple[int, int] | None = None, report: Callable[[str], None] = print) -> Path:
-    """Write *source*'s MTP head to *out* (``config.json``, ``model.safetensors``, the tokenizer files).
-
-    *block_size*: the K the config names (default: the family's). *quantize*: (bits, group size) of an
-    affine quantization (GLM only). Raises :class:`DrafterError` with one line for every way this cannot be done.
-    """
-    from ...families import family, split_model_types
-
+def split_source(source: Path, out: Path, *, force: bool, splittable: Collection[str]) -> dict[str, Any]:
+    """The raw checkpoint *source*'s config, once every check before a split passes: a checkpoint of a
+    ``model_type`` in *splittable*, and an *out* that is not the source and holds no other checkpoint (one
+    split before only with *force*). Raises :class:`DrafterError` with one line for every way it fails."""
     config_path = source / "config.json"
     if not config_path.is_file():
         raise DrafterError(f"{source} has no config.json; expected a raw Hugging Face checkpoint")
     config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
     model_type = config.get("model_type")
-    if model_type not in split_model_types():
+    if model_type not in splittable:
         raise DrafterError(f"{source} is a {model_type!r} checkpoint; split-mtp extracts the MTP head of "
-                           f"{', '.join(split_model_types())} checkpoints")
+                           f"{', '.join(sorted(splittable))} checkpoints")
     if out.resolve() == source.resolve():
         raise DrafterError("the output directory is the source checkpoint")
     if (out / "config.json").exists() and not force:
@@ -62,5 +58,4 @@ def split_mtp(source: Path, out: Path, *, block_size: int | None = None, force: 
     others = sorted(f.name for f in out.glob("*.safetensors") if f.name != "model.safetensors") if out.is_dir() else []
     if others:  # --force replaces a drafter; it never deletes what looks like someone's weights
         raise DrafterError(f"{out} holds other weights ({', '.join(others[:3])}); choose an empty directory")
-    return family(str(model_type)).split_head(source, out, config, block_size=block_size, quantize=quantize,
-                                              report=report)
+    return config
