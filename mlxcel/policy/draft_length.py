@@ -14,7 +14,11 @@ the classic step measured directly, never as "speculation with no drafts"):
   width / cost(0); a K not measured yet at this width and band is tried first
   (each for :data:`TRIALS` steps) once the classic step there is known, if it
   could pay at all: at the least it can cost (the dearest narrower step
-  measured) and the acceptance known so far, it must beat the classic step;
+  measured) and the acceptance known so far, it must beat every K measured
+  there, the classic step included; K = 1 first while nothing is known of the
+  drafts or the first is mostly rejected, else the most promising such K (the
+  largest, where the drafts agree), so that once it has been measured the
+  narrower ones, which can no longer win, are never run;
 - it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`),
   and every :data:`LOOK_AROUND` steps measures a neighbouring K once, so the
   costs it compares stay current;
@@ -55,6 +59,8 @@ MAX_COOLDOWN = 4096
 #: A draft position's acceptance counts decay by this factor at every step that drafts it, so the rule
 #: follows the traffic (about the last ten such steps' rows weigh in).
 ACCEPTANCE_DECAY = 0.9
+#: Once the first draft is kept at least this often, the most promising K is tried first, not K = 1.
+PROMISING = 0.5
 MIN_DRAFT_YIELD = 0.1
 """Tokens a row's drafts must be expected to add to a step for its K to run at all. A head that (almost)
 never agrees adds next to nothing, and where a verify costs about what a classic step does (a small model,
@@ -226,10 +232,13 @@ class DraftLength:
             return 0
         if cell.samples.get(0, 0) < TRIALS:
             return 0  # the classic step is what everything is measured against
-        for k in range(1, self.max_drafts + 1):
-            if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry)):
-                cell.retry = False  # a trial: the K run (and published) stays what it was
-                return k
+        trials = [k for k in range(1, self.max_drafts + 1)
+                  if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry))]
+        if trials:  # a trial: the K run (and published) stays what it was
+            cell.retry = False
+            if self._tried[1] == 0 or self.acceptance(1) < PROMISING:
+                return min(trials)  # the drafts unknown, or mostly rejected: the cheapest look at them first
+            return max(trials, key=lambda k: self.expected_tokens(k, share) / self._floor(cell, k))
         measured = [k for k in range(self.max_drafts + 1)
                     if cell.samples.get(k, 0) >= TRIALS and (k == 0 or self._yields(k, share))]
         best = max(measured, key=lambda k: self._rate(cell, k, share))
@@ -251,13 +260,20 @@ class DraftLength:
         return cell.running
 
     def _may_pay(self, cell: _Cell, k: int, share: float = 1.0) -> bool:
-        """Whether K could beat the classic step here even at the least it can cost: a wider verify never
-        costs less than a narrower one measured, nor than the classic step. What is known of the drafts'
-        acceptance bounds what it can yield (a head that never agrees is not tried at every K)."""
+        """Whether K could beat every K measured here (the classic step included) even at the least it can
+        cost. What is known of the drafts' acceptance bounds what it can yield (a head that never agrees is
+        not tried at every K; a narrower K is not tried once a wider one yields more than it ever could)."""
         if not self._yields(k, share):
             return False
-        floor = max(cost for j, cost in cell.costs.items() if j < k)
-        return self.expected_tokens(k, share) / floor > SWITCH_GAIN * self._rate(cell, 0)
+        best = max(self._rate(cell, j, share) for j in range(self.max_drafts + 1)
+                   if cell.samples.get(j, 0) >= TRIALS and (j == 0 or self._yields(j, share)))
+        return self.expected_tokens(k, share) / self._floor(cell, k) > SWITCH_GAIN * best
+
+    @staticmethod
+    def _floor(cell: _Cell, k: int) -> float:
+        """The least a step at K can cost: a wider verify never costs less than a narrower one measured, nor
+        than the classic step."""
+        return max(cost for j, cost in cell.costs.items() if j < k)
 
     def _yields(self, k: int, share: float) -> bool:
         """Whether K's drafts are expected to add at least :data:`MIN_DRAFT_YIELD` tokens a row."""

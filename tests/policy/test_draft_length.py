@@ -264,3 +264,16 @@ def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pi
     wire = BatchView(True, None, (), tuple(sorted(rule.inexact.items()))).to_wire()
     assert wire["inexact_widths"] == [{"width": 3, "detail": "a 3 x 4 verify differs"}]
     assert "inexact_widths" not in BatchView(True, None).to_wire()  # additive: absent when nothing is declined
+
+
+def test_where_the_drafts_agree_the_widest_k_is_tried_first_and_the_narrower_ones_are_not_run() -> None:
+    """The exploration a short run pays for: the classic step, one look at K = 1 (nothing is known of the drafts
+    yet), then K = 3; K = 2, which cannot beat K = 3 at any cost it could have, is never run. A head that never
+    agrees is still looked at with K = 1 first, as before."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return 0.010 * (1 + 0.1 * k)  # a verify costs little more than a classic step: the widest K pays most
+
+    _, chosen = run(DraftLength(3), cost, lambda _: 1.0, 60, width=2)
+    assert chosen[:4] == [0, 0, 1, 3] and 2 not in chosen[:20]
+    _, never = run(DraftLength(3), cost, lambda _: 0.0, 60, width=2)
+    assert never[:4] == [0, 0, 1, 1]
