@@ -367,3 +367,38 @@ def test_the_generation_batch_seams_batch_speculation_reads(qwen35: Any) -> None
         assert callable(batch.filter) and callable(batch.extract_cache)
     finally:
         generator.close()
+
+
+def test_the_prompt_batch_seam_the_tap_reads(qwen35: Any) -> None:
+    """What HiddenTap (mlxcel/engine/batch_speculation.py) reads of mlx-lm's ``PromptProcessingBatch.prompt``
+    when it calls the model with a chunk of the rows' prompts: its ``self.uids``, and its locals ``lengths``
+    (each row's tokens in this call), ``max_length`` and ``tokens`` (what is left of the right-padded prompts,
+    the chunk at its front), so a chunk's place in each row's prompt is ``max_length - tokens.shape[1]``."""
+    import sys
+
+    from mlx_lm.generate import PromptProcessingBatch
+
+    seen: list[tuple[list[int], list[int], int, tuple[int, ...]]] = []
+
+    class Tap:
+        def __call__(self, inputs: Any, cache: Any = None) -> Any:
+            caller = sys._getframe(1)
+            if caller.f_code is PromptProcessingBatch.prompt.__code__:
+                local = caller.f_locals
+                seen.append((list(local["self"].uids), list(local["lengths"]),
+                             local["max_length"] - local["tokens"].shape[1], tuple(inputs.shape)))
+            return qwen35(inputs, cache=cache)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(qwen35, name)
+
+    generator = _generator(Tap())
+    try:
+        uids = generator.insert([list(range(3, 100)), list(range(5, 40))], max_tokens=[4, 4], samplers=[None, None])
+        while len(generator._generation_batch.uids) < 2:
+            generator.next()
+    finally:
+        generator.close()
+    # Each call a chunk of at most prefill_step_size (64) a row, right-padded; a prompt's last token is left
+    # for the generation batch's first step.
+    assert seen == [(uids, [64, 34], 0, (2, 64)), (uids[:1], [32], 0, (1, 32))], seen

@@ -111,7 +111,7 @@ class ContinuousBatch(Generic[T]):
             if rule is not None and ready and not prompts:  # a classic step the rule chose: its cost
                 rule.classic(width, depth, time.perf_counter() - started)
         if speculation is not None:
-            speculation.absorb()
+            speculation.absorb(list(self._generator._generation_batch.uids))
         snapshots = []
         for response in prompts:
             marks = self._marks.get(response.uid)

@@ -14,10 +14,11 @@ untouched; :class:`~.batch.ContinuousBatch` picks which runs.
 The rows draft together (the head's ``new_batch``: one head forward per draft
 for every row), each from its own history: a solo burst's drafter hands its
 state over, a row the batch prefilled starts fresh. The drafter reads the
-target's hidden states: :class:`HiddenTap` runs the batch's classic steps
-through the target's forward (the model's own logits, byte for byte) and keeps
-each step's hidden states, which are paired with the token fed after them, so
-a row's drafter stays caught up while it decodes classically. Worker thread only.
+target's hidden states: :class:`HiddenTap` runs the batch's classic steps and
+its prompts' chunks through the target's forward (the model's own logits and
+cache, byte for byte) and keeps their hidden states, which are paired with the
+token fed after them, so a row's drafter has read its prompt by its first step
+and stays caught up while it decodes classically. Worker thread only.
 """
 
 from __future__ import annotations
@@ -52,30 +53,54 @@ class Row:
 
 
 
-class HiddenTap:
-    """The model as mlx-lm's ``BatchGenerator`` calls it, keeping the hidden states of its generation steps.
+@dataclass(slots=True)
+class Fed:
+    """One call of the model by mlx-lm's batch: what each row fed and the hidden states after it."""
 
-    A call from ``GenerationBatch._step`` (one token per row) goes through the target's ``forward``,
-    whose logits are the model's own to the bit, and its (row uids, fed tokens, hidden states) are
-    kept for :meth:`BatchSpeculation.absorb`; every other call (prompt chunks) is the model's own.
-    The caller is told apart by its frame: mlx-lm passes no other sign, and
-    ``tests/test_mlx_lm_internals.py`` fails if that seam moves.
+    uids: list[int]
+    inputs: Any
+    """(B, L) tokens, right-padded in a prompt chunk."""
+    hidden: Any
+    """(B, L, H)."""
+    counts: list[int]
+    """How many of each row's L positions are its own (the rest: padding)."""
+
+
+class HiddenTap:
+    """The model as mlx-lm's ``BatchGenerator`` calls it, keeping the hidden states of what the rows fed.
+
+    A call from ``GenerationBatch._step`` (one token per row) or from ``PromptProcessingBatch.prompt`` (a
+    chunk of the rows' prompts, right-padded to the longest) goes through the target's ``forward``, whose
+    logits and cache are the model's own to the bit, and what it fed is kept as a :class:`Fed` for
+    :meth:`BatchSpeculation.absorb`; any other call is the model's own. The caller is told apart by its
+    frame (and a chunk's place in its prompt read from the frame's locals): mlx-lm passes no other sign,
+    and ``tests/test_mlx_lm_internals.py`` fails if that seam moves.
     """
 
     def __init__(self, model: Any, target: SpeculativeTarget) -> None:
         self.model = model
         self.target = target
-        self.steps: list[tuple[list[int], Any, Any]] = []
+        self.steps: list[Fed] = []
 
     def __call__(self, inputs: Any, cache: Any = None, **kwargs: Any) -> Any:
-        from mlx_lm.generate import GenerationBatch
+        from mlx_lm.generate import GenerationBatch, PromptProcessingBatch
 
         caller = sys._getframe(1)
-        if caller.f_code is GenerationBatch._step.__code__ and not kwargs:
-            logits, hidden = self.target.forward(inputs, cache)
-            self.steps.append((list(caller.f_locals["self"].uids), inputs, hidden))
-            return logits
-        return self.model(inputs, cache=cache, **kwargs)
+        if kwargs:
+            return self.model(inputs, cache=cache, **kwargs)
+        if caller.f_code is GenerationBatch._step.__code__:
+            uids = list(caller.f_locals["self"].uids)
+            counts = [1] * len(uids)
+        elif caller.f_code is PromptProcessingBatch.prompt.__code__:
+            local = caller.f_locals
+            uids = list(local["self"].uids)
+            start = local["max_length"] - local["tokens"].shape[1]  # the chunk's first place in this segment
+            counts = [min(max(length - start, 0), inputs.shape[1]) for length in local["lengths"]]
+        else:
+            return self.model(inputs, cache=cache, **kwargs)
+        logits, hidden = self.target.forward(inputs, cache)
+        self.steps.append(Fed(uids, inputs, hidden, counts))
+        return logits
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -109,19 +134,25 @@ class BatchSpeculation:
             self.leave(uid)
         self.tap.steps.clear()
 
-    def absorb(self) -> None:
-        """Pair the classic steps' hidden states with the tokens fed after them, for every row's drafter."""
-        for uids, inputs, hidden in self.tap.steps:
-            for i, uid in enumerate(uids):
+    def absorb(self, decoding: list[int]) -> None:
+        """Pair the hidden states of what the rows fed (prompt chunks, classic steps) with the tokens fed after
+        them, for every row's drafter; then, once one of the *decoding* rows (the batch's, in its order) holds
+        :data:`SETTLE_EVERY` positions unread, have their drafters read them (a row still prefilling reads its
+        prompt once it decodes)."""
+        for fed in self.tap.steps:
+            for i, (uid, count) in enumerate(zip(fed.uids, fed.counts, strict=True)):
                 row = self.rows.get(uid)
-                if row is None:
+                if row is None or count == 0:
                     continue
                 if row.unpaired is not None:
-                    self.drafts.catch_up(uid, row.unpaired, inputs[i:i + 1])
-                row.unpaired = hidden[i:i + 1]
-            if any(self.drafts.pending(uid) >= SETTLE_EVERY for uid in uids):
-                mx.async_eval(self.drafts.settle(uids))  # bounded: queued hidden states are read in chunks
+                    self.drafts.catch_up(uid, row.unpaired, fed.inputs[i:i + 1, :1])
+                if count > 1:
+                    self.drafts.catch_up(uid, fed.hidden[i:i + 1, :count - 1], fed.inputs[i:i + 1, 1:count])
+                row.unpaired = fed.hidden[i:i + 1, count - 1:count]
         self.tap.steps.clear()
+        rows = [uid for uid in decoding if uid in self.rows]
+        if any(self.drafts.pending(uid) >= SETTLE_EVERY for uid in rows):
+            mx.async_eval(self.drafts.settle(rows))  # bounded: queued hidden states are read in chunks
 
     def drafting_rows(self, uids: Sequence[int]) -> int:
         """How many of these rows would draft in a speculative step: the eligible ones, when every row's

@@ -7,6 +7,10 @@ from typing import Any
 
 import mlx.core as mx
 
+#: A batch's drafter reads at most this many queued positions a row in one head forward (a long prompt's
+#: hidden states, read once its row decodes, go in pieces).
+SETTLE_CHUNK = 512
+
 
 def _chain(drafter: Any, last: mx.array, cache: list[Any], count: int) -> mx.array:
     """*count* greedy drafts from the head's output *last* (rows, 1, H), each fed back through the head."""
@@ -147,8 +151,7 @@ class OwnCacheBatch:
         if uids != self._uids or any(uid in self._joining for uid in uids):
             self._merge(uids)
         counts = [self.pending(uid) for uid in uids]
-        longest = max(counts, default=0)
-        if longest == 0:
+        if max(counts, default=0) == 0:
             return
         read: dict[int, tuple[mx.array, mx.array]] = {}
         for uid in uids:
@@ -156,29 +159,33 @@ class OwnCacheBatch:
             if pairs:
                 read[uid] = (mx.concatenate([h for h, _ in pairs], axis=1),
                              mx.concatenate([t for _, t in pairs], axis=1).astype(mx.int32))
-        like = next(iter(read.values()))[0]
-        hiddens, tokens = [], []
-        for uid, count in zip(uids, counts, strict=True):
-            pad = longest - count
-            h, t = read.get(uid, (mx.zeros((1, 0, like.shape[-1]), like.dtype), mx.zeros((1, 0), mx.int32)))
-            hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
-            tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
-            if count:
                 self._read.add(uid)
-        padding = [longest - c for c in counts]
-        if any(padding):  # mlx-lm's right-padded batch of prompts: the padding ends up as each row's left padding
-            for layer in self._cache:
-                assert isinstance(layer, BatchKVCache)
-                layer.prepare(right_padding=padding)
-        out = d.head(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0), self._cache)
-        if any(padding):
-            for layer in self._cache:
-                layer.finalize()
-        counts_array = mx.array(counts)
-        last = mx.take_along_axis(out, mx.maximum(counts_array - 1, 0)[:, None, None], axis=1)
-        if self._last is not None:
-            last = mx.where((counts_array > 0)[:, None, None], last, self._last)
-        self._last = last
+        like = next(iter(read.values()))[0]
+        nothing = (mx.zeros((1, 0, like.shape[-1]), like.dtype), mx.zeros((1, 0), mx.int32))
+        for start in range(0, max(counts), SETTLE_CHUNK):  # a long prompt's positions in bounded forwards
+            pieces = [min(max(count - start, 0), SETTLE_CHUNK) for count in counts]
+            longest = max(pieces)
+            hiddens, tokens = [], []
+            for uid, piece in zip(uids, pieces, strict=True):
+                h, t = read.get(uid, nothing)
+                h, t = h[:, start:start + piece], t[:, start:start + piece]
+                pad = longest - piece
+                hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
+                tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
+            padding = [longest - piece for piece in pieces]
+            if any(padding):  # mlx-lm's right-padded batch of prompts: the padding ends up as each row's left padding
+                for layer in self._cache:
+                    assert isinstance(layer, BatchKVCache)
+                    layer.prepare(right_padding=padding)
+            out = d.head(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0), self._cache)
+            if any(padding):
+                for layer in self._cache:
+                    layer.finalize()
+            read_now = mx.array(pieces)
+            last = mx.take_along_axis(out, mx.maximum(read_now - 1, 0)[:, None, None], axis=1)
+            if self._last is not None:
+                last = mx.where((read_now > 0)[:, None, None], last, self._last)
+            self._last = last
 
     def _merge(self, uids: list[int]) -> None:
         """The head caches and last outputs of *uids*, in that order, as one batch."""
