@@ -10,6 +10,8 @@ the classic step measured directly, never as "speculation with no drafts"):
 - acceptance is kept per draft position j, pooled over rows: the chance that
   draft j is kept given drafts 1..j-1 were; a row then yields
   E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
+- a width not seen yet in a depth band starts from the costs of the nearest
+  width measured in that band, each replaced by its first measurement here;
 - the step picks the K that maximises width x E(K) / cost(K), against
   width / cost(0); a K not measured yet at this width and band is tried first
   (each for :data:`TRIALS` steps) once the classic step there is known, if it
@@ -137,8 +139,16 @@ class _Cell:
     """The Ks whose cost an earlier run measured: trusted (no trial), and replaced by this run's first
     measurement of them (the K run, or a look at a neighbour), not averaged with it: one noisy restored cost
     would otherwise hold the rule on the wrong K for many looks."""
+    borrowed: set[int] = field(default_factory=set)
+    """The Ks whose cost is another width's (:meth:`DraftLength._borrowed`): the first measurement here of any
+    of them rescales the others by the same factor, so the costs compared stay one width's."""
 
     def add(self, k: int, seconds: float) -> None:
+        if k in self.borrowed:
+            factor = seconds / self.costs[k]
+            self.borrowed.discard(k)
+            for j in self.borrowed:
+                self.costs[j] *= factor
         old, count = self.costs.get(k), self.samples.get(k, 0)
         # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
         fresh = old is None or count < TRIALS or k in self.restored
@@ -288,7 +298,25 @@ class DraftLength:
         return self.expected_tokens(k, share) / cell.costs[k]
 
     def _cell(self, width: int, depth: int) -> _Cell:
-        return self._cells.setdefault((width, depth_band(depth)), _Cell())
+        key = (width, depth_band(depth))
+        cell = self._cells.get(key)
+        if cell is None:
+            cell = self._cells[key] = self._borrowed(*key)
+        return cell
+
+    def _borrowed(self, width: int, band: int) -> _Cell:
+        """A new cell, holding the costs of the nearest width measured in its band as if restored (trusted,
+        and each replaced by the first step measured here): rows join and leave a batch all the time, and a
+        width measured from nothing would run its classic step and every K it tries before it pays."""
+        near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
+        cell = _Cell()
+        if near:
+            source = self._cells[(min(near)[1], band)]
+            for k, seconds in source.costs.items():
+                cell.costs[k], cell.samples[k] = seconds, TRIALS
+            cell.restored, cell.borrowed = set(cell.costs), set(cell.costs)
+            cell.running = source.running
+        return cell
 
     def cells(self) -> tuple[BatchCell, ...]:
         """Per width and depth band measured, the K run there and its estimated speedup."""

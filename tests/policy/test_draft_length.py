@@ -277,3 +277,18 @@ def test_where_the_drafts_agree_the_widest_k_is_tried_first_and_the_narrower_one
     assert chosen[:4] == [0, 0, 1, 3] and 2 not in chosen[:20]
     _, never = run(DraftLength(3), cost, lambda _: 0.0, 60, width=2)
     assert never[:4] == [0, 0, 1, 1]
+
+
+def test_a_new_width_starts_from_the_nearest_width_measured_and_rescales_to_its_own_costs() -> None:
+    """Rows join and leave: a width not seen yet runs what the nearest measured width runs from its first step
+    (no classic steps and trials first), and its first measurement rescales the costs it borrowed, so a wider
+    batch whose every step costs twice as much is not parked on a borrowed classic step that looks cheap."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return 0.001 * width ** 2 * (1 + 0.1 * k)  # twice the width, four times the cost
+
+    rule = DraftLength(3)
+    run(rule, cost, lambda _: 1.0, 100, width=4)
+    for width in (5, 8, 16, 3):
+        _, chosen = run(rule, cost, lambda _: 1.0, 60, width=width)
+        assert chosen[0] == 3 and 0 not in chosen, (width, chosen)
+    assert {c.width: c.drafts for c in rule.cells()} == {3: 3, 4: 3, 5: 3, 8: 3, 16: 3}
