@@ -36,7 +36,7 @@ class BatchMtp:
 
     def __init__(self, model: Any, speculation: Speculation | None, layers: list[Any], pin: bool | None,
                  block_size: int, parallel: int, policy: MtpPolicy, hints: HintStore | None,
-                 pairing: PairingKey | None) -> None:
+                 pairing: PairingKey | None, vocab: int) -> None:
         self.policy, self.hints, self.pairing = policy, hints, pairing
         self.speculation: BatchSpeculation | None = None
         self.rule: DraftLength | None = None
@@ -52,7 +52,7 @@ class BatchMtp:
         split = _batch_split(model, speculation, block_size, parallel)
         self.speculation = BatchSpeculation(model, speculation.target, head, split)
         inexact = {} if speculation.decline is not None else _probe_widths(model, speculation, layers, block_size,
-                                                                            parallel, split)
+                                                                            parallel, split, vocab)
         self.rule = DraftLength(block_size - 1, forced=pin is True, inexact=inexact)
         self._restore()
 
@@ -111,9 +111,10 @@ class BatchMtp:
 
 
 def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block_size: int, parallel: int,
-                  split: Split) -> dict[int, str]:
+                  split: Split, vocab: int) -> dict[int, str]:
     """The batch widths (2 up to the batch's overflow place, ``parallel + 1``) whose verify is not byte for
-    byte the batch's classic steps, each with why (logged): the classic step runs there."""
+    byte the batch's classic steps, each with why (logged): the classic step runs there. *vocab*: the token
+    ids the probe's prompts and blocks draw from (the rows of the model's embedding)."""
     import time
 
     from .exactness import probe_batch_widths
@@ -121,7 +122,6 @@ def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block
     started = time.perf_counter()
     logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
                 parallel + 1)
-    vocab = int(speculation.target.embed.weight.shape[0]) if hasattr(speculation.target, "embed") else 100
     inexact = probe_batch_widths(speculation.target, model, layers, block_size, range(2, parallel + 2), split,
                                  vocab)
     for width, detail in sorted(inexact.items()):

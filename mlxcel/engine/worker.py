@@ -140,7 +140,7 @@ class Worker:
         if capabilities.batching:
             self.batch_mtp = BatchMtp(self.model, self.speculation, layers, self.settings.policy.pin,
                                       self.settings.block_size, capabilities.parallel, self.policy, self.hints,
-                                      loaded.pairing)
+                                      loaded.pairing, loaded.embedding_rows)
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
                                          self.batch_mtp.rule)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS
+from .schemas import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, check_parts, declared_type
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block starts so, and changes per client: kept, every prompt would miss the prefix
@@ -49,8 +49,8 @@ def _block_tag(known: frozenset[str]) -> Callable[[Any], str | None]:
     """The union member a block validates as: its own type where it is one of *known*, else the open one."""
 
     def tag(value: Any) -> str | None:
-        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-        if not isinstance(kind, str):
+        kind = declared_type(value)
+        if kind is None:
             return None  # pydantic's "unable to extract tag" error: a 400 naming the block
         if kind in ("image", "document"):
             return "image"
@@ -106,9 +106,7 @@ class Message(BaseModel):
 
 
 def _bounded(messages: list[Message]) -> list[Message]:
-    parts = sum(message.parts() for message in messages)
-    if parts > MAX_CONTENT_PARTS:
-        raise ValueError(f"{parts} content blocks in all, more than {MAX_CONTENT_PARTS}")
+    check_parts(sum(message.parts() for message in messages), "content blocks")
     return messages
 
 

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TOOLS
+from .schemas import MAX_MESSAGES, MAX_TOOLS, check_parts, declared_type
 
 
 class FunctionTool(BaseModel):
@@ -34,8 +34,8 @@ class _Tool(BaseModel):
 
 
 def _tool_tag(value: Any) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return None if not isinstance(kind, str) else "function" if kind == "function" else "other"
+    kind = declared_type(value)
+    return None if kind is None else "function" if kind == "function" else "other"
 
 
 Tool = Annotated[Annotated[FunctionTool, Tag("function")] | Annotated[_Tool, Tag("other")], Discriminator(_tool_tag)]
@@ -64,9 +64,7 @@ class ReasoningOptions(BaseModel):
 
 def _bounded(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Input items bounded in their content parts too (a template renders each)."""
-    parts = sum(len(item["content"]) for item in items if isinstance(item.get("content"), list))
-    if parts > MAX_CONTENT_PARTS:
-        raise ValueError(f"{parts} content parts in all, more than {MAX_CONTENT_PARTS}")
+    check_parts(sum(len(item["content"]) for item in items if isinstance(item.get("content"), list)), "content parts")
     return items
 
 

@@ -50,6 +50,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 """What the server itself passes to ``apply_chat_template``: a request's ``chat_template_kwargs`` may not set it."""
 
 
+def check_parts(parts: int, what: str) -> None:
+    """Raise (a 400 naming the field) when a request's *parts* (its *what*, every message's counted together)
+    exceed :data:`MAX_CONTENT_PARTS`: a chat template renders each."""
+    if parts > MAX_CONTENT_PARTS:
+        raise ValueError(f"{parts} {what} in all, more than {MAX_CONTENT_PARTS}")
+
+
+def declared_type(value: Any) -> str | None:
+    """The ``type`` a tagged union's member declares, from a dict or a model (None: none that is a string)."""
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return kind if isinstance(kind, str) else None
+
 class JsonSchemaFormat(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
@@ -296,10 +308,8 @@ class ChatCompletionRequest(_Request):
     @field_validator("messages")
     @classmethod
     def _parts_bound(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        parts = sum(len(m.content) if isinstance(m.content, list) else 0 for m in messages) + \
-            sum(len(m.tool_calls or ()) for m in messages)
-        if parts > MAX_CONTENT_PARTS:
-            raise ValueError(f"{parts} content parts and tool calls in all, more than {MAX_CONTENT_PARTS}")
+        check_parts(sum(len(m.content) if isinstance(m.content, list) else 0 for m in messages)
+                    + sum(len(m.tool_calls or ()) for m in messages), "content parts and tool calls")
         return messages
 
     def template_kwargs(self) -> dict[str, Any]:
