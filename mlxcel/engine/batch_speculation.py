@@ -140,6 +140,8 @@ class BatchSpeculation:
         :data:`SETTLE_EVERY` positions unread, have their drafters read them (a row still prefilling reads its
         prompt once it decodes)."""
         for fed in self.tap.steps:
+            if max(fed.counts, default=0) > 1:  # a prompt chunk: its hidden states computed now, not held as a graph
+                mx.async_eval(fed.hidden)
             for i, (uid, count) in enumerate(zip(fed.uids, fed.counts, strict=True)):
                 row = self.rows.get(uid)
                 if row is None or count == 0:

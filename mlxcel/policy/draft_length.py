@@ -11,7 +11,8 @@ the classic step measured directly, never as "speculation with no drafts"):
   draft j is kept given drafts 1..j-1 were; a row then yields
   E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
 - a width not seen yet in a depth band starts from the costs of the nearest
-  width measured in that band, each replaced by its first measurement here;
+  width measured in that band, each replaced by its first measurement here
+  (one classic step first; only measured costs are persisted);
 - the step picks the K that maximises width x E(K) / cost(K), against
   width / cost(0); a K not measured yet at this width and band is tried first
   (each for :data:`TRIALS` steps) once the classic step there is known, if it
@@ -307,13 +308,17 @@ class DraftLength:
     def _borrowed(self, width: int, band: int) -> _Cell:
         """A new cell, holding the costs of the nearest width measured in its band as if restored (trusted,
         and each replaced by the first step measured here): rows join and leave a batch all the time, and a
-        width measured from nothing would run its classic step and every K it tries before it pays."""
+        width measured from nothing would run its classic step twice and every K it tries before it pays. Its
+        first step is a classic one (a borrowed classic cost, rescaled by how a verify's cost grows with the
+        width, would misjudge every K: classic steps grow more slowly), then the K its neighbour runs, measured
+        at once."""
         near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
         cell = _Cell()
         if near:
             source = self._cells[(min(near)[1], band)]
             for k, seconds in source.costs.items():
                 cell.costs[k], cell.samples[k] = seconds, TRIALS
+            cell.samples[0] = TRIALS - 1  # one classic step measured here first: what every K is judged against
             cell.restored, cell.borrowed = set(cell.costs), set(cell.costs)
             cell.running = source.running
         return cell
@@ -332,7 +337,8 @@ class DraftLength:
     def export(self) -> dict[str, object]:
         """The measured step costs, to persist (acceptance is the traffic's, not the machine's: not kept)."""
         return {"max_drafts": self.max_drafts,
-                "cells": [{"width": width, "band": band, "seconds": {str(k): v for k, v in sorted(cell.costs.items())}}
+                "cells": [{"width": width, "band": band,
+                           "seconds": {str(k): v for k, v in sorted(cell.costs.items()) if k not in cell.borrowed}}
                           for (width, band), cell in sorted(self._cells.items())]}
 
     def restore(self, table: object) -> str | None:

@@ -73,3 +73,22 @@ def test_a_batch_prefilled_rows_head_holds_its_whole_prompt(pairing: tuple[Any, 
             assert own.offset == len(prompt) and extracted.offset == len(prompt) + steps[uid]
             np.testing.assert_allclose(np.array(extracted.keys[..., :own.offset, :]),
                                        np.array(own.keys[..., :own.offset, :]), rtol=1e-4, atol=1e-5)
+
+
+def test_a_rows_queue_keeps_its_last_positions_only() -> None:
+    """A long prompt's hidden states wait for its row to decode: the queue keeps the last MAX_QUEUED of them."""
+    from types import SimpleNamespace
+
+    from mlxcel.models.drafters.own_cache import MAX_QUEUED, OwnCacheBatch
+
+    drafts = OwnCacheBatch(SimpleNamespace(head=SimpleNamespace(make_cache=list)))
+    drafts.join(7, None)
+    for start in range(0, MAX_QUEUED + 1000, 300):  # chunks of 300 positions, as a prefill hands them over
+        positions = mx.arange(start, start + 300)
+        drafts.catch_up(7, positions.reshape(1, -1, 1).astype(mx.float32), positions.reshape(1, -1))
+    assert drafts.pending(7) == MAX_QUEUED
+    queued = mx.concatenate([tokens for _, tokens in drafts._pending[7]], axis=1)
+    last = (MAX_QUEUED + 1000 + 299) // 300 * 300
+    assert queued[0, 0].item() == last - MAX_QUEUED and queued[0, -1].item() == last - 1
+    drafts.catch_up(8, positions.reshape(1, -1, 1), positions.reshape(1, -1))  # a row not joined: ignored
+    assert drafts.pending(8) == 0

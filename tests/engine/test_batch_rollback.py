@@ -158,3 +158,51 @@ def test_gemma_rows_roll_back_apart_past_the_window_and_the_ring(gemma: tuple[An
         for row, chain in enumerate(chains):
             np.testing.assert_allclose(np.array(after[row]), np.array(model(mx.array([[7]]), cache=chain)[0]),
                                        rtol=1e-4, atol=1e-4)
+
+
+def _labelled(positions: list[int]) -> Any:
+    """Keys (1, 1, S, 1) whose values are their positions: what a cache holds is read off them."""
+    return mx.array(positions, dtype=mx.float32).reshape(1, 1, -1, 1)
+
+
+def test_a_window_batch_prefilled_in_right_padded_chunks_keeps_each_rows_own_keys() -> None:
+    """Two prompts of 100 and 60 tokens prefilled together, the shorter right-padded: the chunk takes the batch
+    past its bound, and its front is not dropped before the padding is rolled away, so each row comes back out
+    with its own last positions (a pad key would read 1000 or more)."""
+    from mlxcel.families.gemma4.target import SLACK, SlidingWindowCache
+
+    window = 16
+    batch = SlidingWindowCache.merge([SlidingWindowCache(window), SlidingWindowCache(window)])
+    batch.step = 4
+    batch.prepare(lengths=[100, 60], right_padding=[0, 40])
+    chunk = mx.concatenate([_labelled(list(range(100))), _labelled([*range(60), *range(1000, 1040)])], axis=0)
+    batch.update_and_fetch(chunk, chunk)
+    batch.finalize()
+    batch.update_and_fetch(_labelled([100, 60]).reshape(2, 1, 1, 1), _labelled([100, 60]).reshape(2, 1, 1, 1))
+    for row, length in enumerate([101, 61]):
+        held = batch.extract(row).temporal()
+        assert held is not None
+        expected = list(range(max(0, length - window - SLACK), length))
+        assert np.array(held[0]).reshape(-1).tolist() == expected
+
+
+def test_a_window_row_extracted_after_a_dropped_front_and_a_trim_is_its_chains_ring() -> None:
+    """A row past the ring, the batch's front dropped by a block and the block then trimmed (every row rejected
+    a draft): the row comes back out as the ring its single-token chain holds, slot for slot where it can see."""
+    from mlxcel.families.gemma4.target import SlidingWindowCache
+
+    window = 16
+    alone = SlidingWindowCache(window)
+    alone.update_and_fetch(_labelled(list(range(200))), _labelled(list(range(200))))
+    chain = copy.deepcopy(alone)
+    batch = SlidingWindowCache.merge([copy.deepcopy(alone)])
+    batch.step = 4
+    block = _labelled([200, 201, 202, 203])
+    batch.update_and_fetch(block, block)  # past its bound: the front goes
+    batch.trim(2)  # two drafts rejected
+    for position in (200, 201):
+        chain.update_and_fetch(_labelled([position]), _labelled([position]))
+    out = batch.extract(0)
+    assert out.offset == chain.offset == 202 and out.keys.shape == chain.keys.shape
+    for a, b in zip(out.live_state()[:2], chain.live_state()[:2], strict=True):
+        assert np.array(a).tolist() == np.array(b).tolist()

@@ -280,9 +280,9 @@ def test_where_the_drafts_agree_the_widest_k_is_tried_first_and_the_narrower_one
 
 
 def test_a_new_width_starts_from_the_nearest_width_measured_and_rescales_to_its_own_costs() -> None:
-    """Rows join and leave: a width not seen yet runs what the nearest measured width runs from its first step
-    (no classic steps and trials first), and its first measurement rescales the costs it borrowed, so a wider
-    batch whose every step costs twice as much is not parked on a borrowed classic step that looks cheap."""
+    """Rows join and leave: a width not seen yet measures one classic step, then runs what the nearest measured
+    width runs (no trials first), and its first measurement rescales the costs it borrowed, so a wider batch
+    whose every step costs more is not parked on a borrowed cost that looks cheap."""
     def cost(width: int, depth: int, k: int) -> float:
         return 0.001 * width ** 2 * (1 + 0.1 * k)  # twice the width, four times the cost
 
@@ -290,5 +290,19 @@ def test_a_new_width_starts_from_the_nearest_width_measured_and_rescales_to_its_
     run(rule, cost, lambda _: 1.0, 100, width=4)
     for width in (5, 8, 16, 3):
         _, chosen = run(rule, cost, lambda _: 1.0, 60, width=width)
-        assert chosen[0] == 3 and 0 not in chosen, (width, chosen)
+        assert chosen[:2] == [0, 3] and 0 not in chosen[2:], (width, chosen)
     assert {c.width: c.drafts for c in rule.cells()} == {3: 3, 4: 3, 5: 3, 8: 3, 16: 3}
+
+
+def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks() -> None:
+    """A width's borrowed costs do not hold it on a K that loses there: a verify's cost grows with the width much
+    faster than a classic step's, so the new width measures its own classic step first and its K at once."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return 0.018 + 0.0005 * width + 0.0015 * width * k
+
+    rule = DraftLength(3)
+    run(rule, cost, lambda _: 0.5, 200, width=2)
+    assert rule.choose(2, 100) > 0  # speculation pays at two rows
+    rate, chosen = run(rule, cost, lambda _: 0.5, 400, width=8)
+    assert chosen[-200:].count(0) >= 190  # and not at eight
+    assert rate >= 0.95 * best_fixed_rate(cost, 0.5, 3, width=8)

@@ -258,7 +258,9 @@ class BatchWindowCache(BatchKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         fetched: tuple[mx.array, mx.array] = super().update_and_fetch(keys, values)
         surplus = self._idx - (self.window + SLACK)
-        if surplus >= self.step:  # this step attends over what it fetched; later ones need no more than kept
+        # This step attends over what it fetched; later ones need no more than is kept. Not while a right-padded
+        # prompt chunk waits for `finalize`, which rolls each padded row's keys forward by its padding.
+        if surplus >= self.step and self._right_padding is None:
             assert self.keys is not None and self.values is not None
             self.keys, self.values = self.keys[..., surplus:, :], self.values[..., surplus:, :]
             self._idx -= surplus
@@ -273,9 +275,14 @@ class BatchWindowCache(BatchKVCache):
         if self.keys is None or cache.offset == 0:
             return cache
         assert self.values is not None
-        start = max(self._idx - cache.max_size, paddings[idx], 0)
-        cache.keys = mx.contiguous(self.keys[idx:idx + 1, :, start:self._idx])
-        cache.values = mx.contiguous(self.values[idx:idx + 1, :, start:self._idx])
+        length = min(cache.offset, cache.max_size)  # the positions its ring holds, the oldest first
+        start = max(self._idx - length, paddings[idx], 0)
+        keys, values = self.keys[idx:idx + 1, :, start:self._idx], self.values[idx:idx + 1, :, start:self._idx]
+        missing = length - keys.shape[2]
+        if missing > 0:  # older than the window (a trim after a dropped front): zeros, never seen, slots kept
+            keys = mx.pad(keys, [(0, 0), (0, 0), (missing, 0), (0, 0)])
+            values = mx.pad(values, [(0, 0), (0, 0), (missing, 0), (0, 0)])
+        cache.keys, cache.values = mx.contiguous(keys), mx.contiguous(values)
         cache._to_ring()
         return cache
 

@@ -10,6 +10,9 @@ import mlx.core as mx
 #: A batch's drafter reads at most this many queued positions a row in one head forward (a long prompt's
 #: hidden states, read once its row decodes, go in pieces).
 SETTLE_CHUNK = 512
+#: ... and queues at most this many a row: a long prompt's earlier positions are dropped (the head then holds
+#: its last 4,096; drafts lose a little context, the memory a row's queue holds stays bounded).
+MAX_QUEUED = 4096
 
 
 def _chain(drafter: Any, last: mx.array, cache: list[Any], count: int) -> mx.array:
@@ -118,9 +121,21 @@ class OwnCacheBatch:
         return sum(t.shape[1] for _, t in self._pending.get(uid, ()))
 
     def catch_up(self, uid: int, hidden: mx.array, tokens: mx.array) -> None:
-        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S), read at the next draft."""
-        if uid in self._pending:
-            self._pending[uid].append((hidden, tokens))
+        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S), read at the next draft
+        (of a row's queue, the last :data:`MAX_QUEUED` positions)."""
+        queue = self._pending.get(uid)
+        if queue is None:
+            return
+        queue.append((hidden, tokens))
+        excess = self.pending(uid) - MAX_QUEUED
+        while excess > 0:
+            first_hidden, first_tokens = queue[0]
+            if first_tokens.shape[1] <= excess:
+                excess -= first_tokens.shape[1]
+                queue.pop(0)
+            else:
+                queue[0] = (first_hidden[:, excess:], first_tokens[:, excess:])
+                excess = 0
 
     def draft(self, uids: list[int], count: int, cache: list[Any]) -> mx.array:
         """*count* greedy drafts for each row of *uids* (the batch's order), (B, count), on device."""
