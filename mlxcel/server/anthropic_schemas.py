@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, check_parts, declared_type
+from .bounds import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, check_parts, declared_type
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block starts so, and changes per client: kept, every prompt would miss the prefix
@@ -111,7 +111,7 @@ def _bounded(messages: list[Message]) -> list[Message]:
 
 
 Messages = Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES), AfterValidator(_bounded)]
-"""A conversation, bounded in messages and blocks: a template renders each (:data:`~.schemas.MAX_MESSAGES`)."""
+"""A conversation, bounded in messages and blocks: a template renders each (:data:`~.bounds.MAX_MESSAGES`)."""
 
 
 class ToolDefinition(BaseModel):

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ..http.errors import bad_request
-from .schemas import MAX_MESSAGES, MAX_TOOLS, check_parts, declared_type
+from .bounds import MAX_MESSAGES, MAX_TOOLS, check_parts, declared_type
 
 
 class FunctionTool(BaseModel):

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel.server.schemas import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TEMPLATE_KWARG_VALUES
+from mlxcel.server.bounds import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_TEMPLATE_KWARG_VALUES
 
 
 @pytest.fixture
