@@ -141,15 +141,17 @@ class _Cell:
     measurement of them (the K run, or a look at a neighbour), not averaged with it: one noisy restored cost
     would otherwise hold the rule on the wrong K for many looks."""
     borrowed: set[int] = field(default_factory=set)
-    """The Ks whose cost is another width's (:meth:`DraftLength._borrowed`): the first measurement here of any
-    of them rescales the others by the same factor, so the costs compared stay one width's."""
+    """The Ks whose cost is another width's (:meth:`DraftLength._borrowed`): the first measurement here of a
+    speculative step rescales the other borrowed ones by the same factor, so the verifies compared stay one
+    width's (the classic step, measured first, replaces only its own)."""
 
     def add(self, k: int, seconds: float) -> None:
         if k in self.borrowed:
             factor = seconds / self.costs[k]
             self.borrowed.discard(k)
-            for j in self.borrowed:
-                self.costs[j] *= factor
+            if k > 0:  # verifies grow with the width alike, the classic step otherwise: it rescales none of them
+                for j in self.borrowed - {0}:
+                    self.costs[j] *= factor
         old, count = self.costs.get(k), self.samples.get(k, 0)
         # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
         fresh = old is None or count < TRIALS or k in self.restored
