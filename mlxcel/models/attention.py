@@ -104,14 +104,10 @@ def _each_query(attention: Any, q: Any, k: Any, v: Any, mask: Any, right_justifi
     import mlx.core as mx
 
     length, cached = q.shape[2], k.shape[2]
-    if isinstance(mask, str):
-        return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
-                                         v[:, :, :cached - length + i + 1], **kwargs, mask=None)
-                               for i in range(length)], axis=2)
-    if right_justified:
-        return mx.concatenate([attention(q[:, :, i:i + 1], k[:, :, :cached - length + i + 1],
-                                         v[:, :, :cached - length + i + 1], **kwargs,
-                                         mask=mask[..., i:i + 1, :cached - length + i + 1])
-                               for i in range(length)], axis=2)
-    return mx.concatenate([attention(q[:, :, i:i + 1], k, v, **kwargs, mask=mask[..., i:i + 1, :])
-                           for i in range(length)], axis=2)
+    causal = isinstance(mask, str)
+    outputs = []
+    for i in range(length):
+        end = cached - length + i + 1 if causal or right_justified else cached  # the keys its own step saw
+        outputs.append(attention(q[:, :, i:i + 1], k[:, :, :end], v[:, :, :end], **kwargs,
+                                 mask=None if causal else mask[..., i:i + 1, :end]))
+    return mx.concatenate(outputs, axis=2)
