@@ -275,6 +275,14 @@ async def _scripted_node(nursery: trio.Nursery, answers: dict[bytes, bytes | Non
                 if not chunk:
                     return
                 received += chunk
+            head, _, body = received.partition(b"\r\n\r\n")
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                           if line.lower().startswith(b"content-length:")), 0)
+            while len(body) < length:  # all of it: a socket closed with bytes unread resets, losing the answer
+                chunk = await stream.receive_some()
+                if not chunk:
+                    return
+                body += chunk
             target = received.split(b" ", 2)[1]
             if target == b"/health":
                 await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15"
