@@ -49,10 +49,16 @@ class BatchMtp:
         from .batch_speculation import BatchSpeculation
 
         head = cast(BatchDraftHead, speculation.drafter)  # _refusal checked that it batches
-        split = _batch_split(model, speculation, block_size, parallel)
+        try:
+            split = _batch_split(model, speculation, block_size, parallel)
+            inexact = {} if speculation.decline is not None else _probe_widths(model, speculation, layers,
+                                                                                block_size, parallel, split, vocab)
+        except Exception as exc:  # a probe that cannot run proves nothing: lone requests keep their burst
+            # (seen on MLX's CUDA backend: a kernel the batch's shapes launch fails to build its CUDA graph)
+            self.refusal = f"the batch's exactness probe could not run: {type(exc).__name__}: {exc}"
+            logger.warning("MTP runs for lone requests only: %s", self.refusal)
+            return
         self.speculation = BatchSpeculation(model, speculation.target, head, split)
-        inexact = {} if speculation.decline is not None else _probe_widths(model, speculation, layers, block_size,
-                                                                            parallel, split, vocab)
         self.rule = DraftLength(block_size - 1, forced=pin is True, inexact=inexact)
         self._restore()
 

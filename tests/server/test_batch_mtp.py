@@ -177,3 +177,26 @@ async def test_the_rule_parks_a_head_that_never_agrees(tmp_path: Path, monkeypat
     published = {(c["width"], c["min_depth"]) for c in batch["cells"]}  # type: ignore[attr-defined,index]
     # Every cell it had published, and those measured after its last publication, saved when it stopped.
     assert {(c["width"], c["min_depth"]) for c in restored["cells"]} >= published  # type: ignore[attr-defined,index]
+
+
+async def test_a_batch_probe_that_cannot_run_leaves_lone_requests_their_burst(
+        partial: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On MLX's CUDA backend the batch's probe raised (a CUDA graph node failed to build) and the engine stopped,
+    taking the server with it. A GPU cannot run here: the probe's failure is what the test is about, and the
+    burst, the classic batch and the policy endpoint are the real ones."""
+    from mlxcel.engine import exactness
+
+    def broken(*args: object) -> dict[int, str]:
+        raise RuntimeError("cudaGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: invalid argument")
+
+    monkeypatch.setattr(exactness, "probe_batch_widths", broken)
+    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(partial.parent / "cache-broken-probe"))
+    async with running_server(["--model", str(partial), "--mtp", "--parallel", "4", "--metrics"]) as url:
+        lone = await _at_once(url, [{"prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0}])
+        both = await _at_once(url, [{"prompt": p, "max_tokens": 16, "temperature": 0} for p in PROMPTS[:2]])
+        batch = await _policy_batch(url)
+    assert batch == {"speculates": False, "cells": [],
+                     "reason": "the batch's exactness probe could not run: RuntimeError: cudaGraphAddKernelNode"
+                               "(&node, graph_, NULL, 0, &params) failed: invalid argument"}
+    assert lone[0]["timings"]["draft_rounds"] > 0  # type: ignore[index]  # the B=1 burst still runs
+    assert [b["usage"]["completion_tokens"] for b in both] == [16, 16]  # type: ignore[index]
