@@ -122,6 +122,7 @@ def _serve(args: argparse.Namespace) -> int:
         from .router.serve import serve_router
 
         return serve_router(args)
+    from .serve import ServeConfig
     from .serve_cli import build_serve_config
 
     try:
@@ -129,10 +130,11 @@ def _serve(args: argparse.Namespace) -> int:
     except UsageError as exc:
         print(f"mlxcel serve: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    sharding = config.worker.sharding
-    if sharding is not None and not sharding.leader:  # a rank other than 0 serves no HTTP: it follows
+    # A rank other than 0 serves no HTTP: it follows.
+    if isinstance(config, ServeConfig) and config.worker.sharding is not None and not config.worker.sharding.leader:
         from .distributed.follower import run_follower
 
+        sharding = config.worker.sharding
         try:
             run_follower(config.checkpoint, sharding)
         except Exception as exc:

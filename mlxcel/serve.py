@@ -23,6 +23,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from .engine import Engine, WorkerSettings
 from .engine.instrument import Instrument
+from .fleet.serve import FleetConfig, run_fleet
 from .http.listener import ConnectionLimits
 from .http.listener import serve as serve_http
 from .http.signals import until_signalled
@@ -51,9 +52,12 @@ class ServeConfig:
     """Tests only: what the worker calls before the load and at its fault points (:mod:`.engine.instrument`)."""
 
 
-async def run_server(config: ServeConfig, *, shutdown: trio.Event | None = None,
+async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event | None = None,
                      task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve until *shutdown* is set (or the task is cancelled). Reports the bound URLs when listening."""
+    if isinstance(config, FleetConfig):  # several models: mlxcel/fleet
+        await run_fleet(config, shutdown=shutdown, task_status=task_status)
+        return
     if shutdown is None:
         shutdown = trio.Event()
     initial = MtpPolicy(config.worker.policy).snapshot
@@ -106,7 +110,7 @@ def raise_open_file_limit() -> int:
     return soft
 
 
-async def main(config: ServeConfig) -> None:
+async def main(config: ServeConfig | FleetConfig) -> None:
     """The process: serve, and turn SIGINT/SIGTERM into a graceful shutdown."""
     logger.info("open-file limit: %d", raise_open_file_limit())
     await until_signalled(lambda shutdown: run_server(config, shutdown=shutdown))

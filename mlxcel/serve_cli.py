@@ -12,18 +12,24 @@ import logging
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, load_env, parse_draft_block_size
+from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, EnvConfig, load_env, parse_draft_block_size
 from .families.qwen3_5 import BUNDLED_MODEL
+from .fleet import MODEL_OPTIONS, CatalogError, parse_duration
 from .usage import UsageError
 
 if TYPE_CHECKING:
     from .distributed import World
+    from .engine import WorkerSettings
+    from .fleet import ModelEntry
+    from .fleet.serve import FleetConfig
+    from .models.drafters.loader import DrafterSpec
     from .models.loader import CheckpointInfo
     from .serve import ServeConfig
+    from .server import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +110,26 @@ def _seconds(name: str) -> Callable[[str], float]:
     return parse
 
 
+def _duration(value: str) -> float:
+    try:
+        return parse_duration(value, "--idle-unload")
+    except CatalogError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, help="model directory (default: the bundled model)")
+    parser.add_argument("--model-dir", type=Path, action="append", default=[], metavar="DIR",
+                        help="serve every checkpoint under DIR by name, loaded when first asked for: plain model "
+                             "directories, Hugging Face's hub cache, LM Studio's ORG/NAME folders (repeatable)")
+    parser.add_argument("--models", type=Path, metavar="FILE",
+                        help="a TOML file of [[models]] tables: path, names (patterns allowed), mtp or draft, pin, "
+                             "idle_unload and per-model options (docs/cli.md)")
+    parser.add_argument("--max-loaded", type=_positive("--max-loaded"), default=None, metavar="N",
+                        help="with several models: at most N loaded at once; the least recently used idle one "
+                             "is unloaded to make room (default: no bound)")
+    parser.add_argument("--idle-unload", type=_duration, default=None, metavar="DURATION",
+                        help="with several models: unload one idle this long, e.g. 10m (default: never)")
     drafter = parser.add_mutually_exclusive_group()
     drafter.add_argument("--mtp", action="store_true",
                          help="speculative decoding with the model's own in-checkpoint MTP head (mtp.* tensors)")
@@ -173,7 +197,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_router_arguments(parser)
 
 
-def build_serve_config(args: argparse.Namespace) -> ServeConfig:
+def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
     """Validate everything and build the config; :class:`UsageError` for the first problem."""
     from .blas import BlasError, load_fast_blas
 
@@ -188,13 +212,17 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
     logger.info("BLAS: %s", blas)
 
     from .checkpoints import inspect_checkpoint
-    from .engine import WorkerSettings
     from .http.auth import KeyFileError, read_keys
     from .http.listener import connection_limits
     from .models.loader import CheckpointError, import_mlx_lm
     from .serve import ServeConfig
-    from .server import ServerOptions
 
+    try:
+        keys = read_keys(args.api_key, args.api_key_file)
+    except KeyFileError as exc:
+        raise UsageError(str(exc)) from exc
+    if args.model_dir or args.models is not None:
+        return _fleet_config(args, env, blas, keys, chosen_block_size)
     model = args.model
     if model is None:
         if not (BUNDLED_MODEL / "model.safetensors").is_file():
@@ -208,40 +236,103 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
         checkpoint = inspect_checkpoint(model)
     except CheckpointError as exc:
         raise UsageError(str(exc)) from exc
-    try:
-        keys = read_keys(args.api_key, args.api_key_file)
-    except KeyFileError as exc:
-        raise UsageError(str(exc)) from exc
     if args.kv_bits is not None and args.distributed:
         raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
     # The checks above need no mlx-lm, so a start they refuse exits at once; what follows (drafters, the
     # group, the load) does: imported here, on this thread, before any other starts.
     import_mlx_lm()
-    drafter = None
-    block_size = chosen_block_size or default_block_size
-    if args.mtp or args.draft_model is not None:
-        from .checkpoints import inspect_drafter
-        from .models.drafters.loader import DrafterError
-
-        try:
-            drafter = inspect_drafter(checkpoint, mtp=args.mtp, draft_model=args.draft_model)
-        except (DrafterError, OSError) as exc:
-            raise UsageError(str(exc)) from exc
-        # K: the flag, else the environment, else what a standalone drafter's config names, else the default.
-        block_size = chosen_block_size or drafter.block_size or default_block_size
-        if args.no_batch:
-            # Not refused: a script may pass one flag set to several servers. Said once, not silently dropped.
-            logger.warning("--no-batch has no MTP path: %s is ignored and every request decodes classically",
-                           "--mtp" if args.mtp else "--draft-model")
-            drafter = None
-        else:
-            logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
-    if not (args.mtp or args.draft_model is not None) and args.draft_block_size is not None:
-        logger.warning("--draft-block-size %s has no effect without a drafter (--mtp or --draft-model)",
-                       args.draft_block_size)
+    drafter, block_size = _drafter(args, checkpoint, args.mtp, args.draft_model,
+                                   chosen_block_size or default_block_size, chosen_block_size is not None)
     sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
+    worker, options = _model_serving(args, env, blas, keys, checkpoint, drafter, block_size,
+                                     names=args.served_model_name, sharding=sharding)
+    connections = connection_limits(args)
+    return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
+                       max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
+                       access_log=args.access_log)
+
+
+def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tuple[str, ...],
+                  chosen_block_size: int | None) -> FleetConfig:
+    """``--model-dir`` / ``--models``: the catalog, checked now, and how each model is built when first asked for."""
+    from .checkpoints import inspect_checkpoint
+    from .fleet import catalog
+    from .fleet.front import ModelParts
+    from .fleet.serve import FleetConfig
+    from .http.listener import connection_limits
+    from .models.loader import import_mlx_lm
+
+    if args.distributed:
+        raise UsageError("--distributed shards one model: it does not combine with --model-dir or --models")
+    if args.served_model_name:
+        raise UsageError("--served-model-name names one model: with --models, give each model its names there")
+    if (args.mtp or args.draft_model is not None) and args.model is None:
+        raise UsageError("--mtp and --draft-model apply to --model; with --models, say mtp or draft per model")
+    try:
+        models = catalog(args.model, args.model_dir, args.models)
+    except CatalogError as exc:
+        raise UsageError(str(exc)) from exc
+    import_mlx_lm()
+    available = tuple(models.ids())
+    flagged = args.model.resolve() if args.model is not None else None
+
+    def build(entry: ModelEntry) -> ModelParts:
+        checkpoint = inspect_checkpoint(entry.path)
+        ours = entry.path.resolve() == flagged  # --model: the --mtp / --draft-model flags are its
+        chosen = entry.options.get("draft_block_size", chosen_block_size)
+        drafter, block_size = _drafter(args, checkpoint, entry.mtp or (ours and args.mtp),
+                                       entry.draft or (args.draft_model if ours else None),
+                                       chosen or DEFAULT_DRAFT_BLOCK_SIZE, chosen is not None)
+        worker, options = _model_serving(args, env, blas, keys, checkpoint, drafter, block_size,
+                                         names=entry.exact_names, overrides=entry.options, patterns=entry.patterns,
+                                         available=available)
+        return ModelParts(checkpoint, worker, options, args.max_queue_depth)
+
+    logger.info("%d models: %s", len(available), ", ".join(available))
+    return FleetConfig(catalog=models, build=build, api_keys=keys, max_body_bytes=args.max_body_bytes,
+                       max_loaded=args.max_loaded, idle_unload=args.idle_unload, host=args.host, port=args.port,
+                       blas=blas, connections=connection_limits(args), access_log=args.access_log)
+
+
+def _drafter(args: argparse.Namespace, checkpoint: CheckpointInfo, mtp: bool, draft_model: Path | None,
+             block_size: int, chosen: bool) -> tuple[DrafterSpec | None, int]:
+    """The model's drafter (``mtp``: its own head; *draft_model*: a standalone one; neither: None) and K: *block_size*
+    when *chosen* (a flag, a table, the environment), else what a standalone drafter's config names, else it."""
+    if not (mtp or draft_model is not None):
+        if args.draft_block_size is not None:
+            logger.warning("--draft-block-size %s has no effect without a drafter (--mtp or --draft-model)",
+                           args.draft_block_size)
+        return None, block_size
+    from .checkpoints import inspect_drafter
+    from .models.drafters.loader import DrafterError
+
+    try:
+        drafter = inspect_drafter(checkpoint, mtp=mtp, draft_model=draft_model)
+    except (DrafterError, OSError) as exc:
+        raise UsageError(str(exc)) from exc
+    block_size = block_size if chosen else drafter.block_size or block_size
+    if args.no_batch:
+        # Not refused: a script may pass one flag set to several servers. Said once, not silently dropped.
+        logger.warning("--no-batch has no MTP path: %s is ignored and every request decodes classically",
+                       "--mtp" if mtp else "--draft-model")
+        return None, block_size
+    logger.info("MTP drafter: %s (K=%d)", drafter.name, block_size)
+    return drafter, block_size
+
+
+def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tuple[str, ...],
+                   checkpoint: CheckpointInfo, drafter: DrafterSpec | None, block_size: int, *, names: Sequence[str],
+                   sharding: World | None = None, overrides: Mapping[str, int] | None = None,
+                   patterns: tuple[str, ...] = (), available: tuple[str, ...] = ()
+                   ) -> tuple[WorkerSettings, ServerOptions]:
+    """How one model is served: its worker's settings and its routes' options, from the flags, and *overrides*
+    (a ``--models`` table's own options, by their flag names with ``_``)."""
+    from .engine import WorkerSettings
+    from .server import ServerOptions
+
+    option = {**{key: getattr(args, key) for key in MODEL_OPTIONS}, **(overrides or {})}
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
-    parallel = 1 if args.no_batch or sharding else args.parallel
+    parallel = 1 if args.no_batch or sharding else option["parallel"]
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
                             prefix_cache_entries=0 if sharding else args.prompt_cache_size,
                             prefix_cache_bytes=default_prompt_cache_bytes() if args.prompt_cache_bytes is None
@@ -251,19 +342,16 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig:
                             policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding,
-                            prefill_step_size=args.prefill_step_size, kv_bits=args.kv_bits)
+                            prefill_step_size=option["prefill_step_size"], kv_bits=option["kv_bits"])
     # The first served name is the model's; the others and the directory's name are accepted too.
-    name, *aliases = dict.fromkeys([*args.served_model_name, checkpoint.name])
+    name, *aliases = dict.fromkeys([*names, checkpoint.name])
     options = ServerOptions(
-        model_name=name, aliases=tuple(aliases), model_path=checkpoint.path, context_length=checkpoint.context_length,
-        parallel=parallel, default_max_tokens=args.max_tokens, api_keys=keys,
+        model_name=name, aliases=tuple(aliases), patterns=patterns, available=available,
+        model_path=checkpoint.path, context_length=checkpoint.context_length,
+        parallel=parallel, default_max_tokens=option["max_tokens"], api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
-    connections = connection_limits(args)
-    return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
-                       max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
-                       access_log=args.access_log)
-
+    return worker, options
 
 def _join_group(mode: str, checkpoint: CheckpointInfo) -> World:
     """``--distributed``: check mlx-lm can shard the family so, then join the group (it waits for every rank)."""

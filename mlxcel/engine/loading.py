@@ -197,3 +197,10 @@ def _warn_if_slow_here(model: Any, name: str) -> None:
         logger.warning("%s has %s weights: on the CPU backend they compute correctly, but slower than float32 "
                        "(2-4x per matmul measured on x86); mlx-lm's convert --dtype float32 makes a faster copy",
                        name, "/".join(sorted(str(d).removeprefix("mlx.core.") for d in dtypes)))
+
+
+def clear_device_cache() -> None:
+    """mlx's cache of freed buffers handed back to the system (after a model is unloaded)."""
+    import mlx.core as mx
+
+    mx.clear_cache()

@@ -20,6 +20,12 @@ from .scope import RequestScope
 logger = logging.getLogger(__name__)
 
 
+def key_required() -> ApiError:
+    """The 401 a request without an accepted key gets (missing and wrong keys get the same answer)."""
+    return ApiError(401, "a valid API key is required (Authorization: Bearer KEY or X-Api-Key: KEY)",
+                    type="authentication_error", code="invalid_api_key")
+
+
 def create_app(name: str, *, api_keys: tuple[str, ...], max_body_bytes: int,
                no_route: Callable[[str, str], str]) -> QuartTrio:
     """An app named *name* that refuses requests without one of *api_keys* (none: open) on every path but the
@@ -42,10 +48,7 @@ def create_app(name: str, *, api_keys: tuple[str, ...], max_body_bytes: int,
         presented = credential(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
         if key_matches(presented, api_keys):
             return None
-        # Missing and wrong keys get the same answer.
-        return error_response(ApiError(401, "a valid API key is required (Authorization: Bearer KEY "
-                                            "or X-Api-Key: KEY)", type="authentication_error",
-                                       code="invalid_api_key"))
+        return error_response(key_required())
 
     @app.errorhandler(ApiError)
     async def api_error(error: ApiError) -> Response:

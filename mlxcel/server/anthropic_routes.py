@@ -25,7 +25,7 @@ from ..engine import Finish
 from ..http.errors import ApiError, bad_request
 from .anthropic_schemas import CountTokensRequest, MessagesRequest, count_body, to_chat
 from .choice_reader import ChoiceReader, read_whole
-from .context import ServerContext, serves
+from .context import ServerContext, no_such_model, serves
 from .openai_routes import Events, Generation
 from .prompts import prompt_tokens
 from .schemas import ChatCompletionRequest, describe
@@ -78,8 +78,7 @@ def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
 def _check_model(ctx: ServerContext, model: str) -> None:
     # Claude Code names its own models (claude-*) for its main and background work: all mean this one.
     if not serves(ctx.options, model) and not model.startswith("claude-"):
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                            f"{ctx.options.model_name!r}", code="model_not_found")
+        raise ApiError(404, no_such_model(ctx.options, model), code="model_not_found")
 
 
 class _Message:

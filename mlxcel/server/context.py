@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -39,6 +40,10 @@ class ServerOptions:
     """The served model's name (the first ``--served-model-name``, else the model directory's); None on a router."""
     aliases: tuple[str, ...] = ()
     """Other names a request's ``model`` may use: the other served names, and the directory's."""
+    patterns: tuple[str, ...] = ()
+    """Shell-style patterns a request's ``model`` may match instead (a ``--models`` table's ``names``)."""
+    available: tuple[str, ...] = ()
+    """Every model the server serves, when it serves several (``--models``, ``--model-dir``): what a 404 lists."""
     model_path: Path | None = None
     context_length: int = 4096
     parallel: int = 1
@@ -53,7 +58,14 @@ class ServerOptions:
 
 def serves(options: ServerOptions, name: str) -> bool:
     """Whether a request naming the model *name* means the served one (``default`` always does)."""
-    return name in (options.model_name, "default", *options.aliases)
+    return name in (options.model_name, "default", *options.aliases) or any(
+        fnmatch.fnmatchcase(name, pattern) for pattern in options.patterns)
+
+
+def no_such_model(options: ServerOptions, name: str) -> str:
+    """A 404's message for a request naming the model *name*, which no served model answers to."""
+    served = ", ".join(repr(n) for n in options.available) if options.available else repr(options.model_name)
+    return f"the model {name!r} does not exist; this server serves {served}"
 
 
 class HeldPlaces:

@@ -19,7 +19,7 @@ from ..http.scope import at_request_end
 from ..observability import ModelLimits
 from . import shapes, structured
 from .choice_reader import ChoiceReader
-from .context import ServerContext, serves
+from .context import ServerContext, no_such_model, serves
 from .fanin import fan_in
 from .matchers import token_bytes
 from .prompts import prompt_tokens, too_long
@@ -96,8 +96,7 @@ class Generation:
         self._check_combinations(params)
         options = self.ctx.options
         if params.model is not None and not serves(options, params.model):
-            raise ApiError(404, f"the model {params.model!r} does not exist; this server serves "
-                                f"{options.model_name!r}", param="model", code="model_not_found")
+            raise ApiError(404, no_such_model(options, params.model), param="model", code="model_not_found")
         # best_of candidates are generated, each a sequence; the n most likely are returned.
         candidates = params.candidates() if isinstance(params, CompletionRequest) else params.n
         limits = self._admit(candidates)
@@ -368,8 +367,7 @@ def register(app: Quart, ctx: ServerContext) -> None:
     async def model(model: str) -> Any:
         # <path:...>: Hugging Face style ids ("org/name") hold a slash.
         if not serves(ctx.options, model) or model == "default":
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
-                                f"{ctx.options.model_name!r}", param="model", code="model_not_found")
+            raise ApiError(404, no_such_model(ctx.options, model), param="model", code="model_not_found")
         return model_object()
 
     @app.post("/v1/completions")

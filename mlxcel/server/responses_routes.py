@@ -19,7 +19,7 @@ from quart import Quart, Response
 from ..engine import Finish
 from ..http.errors import ApiError, bad_request
 from .choice_reader import ChoiceReader, read_whole
-from .context import ServerContext, serves
+from .context import ServerContext, no_such_model, serves
 from .openai_routes import Events, Generation
 from .responses_schemas import ResponsesRequest, to_chat
 from .schemas import describe
@@ -68,10 +68,8 @@ class _Responses:
         except ValidationError as exc:
             message, param = describe(exc)
             raise bad_request(message, param=param) from exc
-        name = self.ctx.options.model_name
         if params.model is not None and not serves(self.ctx.options, params.model):
-            raise ApiError(404, f"the model {params.model!r} does not exist; this server serves {name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(404, no_such_model(self.ctx.options, params.model), param="model", code="model_not_found")
         self.params = params
         _, events, _ = await self.generation.start(await off_the_loop_if_large(to_chat, params))
         return event_stream(self._stream(events)) if params.stream else await self._complete(events)

@@ -20,6 +20,7 @@ from mlxcel.cli import build_parser
 from mlxcel.engine.instrument import Instrument
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
+from mlxcel.fleet.serve import FleetConfig
 from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
 from mlxcel.testing.serving import child_env
 from tests import openai_spec
@@ -103,10 +104,12 @@ def llama(checkpoints: dict[str, Path]) -> Path:
     return checkpoints["llama"]
 
 
-def serve_config(argv: Sequence[str], instrument: Instrument | None = None) -> ServeConfig:
+def serve_config(argv: Sequence[str], instrument: Instrument | None = None) -> ServeConfig | FleetConfig:
     args = build_parser().parse_args(["serve", "--port", "0", *argv])
     config = build_serve_config(args)
-    assert isinstance(config, ServeConfig)
+    if isinstance(config, FleetConfig):  # several models (--models, --model-dir)
+        assert instrument is None, "an instrument reaches into one worker: serve one model"
+        return config
     return dataclasses.replace(config, instrument=instrument)
 
 

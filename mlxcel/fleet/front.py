@@ -1,0 +1,378 @@
+"""Several models behind one port: each loaded model is a whole serving node's app, and this ASGI front
+picks one per request.
+
+    Fleet (ASGI) ── POST with a body: its ``model`` picks the model (loaded first if it is not)
+                 ── GET /v1/models: every model the catalog holds, loaded or not
+                 └─ anything else, and a name no model answers to: the default model's app, which
+                    answers it as a lone server would (its 404 lists the models available)
+
+A model's app is :func:`mlxcel.server.create_app` over its own :class:`~mlxcel.engine.Engine`, whose
+``run`` is a task of the fleet's nursery: loading one runs on that engine's own thread, so the event
+loop and the other models' engines go on meanwhile. Unloading stops the engine (its requests end with
+an error event), drops it, and hands its memory back. Which to unload is :mod:`.residency`'s choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from ..engine import Engine, WorkerSettings
+from ..http.app import key_required
+from ..http.auth import credential, key_matches
+from ..http.errors import ApiError, anthropic_body
+from ..models.loader import CheckpointInfo
+from ..observability import Observability
+from ..policy import MtpPolicy
+from ..server import ServerOptions, create_app
+from .catalog import Catalog, ModelEntry
+from .residency import Resident, idle_too_long, next_idle_deadline, to_unload_for_one_more
+
+logger = logging.getLogger(__name__)
+
+#: The routes whose JSON body names the model.
+MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                          "/v1/responses"})
+#: How long a request waits for its model to load, and for room to load it in, before a 503.
+LOAD_WAIT = 600.0
+#: Bodies up to this many bytes are parsed for their ``model`` on the event loop; larger ones on a thread.
+INLINE_PARSE = 1 << 16
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """What serving one model takes: built from its catalog entry and the server's flags."""
+
+    checkpoint: CheckpointInfo
+    worker: WorkerSettings
+    options: ServerOptions
+    max_queue_depth: int
+
+
+class Slot:
+    """One catalog entry and, while it is loaded, its engine and app."""
+
+    def __init__(self, entry: ModelEntry, idle_unload: float | None) -> None:
+        self.entry = entry
+        self.idle_unload = entry.idle_unload if entry.idle_unload is not None else idle_unload
+        self.state = "unloaded"
+        """``unloaded``, ``loading``, ``loaded``, ``unloading`` or ``failed``."""
+        self.error: str | None = None
+        self.engine: Engine | None = None
+        self.app: Any = None
+        self.observability: Observability | None = None
+        self.busy = 0
+        """Requests of its own in flight."""
+        self.last_used = 0.0
+        self.stopped = trio.Event()
+
+    def resident(self) -> Resident:
+        return Resident(self.entry.id, self.entry.pin, self.busy > 0 or self.state in ("loading", "unloading"),
+                        self.last_used, self.idle_unload)
+
+    def describe(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
+                                "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
+        if self.error is not None:
+            body["error"] = self.error
+        return body
+
+
+class Fleet:
+    """The ASGI app of a server with several models (``--model-dir``, ``--models``). :meth:`run` belongs in the
+    server's nursery, before the app takes requests."""
+
+    def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], ModelParts], *, api_keys: tuple[str, ...],
+                 max_body_bytes: int, max_loaded: int | None = None, idle_unload: float | None = None) -> None:
+        self.catalog = catalog
+        self._build = build
+        self._api_keys = api_keys
+        self._max_body_bytes = max_body_bytes
+        self.max_loaded = max_loaded
+        self.slots = {entry.id: Slot(entry, idle_unload) for entry in catalog.entries}
+        self._changed = trio.Event()
+        """Set (and replaced) whenever a slot's state or business changes: what waiters wait on."""
+        self._nursery: trio.Nursery | None = None
+        self._idle_scope = trio.CancelScope()
+        self._stopping = False
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Load the default model, unload idle ones when due, and own every engine's task until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            self._start_loading(self.slots[self.catalog.default.id])
+            nursery.start_soon(self._unload_when_idle)
+            task_status.started()
+        # Returns once stopped (:meth:`stop`) and every engine has returned.
+
+    @property
+    def default(self) -> Slot:
+        return self.slots[self.catalog.default.id]
+
+    def stop(self) -> None:
+        """Stop every engine and load nothing more (the server is shutting down): :meth:`run` then returns."""
+        self._stopping = True
+        self._idle_scope.cancel()
+        for slot in self.slots.values():
+            if slot.engine is not None:
+                slot.engine.stop()
+        self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _start_loading(self, slot: Slot) -> None:
+        assert self._nursery is not None, "Fleet.run is not running"
+        slot.state, slot.error, slot.stopped = "loading", None, trio.Event()
+        self._notify()
+        self._nursery.start_soon(self._serve_model, slot)
+
+    async def _serve_model(self, slot: Slot) -> None:
+        """Build *slot*'s engine and app, run the engine until it stops; a failure fails this model alone."""
+        try:
+            parts = self._build(slot.entry)
+            observability = Observability(MtpPolicy(parts.worker.policy).snapshot, model=slot.entry.id)
+            engine = Engine(parts.checkpoint, parts.worker, observability, max_queue_depth=parts.max_queue_depth)
+            slot.engine, slot.observability = engine, observability
+            slot.app = create_app(engine, observability, parts.options)
+            logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(engine.run)
+                await _first_of(engine.ready, engine.finished)
+                if engine.ready.is_set() and not engine.finished.is_set():
+                    slot.state = "loaded"
+                    logger.info("%s is loaded", slot.entry.id)
+                    self._notify()
+        except Exception as exc:  # this model's; every other keeps serving
+            said = slot.observability.error if slot.observability is not None else None
+            slot.state, slot.error = "failed", said or str(exc) or type(exc).__name__
+            logger.error("the model %s failed: %s", slot.entry.id, slot.error)
+        finally:
+            if slot.state != "failed":
+                slot.state = "unloaded"
+            slot.engine = slot.app = slot.observability = None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(_release_memory)
+            slot.stopped.set()
+            self._notify()
+
+    async def _unload(self, slot: Slot, why: str) -> None:
+        logger.info("unloading %s: %s", slot.entry.id, why)
+        slot.state = "unloading"
+        self._notify()
+        if slot.engine is not None:
+            slot.engine.stop(f"the model {slot.entry.id} is being unloaded")
+        await slot.stopped.wait()
+
+    async def _unload_when_idle(self) -> None:
+        with self._idle_scope:
+            await self._unload_idle_forever()
+
+    async def _unload_idle_forever(self) -> None:
+        while True:
+            residents = [s.resident() for s in self.slots.values() if s.state == "loaded"]
+            for name in idle_too_long(residents, trio.current_time()):
+                await self._unload(self.slots[name], "idle")
+            deadline = next_idle_deadline([s.resident() for s in self.slots.values() if s.state == "loaded"])
+            with trio.move_on_at(deadline if deadline is not None else trio.current_time() + 3600):
+                await self._changed.wait()
+
+    async def ready(self, slot: Slot) -> Any:
+        """*slot*'s app once it is loaded, loading it (and unloading others to make room) if it is not; an
+        :class:`ApiError` when it failed to load or no room came within :data:`LOAD_WAIT`."""
+        slot.busy += 1  # waiting for its load, it is in use: nothing unloads it meanwhile
+        try:
+            with trio.move_on_after(LOAD_WAIT):
+                while True:
+                    if self._stopping:
+                        raise ApiError(503, "the server is shutting down", type="server_error",
+                                       code="shutting_down")
+                    if slot.state == "loaded":
+                        return slot.app
+                    if slot.state == "failed":
+                        raise ApiError(500, f"the model {slot.entry.id!r} failed to load: {slot.error}",
+                                       type="server_error", code="model_load_failed")
+                    if slot.state == "unloaded":
+                        others = [s.resident() for s in self.slots.values()
+                                  if s is not slot and s.state in ("loading", "loaded", "unloading")]
+                        unload = to_unload_for_one_more(others, self.max_loaded)
+                        if unload == []:
+                            self._start_loading(slot)
+                            continue
+                        for name in unload or ():
+                            await self._unload(self.slots[name], f"making room for {slot.entry.id}")
+                        if unload is not None:
+                            continue
+                    await self._changed.wait()
+            raise ApiError(503, f"the model {slot.entry.id!r} did not become available within {LOAD_WAIT:.0f} s "
+                                f"(the models loaded are busy or pinned)", type="server_error",
+                           code="model_unavailable")
+        finally:
+            slot.busy -= 1
+            slot.last_used = trio.current_time()
+
+    # -- ASGI ---------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            await self._to_default(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/v1/models" and self._authorized(scope):
+            await _json(send, 200, {"object": "list", "data": [s.describe() for s in self.slots.values()]})
+            return
+        if method == "GET" and path.startswith("/v1/models/") and self._authorized(scope):
+            named = self._slot_for(path.removeprefix("/v1/models/"))
+            if named is not None:
+                await _json(send, 200, named.describe())
+                return
+        if method == "GET" and path in ("/health", "/v1/health") and self.default.state in ("unloaded", "failed"):
+            # Not a reason to load the default model again: the server is up, and loads models on demand.
+            # (While it loads, its app answers, 503 as a lone server's does.)
+            await _json(send, 200, {"status": "ok", "model": self.default.entry.id,
+                                    "models": [s.describe() for s in self.slots.values()]})
+            return
+        if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
+            messages, complete = await _read_body(receive, self._max_body_bytes)
+            replay = _replaying(messages, receive)
+            slot = self._slot_for(await _model_named(messages)) if complete else None
+            if slot is not None:
+                await self._forward(slot, scope, replay, send)
+                return
+            await self._to_default(scope, replay, send)
+            return
+        await self._to_default(scope, receive, send)
+
+    def _authorized(self, scope: Scope) -> bool:
+        """Whether the request carries an accepted key (or none is needed): the front answers or loads only then;
+        else the default model's app answers, with its 401."""
+        if not self._api_keys:
+            return True
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        return key_matches(credential(headers.get("authorization"), headers.get("x-api-key")), self._api_keys)
+
+    def _slot_for(self, name: str | None) -> Slot | None:
+        entry = self.catalog.resolve(name)
+        return self.slots[entry.id] if entry is not None else None
+
+    async def _forward(self, slot: Slot, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            app = await self.ready(slot)
+        except ApiError as error:
+            await _error(send, scope, error)
+            return
+        slot.busy += 1
+        try:
+            await app(scope, receive, send)
+        finally:
+            slot.busy -= 1
+            slot.last_used = trio.current_time()
+            self._notify()
+
+    async def _to_default(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The default model's app answers: at once while it loads or is loaded (a loading one answers as a lone
+        server's does), else after loading it again; a request without an accepted key is refused here then,
+        rather than load a model to refuse it."""
+        app = self.default.app
+        if app is not None or scope["type"] != "http":
+            if app is not None:
+                await app(scope, receive, send)
+            return
+        if not self._authorized(scope):
+            await _error(send, scope, key_required())
+            return
+        await self._forward(self.default, scope, receive, send)
+
+
+async def _first_of(*events: trio.Event) -> None:
+    async with trio.open_nursery() as nursery:
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+        for event in events:
+            nursery.start_soon(wait, event)
+
+
+def _release_memory() -> None:
+    """An unloaded model's arrays back to the system: collected, and mlx's buffer cache emptied."""
+    import gc
+
+    from ..engine.loading import clear_device_cache
+
+    gc.collect()
+    clear_device_cache()
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+async def _read_body(receive: Receive, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    """The request's body messages as read, and whether that is all of it (not when it outgrows *limit*, when
+    given, or the client left: the default app then answers from the replay)."""
+    messages: list[dict[str, Any]] = []
+    size = 0
+    while True:
+        message = await receive()
+        messages.append(message)
+        if message["type"] != "http.request":
+            return messages, False
+        size += len(message.get("body", b""))
+        if limit and size > limit:
+            return messages, False
+        if not message.get("more_body", False):
+            return messages, True
+
+
+def _replaying(messages: list[dict[str, Any]], receive: Receive) -> Receive:
+    pending = list(messages)
+
+    async def replay() -> dict[str, Any]:
+        return pending.pop(0) if pending else await receive()
+    return replay
+
+
+async def _model_named(messages: list[dict[str, Any]]) -> str | None:
+    """The body's ``model``, when it is a JSON object naming one as a string; else None (the app that answers
+    finds what is wrong with it)."""
+    body = b"".join(m.get("body", b"") for m in messages)
+    try:
+        parsed = json.loads(body) if len(body) <= INLINE_PARSE else await trio.to_thread.run_sync(json.loads, body)
+    except ValueError:
+        return None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None
+
+
+async def _error(send: Send, scope: Scope, error: ApiError) -> None:
+    """*error* in the shape of the API asked (Anthropic's on its routes, else OpenAI's)."""
+    anthropic = scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
+    await _json(send, error.status, anthropic_body(error) if anthropic else error.body())
+
+
+async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})

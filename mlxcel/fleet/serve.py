@@ -1,0 +1,74 @@
+"""``mlxcel serve --models FILE`` / ``--model-dir DIR``: several models behind one port.
+
+    trio.run(main)
+    └── nursery
+        ├── Fleet.run: nursery
+        │   ├── one task per loaded model: its Engine.run (its own worker thread)
+        │   └── the idle unloader (--idle-unload, a table's idle_unload)
+        └── http.listener.serve(Fleet)   the shared listener; the front picks each request's model
+
+The default model (the first declared) starts loading at once; the others when first asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+
+from ..http.listener import ConnectionLimits
+from ..http.listener import serve as serve_http
+from ..http.transport import guard_transport
+from .catalog import Catalog, ModelEntry
+from .front import Fleet, ModelParts
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    catalog: Catalog
+    build: Callable[[ModelEntry], ModelParts] = field(compare=False)
+    """A model's engine settings and route options from its entry (raises when it cannot be served)."""
+    api_keys: tuple[str, ...] = ()
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_loaded: int | None = None
+    idle_unload: float | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    blas: str | None = None
+    connections: ConnectionLimits = field(default_factory=ConnectionLimits)
+    access_log: bool = False
+
+
+async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
+                    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until *shutdown* is set (or the task is cancelled). Reports the bound URLs when listening."""
+    if shutdown is None:
+        shutdown = trio.Event()
+    fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
+                  max_loaded=config.max_loaded, idle_unload=config.idle_unload)
+    app = guard_transport(fleet, drain_limit=config.max_body_bytes,
+                          drain_seconds=config.connections.keep_alive_timeout)
+    hypercorn = HypercornConfig()
+    hypercorn.bind = [f"{config.host}:{config.port}"]
+    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
+    hypercorn.errorlog = logging.getLogger("hypercorn.error")
+    hypercorn.graceful_timeout = 5.0
+
+    async def stopped() -> None:
+        await shutdown.wait()
+        fleet.stop()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fleet.run)
+        urls = await nursery.start(lambda task_status: serve_http(
+            app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
+        logger.info("listening on %s, serving %d models: %s", ", ".join(urls), len(config.catalog.entries),
+                    ", ".join(config.catalog.ids()))
+        task_status.started(urls)
+        await shutdown.wait()
+        nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1

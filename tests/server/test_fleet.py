@@ -1,0 +1,135 @@
+"""Several models behind one port (``--models``, ``--model-dir``), through real HTTP: scripted checkpoints, each
+answering its own script, so which model answered is the text itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from mlxcel.testing.tools import build_scripted_checkpoint
+from tests.server.conftest import running_server
+
+SCRIPTS = {"hello": ("Hello", " there", ",", " friend", "."), "bye": ("Bye", " for", " now", "."),
+           "third": ("A", " third", " one", ".")}
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fleet")
+    built = {name: build_scripted_checkpoint(root / name, script) for name, script in SCRIPTS.items()}
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama"')  # cut short
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    return {**built, "broken": broken}
+
+
+async def _say(client: httpx.AsyncClient, model: str, path: str = "/v1/chat/completions") -> httpx.Response:
+    body: dict[str, Any] = {"model": model, "max_tokens": 8, "temperature": 0,
+                            "messages": [{"role": "user", "content": "hi"}]}
+    return await client.post(path, json=body)
+
+
+def _text(response: httpx.Response) -> str:
+    assert response.status_code == 200, response.text
+    body = response.json()
+    if body.get("type") == "message":
+        return "".join(block["text"] for block in body["content"])
+    return str(body["choices"][0]["message"]["content"])
+
+
+async def _states(client: httpx.AsyncClient) -> dict[str, str]:
+    listed = (await client.get("/v1/models")).json()["data"]
+    return {m["id"]: m["state"] for m in listed}
+
+
+async def test_models_load_on_demand_make_room_and_answer_as_alone(scripted: dict[str, Path], tmp_path: Path) -> None:
+    file = tmp_path / "models.toml"
+    file.write_text(f'''
+[[models]]
+path = "{scripted["hello"]}"
+names = ["hello", "claude-sonnet-*"]
+pin = true
+
+[[models]]
+path = "{scripted["bye"]}"
+names = ["bye", "claude-haiku-*"]
+
+[[models]]
+path = "{scripted["third"]}"
+
+[[models]]
+path = "{scripted["broken"]}"
+names = ["broken"]
+''')
+    async with running_server(["--models", str(file), "--max-loaded", "2"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert await _states(client) == {"hello": "loaded", "bye": "unloaded", "third": "unloaded",
+                                         "broken": "unloaded"}
+        assert _text(await _say(client, "claude-haiku-4-5")) == "Bye for now."  # a pattern, loaded on demand
+        assert _text(await _say(client, "claude-sonnet-4-5")) == "Hello there, friend."
+        assert _text(await _say(client, "default")) == "Hello there, friend."
+        assert (await _states(client))["bye"] == "loaded"
+        # A third model: at most two loaded, hello pinned, so bye (least recently used, idle) makes room.
+        assert _text(await _say(client, "third")) == "A third one."
+        assert await _states(client) == {"hello": "loaded", "bye": "unloaded", "third": "loaded",
+                                         "broken": "unloaded"}
+        # Unloaded and loaded again, it answers the same; through Anthropic's Messages API too.
+        assert _text(await _say(client, "claude-haiku-4-5", "/v1/messages")) == "Bye for now."
+        assert (await _states(client))["third"] == "unloaded"
+        # A checkpoint that cannot load fails alone, with its name and why; the others keep serving.
+        broken = await _say(client, "broken")
+        assert broken.status_code == 500 and broken.json()["error"]["code"] == "model_load_failed"
+        assert "'broken' failed to load" in broken.json()["error"]["message"]
+        assert _text(await _say(client, "bye")) == "Bye for now."
+        listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        assert listed["broken"]["state"] == "failed" and listed["broken"]["error"]
+        assert (await client.get("/v1/models/claude-haiku-4-5")).json()["id"] == "bye"
+        # A name nobody answers to: each route's own 404, listing every model.
+        openai = await _say(client, "gpt-4o")
+        anthropic = await _say(client, "gpt-4o", "/v1/messages")
+        health = (await client.get("/health")).json()
+    assert openai.status_code == anthropic.status_code == 404
+    assert openai.json()["error"]["message"] == ("the model 'gpt-4o' does not exist; this server serves 'hello', "
+                                                 "'bye', 'third', 'broken'")
+    assert anthropic.json()["error"]["type"] == "not_found_error"
+    assert health["status"] == "ok" and health["model"] == "hello"
+
+
+async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloads_idle_ones(
+        scripted: dict[str, Path], tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    (root / "org").mkdir(parents=True)
+    (root / "org" / "bye").symlink_to(scripted["bye"], target_is_directory=True)  # LM Studio's ORG/NAME
+    (root / "third").symlink_to(scripted["third"], target_is_directory=True)
+    async with running_server(["--model", str(scripted["hello"]), "--model-dir", str(root),
+                               "--idle-unload", "300ms"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert list(await _states(client)) == ["hello", "org/bye", "third"]
+        assert _text(await _say(client, "org/bye")) == "Bye for now."
+        assert _text(await _say(client, "third")) == "A third one."
+        with trio.fail_after(30):  # idle for 300 ms, each is unloaded (the --model one too: nothing pins it)
+            while set((await _states(client)).values()) != {"unloaded"}:
+                await trio.sleep(0.1)
+        assert _text(await _say(client, "third")) == "A third one."  # and loads again when asked for
+
+
+async def test_without_a_key_nothing_is_listed_or_loaded(scripted: dict[str, Path], tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "bye").symlink_to(scripted["bye"], target_is_directory=True)
+    async with running_server(["--model", str(scripted["hello"]), "--model-dir", str(root), "--api-key", "k"]
+                              ) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+        listed = await client.get("/v1/models")
+        asked = await _say(client, "bye")
+        anthropic = await _say(client, "bye", "/v1/messages")
+        keyed = httpx.AsyncClient(base_url=url, timeout=60, headers={"Authorization": "Bearer k"})
+        async with keyed:
+            states = await _states(keyed)
+    assert (listed.status_code, asked.status_code, anthropic.status_code) == (401, 401, 401)
+    assert anthropic.json()["error"]["type"] == "authentication_error"
+    assert states == {"hello": "loaded", "bye": "unloaded"}
