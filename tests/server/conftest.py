@@ -18,9 +18,9 @@ import trio
 
 from mlxcel.cli import build_parser
 from mlxcel.engine.instrument import Instrument
+from mlxcel.fleet.serve import FleetConfig
 from mlxcel.serve import ServeConfig, run_server
 from mlxcel.serve_cli import build_serve_config
-from mlxcel.fleet.serve import FleetConfig
 from mlxcel.testing.checkpoints import FAMILIES, build_checkpoint
 from mlxcel.testing.serving import child_env
 from tests import openai_spec
