@@ -26,7 +26,7 @@ def _policy(args: argparse.Namespace) -> int:
     from .client import PolicyFetchError, fetch, render
 
     try:
-        body = fetch(args.url, api_key=args.api_key)
+        body = fetch(args.url, api_key=args.api_key, model=args.model)
     except PolicyFetchError as exc:
         print(f"mlxcel policy: {exc}", file=sys.stderr)
         return 1
@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--url", default="http://127.0.0.1:8080",
                         help="the server's base URL (default: %(default)s)")
     policy.add_argument("--api-key", help="API key, sent as a bearer token")
+    policy.add_argument("--model", help="on a server of several models (--models, --model-dir): this model's policy "
+                                        "(default: the first model's)")
     policy.add_argument("--json", action="store_true", help="print the body as JSON instead")
     policy.set_defaults(run=_policy)
 

@@ -21,12 +21,13 @@ class PolicyFetchError(Exception):
     """The endpoint could not be read; ``str()`` says why in one line."""
 
 
-def fetch(base_url: str, api_key: str | None = None, timeout: float = 10.0) -> Any:
-    """The decoded JSON body of the policy endpoint of the server at *base_url*."""
+def fetch(base_url: str, api_key: str | None = None, timeout: float = 10.0, model: str | None = None) -> Any:
+    """The decoded JSON body of the policy endpoint of the server at *base_url* (for *model*, on a server of
+    several models; else its default model's)."""
     url = base_url.rstrip("/") + ENDPOINT
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        response = httpx.get(url, headers=headers, timeout=timeout)
+        response = httpx.get(url, headers=headers, timeout=timeout, params={"model": model} if model else None)
     except httpx.HTTPError as exc:
         raise PolicyFetchError(f"cannot reach {url}: {exc}") from exc
     if response.status_code != 200:
@@ -110,6 +111,8 @@ def _headline(body: dict[str, Any]) -> list[str]:
         reason = body.get("reason")
         if reason == "worker_not_ready":
             return ["MTP policy not known yet: the model is still loading"]
+        if reason == "not_loaded":
+            return ["MTP policy not known: the model is not loaded (it loads when a request names it)"]
         if reason == "no_mtp_dispatch":
             return ["MTP not available: this server has no MTP drafter"]
         if reason == "sharded":

@@ -289,9 +289,10 @@ def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tup
         return ModelParts(checkpoint, worker, options, args.max_queue_depth)
 
     logger.info("%d models: %s", len(available), ", ".join(available))
-    return FleetConfig(catalog=models, build=build, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                       max_loaded=args.max_loaded, idle_unload=args.idle_unload, host=args.host, port=args.port,
-                       blas=blas, connections=connection_limits(args), access_log=args.access_log)
+    return FleetConfig(catalog=models, build=build, policy=env.policy, api_keys=keys,
+                       max_body_bytes=args.max_body_bytes, max_loaded=args.max_loaded,
+                       idle_unload=args.idle_unload, host=args.host, port=args.port, blas=blas,
+                       connections=connection_limits(args), access_log=args.access_log)
 
 
 def _drafter(args: argparse.Namespace, checkpoint: CheckpointInfo, mtp: bool, draft_model: Path | None,

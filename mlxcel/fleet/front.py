@@ -19,6 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import parse_qs
 
 import trio
 
@@ -28,7 +29,7 @@ from ..http.auth import credential, key_matches
 from ..http.errors import ApiError, anthropic_body
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
-from ..policy import MtpPolicy
+from ..policy import MtpPolicy, PolicySettings
 from ..server import ServerOptions, create_app
 from .catalog import Catalog, ModelEntry
 from .residency import Resident, idle_too_long, next_idle_deadline, to_unload_for_one_more
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 #: The routes whose JSON body names the model.
 MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                           "/v1/responses"})
+#: The policy endpoint: ``?model=NAME`` asks for another model's.
+POLICY = "/v1/internal/mtp-policy"
 #: How long a request waits for its model to load, and for room to load it in, before a 503.
 LOAD_WAIT = 600.0
 #: Bodies up to this many bytes are parsed for their ``model`` on the event loop; larger ones on a thread.
@@ -92,7 +95,8 @@ class Fleet:
     server's nursery, before the app takes requests."""
 
     def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], ModelParts], *, api_keys: tuple[str, ...],
-                 max_body_bytes: int, max_loaded: int | None = None, idle_unload: float | None = None) -> None:
+                 max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
+                 idle_unload: float | None = None) -> None:
         self.catalog = catalog
         self._build = build
         self._api_keys = api_keys
@@ -102,6 +106,7 @@ class Fleet:
         self._changed = trio.Event()
         """Set (and replaced) whenever a slot's state or business changes: what waiters wait on."""
         self._nursery: trio.Nursery | None = None
+        self._not_loaded = MtpPolicy(policy).snapshot.not_loaded().to_wire()
         self._idle_scope = trio.CancelScope()
         self._stopping = False
 
@@ -241,6 +246,11 @@ class Fleet:
             if named is not None:
                 await _json(send, 200, named.describe())
                 return
+        if method == "GET" and path == POLICY and self._authorized(scope):
+            name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
+            if name is not None:
+                await self._policy_of(name, scope, receive, send)
+                return
         if method == "GET" and path in ("/health", "/v1/health") and self.default.state in ("unloaded", "failed"):
             # Not a reason to load the default model again: the server is up, and loads models on demand.
             # (While it loads, its app answers, 503 as a lone server's does.)
@@ -265,6 +275,19 @@ class Fleet:
             return True
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         return key_matches(credential(headers.get("authorization"), headers.get("x-api-key")), self._api_keys)
+
+    async def _policy_of(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """``GET /v1/internal/mtp-policy?model=NAME``: that model's app answers while it is loaded or loading; a model
+        not loaded is a well-formed body (``unavailable/not_loaded``), loading nothing."""
+        slot = self._slot_for(name)
+        if slot is None:
+            served = ", ".join(repr(i) for i in self.catalog.ids())
+            await _error(send, scope, ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
+                                               param="model", code="model_not_found"))
+        elif slot.app is not None:
+            await slot.app(scope, receive, send)
+        else:
+            await _json(send, 200, self._not_loaded)
 
     def _slot_for(self, name: str | None) -> Slot | None:
         entry = self.catalog.resolve(name)

@@ -22,6 +22,7 @@ from hypercorn.config import Config as HypercornConfig
 from ..http.listener import ConnectionLimits
 from ..http.listener import serve as serve_http
 from ..http.transport import guard_transport
+from ..policy import PolicySettings
 from .catalog import Catalog, ModelEntry
 from .front import Fleet, ModelParts
 
@@ -33,6 +34,8 @@ class FleetConfig:
     catalog: Catalog
     build: Callable[[ModelEntry], ModelParts] = field(compare=False)
     """A model's engine settings and route options from its entry (raises when it cannot be served)."""
+    policy: PolicySettings = field(default_factory=PolicySettings)
+    """The policy's settings (``MLXCEL_*``): what a model not loaded says its profiling window needs."""
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     max_loaded: int | None = None
@@ -50,7 +53,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     if shutdown is None:
         shutdown = trio.Event()
     fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
-                  max_loaded=config.max_loaded, idle_unload=config.idle_unload)
+                  policy=config.policy, max_loaded=config.max_loaded, idle_unload=config.idle_unload)
     app = guard_transport(fleet, drain_limit=config.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()

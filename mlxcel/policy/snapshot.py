@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from .draft_length import BatchView
@@ -10,6 +10,10 @@ from .draft_length import BatchView
 #: Wire schema version of the ``/v1/internal/mtp-policy`` body. Independent of
 #: the persisted hint's ``HINT_VERSION``. Bump only for breaking changes.
 SCHEMA_VERSION = 1
+
+#: The ``unavailable`` reason of a model a several-model server serves but has not loaded (or has unloaded):
+#: no policy runs for it, so it is no state of the statechart; the contract lets reasons grow.
+NOT_LOADED = "not_loaded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +53,12 @@ class MtpPolicySnapshot:
     # Added to schema 1 too: speculation inside the continuous batch (the widths and depths at which it runs);
     # null where the server has no batch. Not the statechart's: the batch's rule measures for itself.
     batch: BatchView | None = None
+
+    def not_loaded(self) -> MtpPolicySnapshot:
+        """What the endpoint says of a model that is not loaded: this snapshot (a fresh policy's, before its worker
+        is ready) with the reason :data:`NOT_LOADED`; nothing of a pairing is known."""
+        return replace(self, reason=NOT_LOADED, mtp_enabled=None, target=None, drafter=None, hardware=None,
+                       block_size=None)
 
     def to_wire(self) -> dict[str, Any]:
         """The schema-v1 body of ``GET /v1/internal/mtp-policy``."""

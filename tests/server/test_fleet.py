@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from mlxcel.testing.tools import build_scripted_checkpoint
+from tests.conftest import validate_wire
 from tests.server.conftest import running_server
 
 SCRIPTS = {"hello": ("Hello", " there", ",", " friend", "."), "bye": ("Bye", " for", " now", "."),
@@ -89,6 +90,9 @@ names = ["broken"]
         listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
         assert listed["broken"]["state"] == "failed" and listed["broken"]["error"]
         assert (await client.get("/v1/models/claude-haiku-4-5")).json()["id"] == "bye"
+        # The policy of each model: the default's without ?model=, a model not loaded well-formed and not loaded.
+        policies = {name: await client.get("/v1/internal/mtp-policy", params={"model": name} if name else None)
+                    for name in ("", "third", "claude-haiku-4-5", "gpt-4o")}
         # A name nobody answers to: each route's own 404, listing every model.
         openai = await _say(client, "gpt-4o")
         anthropic = await _say(client, "gpt-4o", "/v1/messages")
@@ -98,6 +102,12 @@ names = ["broken"]
                                                  "'bye', 'third', 'broken'")
     assert anthropic.json()["error"]["type"] == "not_found_error"
     assert health["status"] == "ok" and health["model"] == "hello"
+    for name in ("", "third", "claude-haiku-4-5"):
+        validate_wire(policies[name].json())
+    assert policies[""].json()["reason"] == "no_mtp_dispatch"  # hello, loaded, has no drafter
+    assert (policies["third"].json()["reason"], policies["third"].json()["mtp_enabled"]) == ("not_loaded", None)
+    assert policies["claude-haiku-4-5"].json()["reason"] == "no_mtp_dispatch"  # bye, loaded at that moment
+    assert policies["gpt-4o"].status_code == 404 and policies["gpt-4o"].json()["error"]["code"] == "model_not_found"
 
 
 async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloads_idle_ones(
