@@ -75,6 +75,8 @@ class Slot:
         self.observability: Observability | None = None
         self.busy = 0
         """Requests of its own in flight."""
+        self.weight_bytes: int | None = None
+        """Its weights' bytes (a drafter's beside them included), known once it has been built."""
         self.last_used = 0.0
         self.stopped = trio.Event()
 
@@ -85,6 +87,8 @@ class Slot:
     def describe(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
                                 "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
+        if self.weight_bytes is not None:
+            body["weight_bytes"] = self.weight_bytes
         if self.error is not None:
             body["error"] = self.error
         return body
@@ -96,8 +100,9 @@ class Fleet:
 
     def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], ModelParts], *, api_keys: tuple[str, ...],
                  max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
-                 idle_unload: float | None = None) -> None:
+                 idle_unload: float | None = None, blas: str | None = None) -> None:
         self.catalog = catalog
+        self._blas = blas
         self._build = build
         self._api_keys = api_keys
         self._max_body_bytes = max_body_bytes
@@ -109,6 +114,8 @@ class Fleet:
         self._not_loaded = MtpPolicy(policy).snapshot.not_loaded().to_wire()
         self._idle_scope = trio.CancelScope()
         self._stopping = False
+        self._ever_loaded = False
+        """Whether any model has loaded: until then, the server is starting (``/health`` 503)."""
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -148,7 +155,9 @@ class Fleet:
         """Build *slot*'s engine and app, run the engine until it stops; a failure fails this model alone."""
         try:
             parts = self._build(slot.entry)
+            slot.weight_bytes = parts.checkpoint.weight_bytes + _drafter_bytes(parts.worker)
             observability = Observability(MtpPolicy(parts.worker.policy).snapshot, model=slot.entry.id)
+            observability.blas = self._blas
             engine = Engine(parts.checkpoint, parts.worker, observability, max_queue_depth=parts.max_queue_depth)
             slot.engine, slot.observability = engine, observability
             slot.app = create_app(engine, observability, parts.options)
@@ -158,6 +167,7 @@ class Fleet:
                 await _first_of(engine.ready, engine.finished)
                 if engine.ready.is_set() and not engine.finished.is_set():
                     slot.state = "loaded"
+                    self._ever_loaded = True
                     logger.info("%s is loaded", slot.entry.id)
                     self._notify()
         except Exception as exc:  # this model's; every other keeps serving
@@ -251,11 +261,8 @@ class Fleet:
             if name is not None:
                 await self._policy_of(name, scope, receive, send)
                 return
-        if method == "GET" and path in ("/health", "/v1/health") and self.default.state in ("unloaded", "failed"):
-            # Not a reason to load the default model again: the server is up, and loads models on demand.
-            # (While it loads, its app answers, 503 as a lone server's does.)
-            await _json(send, 200, {"status": "ok", "model": self.default.entry.id,
-                                    "models": [s.describe() for s in self.slots.values()]})
+        if method == "GET" and path in ("/health", "/v1/health"):
+            await self._health(send)
             return
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
             messages, complete = await _read_body(receive, self._max_body_bytes)
@@ -275,6 +282,19 @@ class Fleet:
             return True
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         return key_matches(credential(headers.get("authorization"), headers.get("x-api-key")), self._api_keys)
+
+    async def _health(self, send: Send) -> None:
+        """Public, as a lone server's: 503 ``loading`` while the default model first loads, else 200 ``ok`` (a
+        model unloaded, or one that failed, is no reason to call the server down: it loads on demand), with every
+        model's state and the default model's policy and BLAS while it is loaded."""
+        default = self.default
+        status = "loading" if default.state == "loading" and not self._ever_loaded else "ok"
+        body: dict[str, Any] = {"status": status, "model": default.entry.id,
+                                "models": [s.describe() for s in self.slots.values()]}
+        if default.observability is not None:
+            body["observability"] = {"mtp_policy": default.observability.policy.to_health(),
+                                     "blas": default.observability.blas}
+        await _json(send, 503 if status == "loading" else 200, body)
 
     async def _policy_of(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         """``GET /v1/internal/mtp-policy?model=NAME``: that model's app answers while it is loaded or loading; a model
@@ -329,6 +349,14 @@ async def _first_of(*events: trio.Event) -> None:
             nursery.cancel_scope.cancel()
         for event in events:
             nursery.start_soon(wait, event)
+
+
+def _drafter_bytes(worker: WorkerSettings) -> int:
+    """A standalone drafter's weights' bytes (an in-checkpoint head's are the checkpoint's)."""
+    drafter = worker.drafter
+    if drafter is None or drafter.in_checkpoint:
+        return 0
+    return sum(f.stat().st_size for f in drafter.path.glob("*.safetensors"))
 
 
 def _release_memory() -> None:

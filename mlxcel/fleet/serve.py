@@ -53,7 +53,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     if shutdown is None:
         shutdown = trio.Event()
     fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
-                  policy=config.policy, max_loaded=config.max_loaded, idle_unload=config.idle_unload)
+                  policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload)
     app = guard_transport(fleet, drain_limit=config.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()

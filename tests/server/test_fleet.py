@@ -101,7 +101,10 @@ names = ["broken"]
     assert openai.json()["error"]["message"] == ("the model 'gpt-4o' does not exist; this server serves 'hello', "
                                                  "'bye', 'third', 'broken'")
     assert anthropic.json()["error"]["type"] == "not_found_error"
-    assert health["status"] == "ok" and health["model"] == "hello"
+    assert health["status"] == "ok" and health["model"] == "hello" and health["observability"]["blas"]
+    assert {m["id"]: m["state"] for m in health["models"]} == {"hello": "loaded", "bye": "loaded",
+                                                               "third": "unloaded", "broken": "failed"}
+    assert listed["hello"]["weight_bytes"] == sum(f.stat().st_size for f in scripted["hello"].glob("*.safetensors"))
     for name in ("", "third", "claude-haiku-4-5"):
         validate_wire(policies[name].json())
     assert policies[""].json()["reason"] == "no_mtp_dispatch"  # hello, loaded, has no drafter
