@@ -111,3 +111,24 @@ def kernel_versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def default_memory_budget() -> tuple[int, str]:
+    """What this machine can hold safely, and how that was found: on Apple silicon nine tenths of the GPU's
+    recommended working set (wired memory beyond it is not paged: past it, the kernel panics), on a CUDA device
+    nine tenths of its memory, elsewhere three quarters of physical memory."""
+    import os
+
+    import mlx.core as mx
+
+    info = mx.device_info()
+    for key, what in (("max_recommended_working_set_size", "the GPU's recommended working set"),
+                      ("memory_size", "the device's memory")):
+        size = info.get(key)
+        if (mx.metal.is_available() or mx.cuda.is_available()) and isinstance(size, int) and size > 0:
+            return size * 9 // 10, f"nine tenths of {what} ({size / 1e9:.1f} GB)"
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        physical = 8 << 30
+    return physical * 3 // 4, f"three quarters of physical memory ({physical / 1e9:.1f} GB)"

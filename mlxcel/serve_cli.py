@@ -128,6 +128,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-loaded", type=_positive("--max-loaded"), default=None, metavar="N",
                         help="with several models: at most N loaded at once; the least recently used idle one "
                              "is unloaded to make room (default: no bound)")
+    parser.add_argument("--memory-budget", type=_byte_size, default=None, metavar="SIZE",
+                        help="what the server may hold, e.g. 24G: each model is charged its weights, its drafter's "
+                             "and its prefix cache bound; a model that does not fit unloads idle ones first "
+                             "(default: what this machine holds safely, printed at start)")
     parser.add_argument("--idle-unload", type=_duration, default=None, metavar="DURATION",
                         help="with several models: unload one idle this long, e.g. 10m (default: never)")
     drafter = parser.add_mutually_exclusive_group()
@@ -246,6 +250,13 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
     sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
     worker, options = _model_serving(args, env, blas, keys, checkpoint, drafter, block_size,
                                      names=args.served_model_name, sharding=sharding)
+    if args.memory_budget is not None:  # the model's charge must fit (a fleet's models take turns instead)
+        from .fleet.residency import charge, size
+
+        need = charge(checkpoint.weight_bytes, drafter.own_bytes() if drafter else 0, worker.prefix_cache_bytes)
+        if need > args.memory_budget:
+            raise UsageError(f"{checkpoint.name} needs {size(need)} (weights, drafter, prefix cache bound), more "
+                             f"than --memory-budget {size(args.memory_budget)}")
     connections = connection_limits(args)
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
                        max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
@@ -290,9 +301,22 @@ def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tup
 
     logger.info("%d models: %s", len(available), ", ".join(available))
     return FleetConfig(catalog=models, build=build, policy=env.policy, api_keys=keys,
-                       max_body_bytes=args.max_body_bytes, max_loaded=args.max_loaded,
+                       max_body_bytes=args.max_body_bytes, max_loaded=args.max_loaded, budget=_budget(args),
                        idle_unload=args.idle_unload, host=args.host, port=args.port, blas=blas,
                        connections=connection_limits(args), access_log=args.access_log)
+
+
+def _budget(args: argparse.Namespace) -> int:
+    """``--memory-budget``, else what this machine holds safely; said in the log either way."""
+    from .fleet.residency import size
+    from .hardware import default_memory_budget
+
+    if args.memory_budget is not None:
+        logger.info("memory budget: %s (--memory-budget)", size(args.memory_budget))
+        return int(args.memory_budget)
+    budget, how = default_memory_budget()
+    logger.info("memory budget: %s, %s (--memory-budget sets another)", size(budget), how)
+    return budget
 
 
 def _drafter(args: argparse.Namespace, checkpoint: CheckpointInfo, mtp: bool, draft_model: Path | None,

@@ -32,7 +32,7 @@ from ..observability import Observability
 from ..policy import MtpPolicy, PolicySettings
 from ..server import ServerOptions, create_app
 from .catalog import Catalog, ModelEntry
-from .residency import Resident, idle_too_long, next_idle_deadline, to_unload_for_one_more
+from .residency import Resident, charge, idle_too_long, next_idle_deadline, size, to_unload_for
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,13 @@ class ModelParts:
     options: ServerOptions
     max_queue_depth: int
 
+    def drafter_bytes(self) -> int:
+        return self.worker.drafter.own_bytes() if self.worker.drafter is not None else 0
+
+    def charge(self) -> int:
+        """What this model is charged against the memory budget while loaded."""
+        return charge(self.checkpoint.weight_bytes, self.drafter_bytes(), self.worker.prefix_cache_bytes)
+
 
 class Slot:
     """One catalog entry and, while it is loaded, its engine and app."""
@@ -75,20 +82,24 @@ class Slot:
         self.observability: Observability | None = None
         self.busy = 0
         """Requests of its own in flight."""
-        self.weight_bytes: int | None = None
-        """Its weights' bytes (a drafter's beside them included), known once it has been built."""
+        self.parts: ModelParts | None = None
+        """How it is served, built (checkpoint inspected, drafter found) when it is first wanted."""
+        self.building = trio.Lock()
+        self.charged = 0
+        """What it is charged against the memory budget while loaded (:func:`.residency.charge`)."""
         self.last_used = 0.0
         self.stopped = trio.Event()
 
     def resident(self) -> Resident:
         return Resident(self.entry.id, self.entry.pin, self.busy > 0 or self.state in ("loading", "unloading"),
-                        self.last_used, self.idle_unload)
+                        self.last_used, self.idle_unload, self.charged)
 
     def describe(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
                                 "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
-        if self.weight_bytes is not None:
-            body["weight_bytes"] = self.weight_bytes
+        if self.parts is not None:
+            body["weight_bytes"] = self.parts.checkpoint.weight_bytes + self.parts.drafter_bytes()
+            body["charged_bytes"] = self.parts.charge()
         if self.error is not None:
             body["error"] = self.error
         return body
@@ -100,8 +111,9 @@ class Fleet:
 
     def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], ModelParts], *, api_keys: tuple[str, ...],
                  max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
-                 idle_unload: float | None = None, blas: str | None = None) -> None:
+                 idle_unload: float | None = None, blas: str | None = None, budget: int | None = None) -> None:
         self.catalog = catalog
+        self.budget = budget
         self._blas = blas
         self._build = build
         self._api_keys = api_keys
@@ -123,7 +135,7 @@ class Fleet:
         """Load the default model, unload idle ones when due, and own every engine's task until cancelled."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            self._start_loading(self.slots[self.catalog.default.id])
+            nursery.start_soon(self._preload, self.default)
             nursery.start_soon(self._unload_when_idle)
             task_status.started()
         # Returns once stopped (:meth:`stop`) and every engine has returned.
@@ -141,21 +153,27 @@ class Fleet:
                 slot.engine.stop()
         self._notify()
 
+    async def _preload(self, slot: Slot) -> None:
+        try:
+            await self.ready(slot)
+        except ApiError as error:  # said in the log and in /v1/models; the others serve on
+            logger.error("%s", error.message)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
 
     def _start_loading(self, slot: Slot) -> None:
-        assert self._nursery is not None, "Fleet.run is not running"
-        slot.state, slot.error, slot.stopped = "loading", None, trio.Event()
+        assert self._nursery is not None and slot.parts is not None, "Fleet.run is not running, or unbuilt"
+        slot.state, slot.error, slot.stopped, slot.charged = "loading", None, trio.Event(), slot.parts.charge()
         self._notify()
         self._nursery.start_soon(self._serve_model, slot)
 
     async def _serve_model(self, slot: Slot) -> None:
         """Build *slot*'s engine and app, run the engine until it stops; a failure fails this model alone."""
+        parts = slot.parts
+        assert parts is not None
         try:
-            parts = self._build(slot.entry)
-            slot.weight_bytes = parts.checkpoint.weight_bytes + _drafter_bytes(parts.worker)
             observability = Observability(MtpPolicy(parts.worker.policy).snapshot, model=slot.entry.id)
             observability.blas = self._blas
             engine = Engine(parts.checkpoint, parts.worker, observability, max_queue_depth=parts.max_queue_depth)
@@ -178,10 +196,23 @@ class Fleet:
             if slot.state != "failed":
                 slot.state = "unloaded"
             slot.engine = slot.app = slot.observability = None
+            slot.charged = 0
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_release_memory)
             slot.stopped.set()
             self._notify()
+
+    async def _build_parts(self, slot: Slot) -> None:
+        """*slot*'s :class:`ModelParts`, built on a thread (it reads the checkpoint's headers); a failure fails it."""
+        async with slot.building:
+            if slot.parts is not None or slot.state == "failed":
+                return
+            try:
+                slot.parts = await trio.to_thread.run_sync(self._build, slot.entry)
+            except Exception as exc:  # a bad checkpoint or drafter: this model's failure alone
+                slot.state, slot.error = "failed", str(exc) or type(exc).__name__
+                logger.error("the model %s cannot be served: %s", slot.entry.id, slot.error)
+                self._notify()
 
     async def _unload(self, slot: Slot, why: str) -> None:
         logger.info("unloading %s: %s", slot.entry.id, why)
@@ -219,10 +250,19 @@ class Fleet:
                     if slot.state == "failed":
                         raise ApiError(500, f"the model {slot.entry.id!r} failed to load: {slot.error}",
                                        type="server_error", code="model_load_failed")
+                    if slot.state == "unloaded" and slot.parts is None:
+                        await self._build_parts(slot)
+                        continue
                     if slot.state == "unloaded":
+                        need = slot.parts.charge() if slot.parts is not None else 0
+                        if self.budget is not None and need > self.budget:
+                            raise ApiError(503, f"the model {slot.entry.id!r} needs {size(need)} (weights, drafter, "
+                                                f"prefix cache bound), more than the memory budget of "
+                                                f"{size(self.budget)} (--memory-budget, --prompt-cache-bytes)",
+                                           type="server_error", code="model_too_large")
                         others = [s.resident() for s in self.slots.values()
                                   if s is not slot and s.state in ("loading", "loaded", "unloading")]
-                        unload = to_unload_for_one_more(others, self.max_loaded)
+                        unload = to_unload_for(others, need, self.budget, self.max_loaded)
                         if unload == []:
                             self._start_loading(slot)
                             continue
@@ -291,6 +331,9 @@ class Fleet:
         status = "loading" if default.state == "loading" and not self._ever_loaded else "ok"
         body: dict[str, Any] = {"status": status, "model": default.entry.id,
                                 "models": [s.describe() for s in self.slots.values()]}
+        charged = sum(slot.charged for slot in self.slots.values())
+        body["memory"] = {"budget": self.budget, "charged": charged,
+                          "free": None if self.budget is None else self.budget - charged}
         if default.observability is not None:
             body["observability"] = {"mtp_policy": default.observability.policy.to_health(),
                                      "blas": default.observability.blas}
@@ -349,14 +392,6 @@ async def _first_of(*events: trio.Event) -> None:
             nursery.cancel_scope.cancel()
         for event in events:
             nursery.start_soon(wait, event)
-
-
-def _drafter_bytes(worker: WorkerSettings) -> int:
-    """A standalone drafter's weights' bytes (an in-checkpoint head's are the checkpoint's)."""
-    drafter = worker.drafter
-    if drafter is None or drafter.in_checkpoint:
-        return 0
-    return sum(f.stat().st_size for f in drafter.path.glob("*.safetensors"))
 
 
 def _release_memory() -> None:

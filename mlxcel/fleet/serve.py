@@ -39,6 +39,8 @@ class FleetConfig:
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     max_loaded: int | None = None
+    budget: int | None = None
+    """``--memory-budget``: the bytes every loaded model's charge must stay within (None: no bound)."""
     idle_unload: float | None = None
     host: str = "127.0.0.1"
     port: int = 8080
@@ -53,7 +55,8 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     if shutdown is None:
         shutdown = trio.Event()
     fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
-                  policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload)
+                  policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload,
+                  budget=config.budget)
     app = guard_transport(fleet, drain_limit=config.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()

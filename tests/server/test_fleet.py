@@ -12,7 +12,7 @@ import trio
 
 from mlxcel.testing.tools import build_scripted_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import running_server
+from tests.server.conftest import refused, running_server
 
 SCRIPTS = {"hello": ("Hello", " there", ",", " friend", "."), "bye": ("Bye", " for", " now", "."),
            "third": ("A", " third", " one", ".")}
@@ -146,3 +146,38 @@ async def test_without_a_key_nothing_is_listed_or_loaded(scripted: dict[str, Pat
     assert (listed.status_code, asked.status_code, anthropic.status_code) == (401, 401, 401)
     assert anthropic.json()["error"]["type"] == "authentication_error"
     assert states == {"hello": "loaded", "bye": "unloaded"}
+
+
+async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
+        scripted: dict[str, Path], tmp_path: Path) -> None:
+    # Each scripted model is charged its ~0.6 MB of weights and its 1 MiB prefix cache bound: two fit in 3.5 MiB.
+    root = tmp_path / "models"
+    root.mkdir()
+    for name in ("bye", "third"):
+        (root / name).symlink_to(scripted[name], target_is_directory=True)
+    common = ["--model", str(scripted["hello"]), "--model-dir", str(root), "--prompt-cache-bytes", "1M"]
+    async with running_server([*common, "--memory-budget", "3.5M"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        assert _text(await _say(client, "bye")) == "Bye for now."
+        assert await _states(client) == {"hello": "loaded", "bye": "loaded", "third": "unloaded"}
+        assert _text(await _say(client, "third")) == "A third one."  # hello is the least recently used
+        assert await _states(client) == {"hello": "unloaded", "bye": "loaded", "third": "loaded"}
+        memory = (await client.get("/health")).json()["memory"]
+        listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+    assert memory["budget"] == int(3.5 * (1 << 20))
+    assert memory["charged"] == listed["bye"]["charged_bytes"] + listed["third"]["charged_bytes"]
+    assert memory["free"] == memory["budget"] - memory["charged"] > 0
+    assert listed["third"]["charged_bytes"] == listed["third"]["weight_bytes"] + (1 << 20)
+    async with running_server([*common, "--memory-budget", "1M"], ready=False) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        too_large = await _say(client, "bye")
+        health = await client.get("/health")
+    assert too_large.status_code == 503 and too_large.json()["error"]["code"] == "model_too_large"
+    assert too_large.json()["error"]["message"].startswith("the model 'bye' needs 1.")
+    assert "more than the memory budget of 1.05 MB" in too_large.json()["error"]["message"]
+    assert health.status_code == 200  # nothing could load, and the server still answers
+
+
+def test_a_lone_model_over_its_memory_budget_is_refused_at_start(scripted: dict[str, Path]) -> None:
+    said = refused("--model", str(scripted["hello"]), "--prompt-cache-bytes", "1M", "--memory-budget", "1M")
+    assert "needs 1.6" in said and "more than --memory-budget 1.05 MB" in said

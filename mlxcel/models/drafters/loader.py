@@ -45,6 +45,13 @@ class DrafterSpec:
     block_size: int | None = None
     """The K the drafter's config names, if any (the default when neither flag nor environment does)."""
 
+    def own_bytes(self) -> int:
+        """The bytes of weights it adds to the target's: its directory's safetensors, none for an in-checkpoint
+        head (the target's own files hold it)."""
+        if self.in_checkpoint:
+            return 0
+        return sum(f.stat().st_size for f in self.path.glob("*.safetensors"))
+
 
 def block_size_of(value: Any) -> int | None:
     """A config's ``block_size``, when it is one mlxcel can run (2 to 32)."""
