@@ -8,8 +8,8 @@ Three random-weight llamas of the same size, A pinned, B and C not:
    other (a switch: the loaded one unloaded, the other loaded, then the request), alternating; prints the medians
    and the switch's cost over the warm request's.
 2. ``--max-loaded 2``: A streams a long completion while B or C (alternately, each unloading the other) loads
-   for a request of its own; prints A's inter-token gaps (median, worst) during the load against a stream with
-   nothing loading beside it, and their ratio.
+   for a request of its own; prints A's inter-token gaps (median, worst) while that model loads (from its request
+   until ``/v1/models`` says it is loaded) against a stream with nothing loading beside it, and their ratio.
 """
 
 from __future__ import annotations
@@ -56,9 +56,17 @@ def stream_gaps(client: httpx.Client, url: str, model: str, tokens: int, beside:
     other: threading.Thread | None = None
 
     def load() -> None:
+        """The other model's request, on its own thread; the marks span its model's load alone (from the
+        request to ``/v1/models`` saying it is loaded), not its prefill and decode after."""
+        sent = threading.Thread(target=request, args=(httpx.Client(timeout=600), url, beside or "", 4))
         marks["start"] = time.perf_counter()
-        request(httpx.Client(timeout=600), url, beside or "", 4)
+        sent.start()
+        with httpx.Client(timeout=60) as poll:
+            while not any(m["id"] == beside and m["state"] == "loaded"
+                          for m in poll.get(f"{url}/v1/models").json()["data"]):
+                time.sleep(0.01)
         marks["end"] = time.perf_counter()
+        sent.join()
 
     with client.stream("POST", f"{url}/v1/completions", json={
             "model": model, "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True}) as response:

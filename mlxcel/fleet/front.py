@@ -39,8 +39,9 @@ logger = logging.getLogger(__name__)
 #: The routes whose JSON body names the model.
 MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
                           "/v1/responses"})
-#: The policy endpoint: ``?model=NAME`` asks for another model's.
+#: The policy endpoint, and every status route: ``?model=NAME`` asks for that model's (else the default's).
 POLICY = "/v1/internal/mtp-policy"
+PER_MODEL = frozenset({POLICY, "/metrics", "/v1/cache/stats", "/props", "/slots"})
 #: How long a request waits for its model to load, and for room to load it in, before a 503.
 LOAD_WAIT = 600.0
 #: Bodies up to this many bytes are parsed for their ``model`` on the event loop; larger ones on a thread.
@@ -96,6 +97,7 @@ class Slot:
 
     def describe(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
+                                "names": [*self.entry.exact_names, *self.entry.patterns],
                                 "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
         if self.parts is not None:
             body["weight_bytes"] = self.parts.checkpoint.weight_bytes + self.parts.drafter_bytes()
@@ -126,8 +128,8 @@ class Fleet:
         self._not_loaded = MtpPolicy(policy).snapshot.not_loaded().to_wire()
         self._idle_scope = trio.CancelScope()
         self._stopping = False
-        self._ever_loaded = False
-        """Whether any model has loaded: until then, the server is starting (``/health`` 503)."""
+        self._started = False
+        """Whether the default model's first load has ended, loaded or not: until then ``/health`` is 503."""
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -158,6 +160,8 @@ class Fleet:
             await self.ready(slot)
         except ApiError as error:  # said in the log and in /v1/models; the others serve on
             logger.error("%s", error.message)
+        finally:
+            self._started = True
 
     def _notify(self) -> None:
         self._changed.set()
@@ -185,7 +189,6 @@ class Fleet:
                 await _first_of(engine.ready, engine.finished)
                 if engine.ready.is_set() and not engine.finished.is_set():
                     slot.state = "loaded"
-                    self._ever_loaded = True
                     logger.info("%s is loaded", slot.entry.id)
                     self._notify()
         except Exception as exc:  # this model's; every other keeps serving
@@ -296,10 +299,10 @@ class Fleet:
             if named is not None:
                 await _json(send, 200, named.describe())
                 return
-        if method == "GET" and path == POLICY and self._authorized(scope):
+        if method == "GET" and path in PER_MODEL and self._authorized(scope):
             name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
             if name is not None:
-                await self._policy_of(name, scope, receive, send)
+                await self._status_of(name, scope, receive, send)
                 return
         if method == "GET" and path in ("/health", "/v1/health"):
             await self._health(send)
@@ -324,11 +327,11 @@ class Fleet:
         return key_matches(credential(headers.get("authorization"), headers.get("x-api-key")), self._api_keys)
 
     async def _health(self, send: Send) -> None:
-        """Public, as a lone server's: 503 ``loading`` while the default model first loads, else 200 ``ok`` (a
+        """Public, as a lone server's: 503 ``loading`` until the default model first loads, else 200 ``ok`` (a
         model unloaded, or one that failed, is no reason to call the server down: it loads on demand), with every
         model's state and the default model's policy and BLAS while it is loaded."""
         default = self.default
-        status = "loading" if default.state == "loading" and not self._ever_loaded else "ok"
+        status = "ok" if self._started else "loading"
         body: dict[str, Any] = {"status": status, "model": default.entry.id,
                                 "models": [s.describe() for s in self.slots.values()]}
         charged = sum(slot.charged for slot in self.slots.values())
@@ -339,9 +342,10 @@ class Fleet:
                                      "blas": default.observability.blas}
         await _json(send, 503 if status == "loading" else 200, body)
 
-    async def _policy_of(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
-        """``GET /v1/internal/mtp-policy?model=NAME``: that model's app answers while it is loaded or loading; a model
-        not loaded is a well-formed body (``unavailable/not_loaded``), loading nothing."""
+    async def _status_of(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
+        """A status route with ``?model=NAME``: that model's app answers while it is loaded or loading; for a
+        model not loaded, the policy endpoint is a well-formed body (``unavailable/not_loaded``) and the others a
+        503 ``model_not_loaded``; nothing is loaded to answer."""
         slot = self._slot_for(name)
         if slot is None:
             served = ", ".join(repr(i) for i in self.catalog.ids())
@@ -349,8 +353,11 @@ class Fleet:
                                                param="model", code="model_not_found"))
         elif slot.app is not None:
             await slot.app(scope, receive, send)
-        else:
+        elif scope["path"] == POLICY:
             await _json(send, 200, self._not_loaded)
+        else:
+            await _error(send, scope, ApiError(503, f"the model {slot.entry.id!r} is not loaded: its figures exist "
+                                                    f"while it is", type="server_error", code="model_not_loaded"))
 
     def _slot_for(self, name: str | None) -> Slot | None:
         entry = self.catalog.resolve(name)

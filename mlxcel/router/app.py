@@ -1,12 +1,14 @@
-"""The router's quart-trio app: exactly ``/health``, ``/router/stats`` and the two generation routes.
+"""The router's quart-trio app: exactly ``/health``, ``/router/stats``, ``/v1/models`` (the union of its nodes')
+and the two generation routes, each sent to a node that serves the model the request names.
 
-Every other path is 404 with an OpenAI-shaped body (``/v1/models``, ``/metrics``
-and the policy endpoint included: the contract's router exception). The API-key
+Every other path is 404 with an OpenAI-shaped body (``/metrics`` and the policy endpoint included: the
+contract's router exception). The API-key
 gate and the error handlers are the serving node's (``mlxcel/http/app.py``), with the router's own keys.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -19,12 +21,12 @@ from ..http.app import create_app
 from ..http.errors import ApiError
 from ..http.scope import at_request_end
 from .forward import Forwarder, Head, relay
-from .nodes import Node, stats_body
+from .nodes import Node, models_body, stats_body
 
 logger = logging.getLogger(__name__)
 
 #: The only paths a router mounts.
-ROUTER_PATHS = ("/health", "/router/stats", "/v1/chat/completions", "/v1/completions")
+ROUTER_PATHS = ("/health", "/router/stats", "/v1/models", "/v1/chat/completions", "/v1/completions")
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,15 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
         return stats_body(state.nodes, forwarder.decisions, rerouted=forwarder.rerouted, rejected=forwarder.rejected,
                           placement=forwarder.placement.mode, show_addresses=options.show_addresses)
 
+    @app.get("/v1/models")
+    async def models() -> Any:
+        return models_body(state.nodes)
+
     async def forward(path: str) -> Response:
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
-        scope, receive = await state.forwarder.open(state.nursery, path, body, dict(request.headers))
+        scope, receive = await state.forwarder.open(state.nursery, path, body, dict(request.headers),
+                                                    await _model_named(body))
         # No checkpoint since open(): however this request ends, its backend request ends with it.
         at_request_end(scope.cancel)
         try:
@@ -95,3 +102,13 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
         return await forward("/v1/chat/completions")
 
     return app
+
+
+async def _model_named(body: bytes) -> str | None:
+    """The request's ``model``, when its body is a JSON object naming one (a node finds what else is wrong)."""
+    try:
+        parsed = json.loads(body) if len(body) <= 1 << 16 else await trio.to_thread.run_sync(json.loads, body)
+    except ValueError:
+        return None
+    model = parsed.get("model") if isinstance(parsed, dict) else None
+    return model if isinstance(model, str) else None

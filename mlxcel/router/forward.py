@@ -35,7 +35,7 @@ import httpx
 import trio
 
 from ..http.errors import ApiError, unavailable
-from .nodes import Node, _describe
+from .nodes import Node, _describe, model_ids
 from .placement import Placement
 
 logger = logging.getLogger(__name__)
@@ -90,28 +90,36 @@ class Forwarder:
         self.rejected = 0
 
     async def open(self, nursery: trio.Nursery, path: str, body: bytes, headers: dict[str, str],
-                   ) -> tuple[trio.CancelScope, trio.MemoryReceiveChannel[object]]:
-        """Start forwarding; the scope that ends it and the channel its head and chunks arrive on."""
+                   model: str | None = None) -> tuple[trio.CancelScope, trio.MemoryReceiveChannel[object]]:
+        """Start forwarding to a node that serves *model* (the request's; None: any); the scope that ends it and
+        the channel its head and chunks arrive on."""
         send, receive = trio.open_memory_channel[object](0)
         scope = trio.CancelScope()
         outgoing = {k: v for k, v in headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
-        nursery.start_soon(self._run, scope, send, path, body, {**outgoing, **self.backend_headers})
+        nursery.start_soon(self._run, scope, send, path, body, {**outgoing, **self.backend_headers}, model)
         return scope, receive
 
     async def _run(self, scope: trio.CancelScope, send: trio.MemorySendChannel[object], path: str, body: bytes,
-                   headers: dict[str, str]) -> None:
+                   headers: dict[str, str], model: str | None) -> None:
         with scope:
             async with send:
                 try:
-                    await self._forward(send, path, body, headers)
+                    await self._forward(send, path, body, headers, model)
                 except trio.BrokenResourceError:
                     pass  # the handler is gone; the scope is being cancelled too
                 except Exception:  # never take the router down: this request ends, the others go on
                     logger.exception("forwarding %s failed", path)
 
     async def _forward(self, send: trio.MemorySendChannel[object], path: str, body: bytes,
-                       headers: dict[str, str]) -> None:
-        tried: set[int] = set()
+                       headers: dict[str, str], model: str | None) -> None:
+        # The nodes that do not serve the model count as tried: placement chooses among the others.
+        tried = {i for i, node in enumerate(self.nodes) if not node.serves(model)}
+        if len(tried) == len(self.nodes):
+            served = ", ".join(repr(n) for n in model_ids(self.nodes))
+            await send.send(ApiError(404, f"the model {model!r} does not exist; the nodes serve {served}",
+                                     param="model", code="model_not_found"))
+            return
+        others = len(tried)
         refused: ApiError | None = None
         while True:
             choice = self.placement.choose(self.nodes, frozenset(tried))
@@ -121,7 +129,7 @@ class Forwarder:
                                                        "no_backend"))
                 return
             index, reason = choice
-            if tried:
+            if len(tried) > others:
                 self.rerouted += 1
             tried.add(index)
             self.decisions[reason] += 1

@@ -9,6 +9,7 @@ it sent itself).
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import math
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..fleet.catalog import is_pattern
 from .policy_view import UNREADABLE, PolicyView, read_policy
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,8 @@ class Node:
     """trio time until which the node is out of rotation, a request on it having timed out (see mark_hung)."""
     hangs: int = 0
     """Timeouts in a row, none served since: each doubles the time out of rotation."""
+    models: list[dict[str, Any]] | None = None
+    """The model objects its ``/v1/models`` listed at the last probe (None: it lists none we can read)."""
     _load_source: str | None = field(default="/metrics", repr=False)
     """The load endpoint to try next; None once neither is mounted."""
 
@@ -83,6 +87,14 @@ class Node:
     @property
     def runs_burst(self) -> bool:
         return self.policy.runs_burst
+
+    def serves(self, model: str | None) -> bool:
+        """Whether a request naming *model* may go here: any when it names none (or ``default``), or when the node
+        lists no names (it predates them: it is asked and answers for itself)."""
+        if model is None or model == "default" or self.models is None:
+            return True
+        names = [n for m in self.models for n in m.get("names") or [m.get("id")] if isinstance(n, str)]
+        return any(model == n or (is_pattern(n) and fnmatch.fnmatchcase(model, n)) for n in names)
 
     def lose_request(self, error: str, *, timed_out: bool) -> None:
         """The node failed with one of this router's requests in flight (which is answered 502, never
@@ -125,6 +137,7 @@ class Node:
             # Read before publishing health: a node that /router/stats and /health count as healthy
             # shows the policy it answered this round, never the placeholder from before its first.
             self.policy = await self._read_policy(client, headers, timeout)
+            self.models = await self._read_models(client, headers, timeout)
         self.healthy, self.last_error = healthy, error
         if self.healthy != was:
             logger.info("%s is %s%s", self.id, "healthy" if self.healthy else "unhealthy",
@@ -140,6 +153,16 @@ class Node:
             return read_policy(response.json())
         except (httpx.HTTPError, ValueError):  # ValueError: not JSON
             return UNREADABLE
+
+    async def _read_models(self, client: httpx.AsyncClient, headers: dict[str, str],
+                           timeout: float) -> list[dict[str, Any]] | None:
+        try:
+            response = await client.get(f"{self.url}/v1/models", headers=headers, timeout=timeout)
+            data = response.json().get("data") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):  # not JSON, or not an object
+            return self.models
+        return [m for m in data if isinstance(m, dict) and isinstance(m.get("id"), str)] \
+            if isinstance(data, list) else None
 
     async def _read_load(self, client: httpx.AsyncClient, headers: dict[str, str], timeout: float) -> None:
         while self._load_source is not None:
@@ -185,6 +208,22 @@ def _busy_from_metrics(text: str) -> int | None:
         if running in values and waiting in values:
             return max(0, round(values[running] + values[waiting]))
     return None
+
+
+def model_ids(nodes: list[Node]) -> list[str]:
+    """Every model id the nodes listed, once each, in node order."""
+    return list(dict.fromkeys(m["id"] for node in nodes for m in node.models or ()))
+
+
+def models_body(nodes: list[Node]) -> dict[str, Any]:
+    """The router's ``/v1/models``: the union of its nodes' lists, each model once, with the nodes that serve it
+    (a model two nodes list is shown as the first listed it, with both node ids)."""
+    merged: dict[str, dict[str, Any]] = {}
+    for node in nodes:
+        for model in node.models or ():
+            entry = merged.setdefault(model["id"], {**model, "nodes": []})
+            entry["nodes"].append(node.id)
+    return {"object": "list", "data": list(merged.values())}
 
 
 def _describe(exc: BaseException) -> str:

@@ -356,8 +356,11 @@ class Generation:
 def register(app: Quart, ctx: ServerContext) -> None:
     def model_object() -> dict[str, Any]:
         # `max_model_len`: the context length, under vLLM's name (clients size their prompts by it).
-        return {"id": ctx.options.model_name, "object": "model", "created": 0, "owned_by": "mlxcel",
-                "max_model_len": ctx.options.context_length}
+        # `names`: every name and pattern a request's `model` may use here (what a router routes by).
+        options = ctx.options
+        return {"id": options.model_name, "object": "model", "created": 0, "owned_by": "mlxcel",
+                "max_model_len": options.context_length,
+                "names": [options.model_name, *options.aliases, *options.patterns]}
 
     @app.get("/v1/models")
     async def models() -> Any:

@@ -52,10 +52,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
         yield router, nodes
 
 
-def test_the_router_mounts_four_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
+def test_the_router_mounts_five_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
     router, nodes = cluster
     with httpx.Client(base_url=router.url, headers=AUTH, timeout=30) as client:
-        for path in ("/v1/models", "/v1/internal/mtp-policy", "/metrics", "/slots", "/props", "/v1/cache/stats",
+        listed = client.get("/v1/models").json()["data"]  # the union of the nodes' lists
+        assert [(m["id"], m["names"], m["nodes"]) for m in listed] == [("llama", ["llama"], ["node-0", "node-1"])]
+        for path in ("/v1/internal/mtp-policy", "/metrics", "/slots", "/props", "/v1/cache/stats",
                      "/", "/v1/health", "/v1/settings", "/router", "/nope"):
             response = client.get(path)
             assert response.status_code == 404, path
@@ -371,6 +373,39 @@ async def test_a_client_reading_a_large_answer_steadily_through_the_router_gets_
     if b"transfer-encoding: chunked" in head.lower():
         answer = _dechunked(answer)
     assert json.loads(answer)["choices"][0]["text"] == text
+
+
+async def test_the_router_sends_a_request_to_a_node_that_serves_its_model() -> None:
+    def answer(body: dict[str, object]) -> bytes:
+        data = json.dumps(body)
+        return (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+                f"Connection: close\r\n\r\n{data}").encode()
+
+    def node(name: str, names: list[str]) -> dict[bytes, bytes | None]:
+        return {b"/v1/models": answer({"object": "list", "data": [{"id": name, "object": "model", "names": names}]}),
+                b"/v1/completions": answer({"id": "cmpl-1", "object": "text_completion",
+                                            "choices": [{"index": 0, "text": f"from {name}"}]})}
+
+    async with trio.open_nursery() as nursery:
+        small = await _scripted_node(nursery, node("small", ["small", "claude-haiku-*"]))
+        big = await _scripted_node(nursery, node("big", ["big", "claude-opus-*", "claude-sonnet-*"]))
+        url = await _in_process_router(nursery, "--backend", small, "--backend", big)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            with trio.fail_after(30):  # until a probe has read both lists
+                while len((await client.get("/v1/models")).json()["data"]) < 2:
+                    await trio.sleep(0.05)
+            texts = {}
+            for model in ("claude-haiku-4-5", "claude-opus-4", "big", "small"):
+                response = await client.post("/v1/completions", json={**GREEDY, "model": model})
+                texts[model] = (response.json()["choices"][0]["text"], response.headers["X-Mlxcel-Node"])
+            unknown = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4o"})
+            anyone = await client.post("/v1/completions", json=GREEDY)
+        nursery.cancel_scope.cancel()
+    assert texts == {"claude-haiku-4-5": ("from small", "node-0"), "claude-opus-4": ("from big", "node-1"),
+                     "big": ("from big", "node-1"), "small": ("from small", "node-0")}
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    assert unknown.json()["error"]["message"] == "the model 'gpt-4o' does not exist; the nodes serve 'small', 'big'"
+    assert anyone.status_code == 200  # no model: any node
 
 
 def _dechunked(data: bytes) -> bytes:

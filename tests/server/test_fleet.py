@@ -93,6 +93,7 @@ names = ["broken"]
         # The policy of each model: the default's without ?model=, a model not loaded well-formed and not loaded.
         policies = {name: await client.get("/v1/internal/mtp-policy", params={"model": name} if name else None)
                     for name in ("", "third", "claude-haiku-4-5", "gpt-4o")}
+        caches = {name: await client.get("/v1/cache/stats", params={"model": name}) for name in ("bye", "third")}
         # A name nobody answers to: each route's own 404, listing every model.
         openai = await _say(client, "gpt-4o")
         anthropic = await _say(client, "gpt-4o", "/v1/messages")
@@ -111,6 +112,8 @@ names = ["broken"]
     assert (policies["third"].json()["reason"], policies["third"].json()["mtp_enabled"]) == ("not_loaded", None)
     assert policies["claude-haiku-4-5"].json()["reason"] == "no_mtp_dispatch"  # bye, loaded at that moment
     assert policies["gpt-4o"].status_code == 404 and policies["gpt-4o"].json()["error"]["code"] == "model_not_found"
+    assert caches["bye"].json()["lookups"] >= 1  # bye's own prefix cache: it has answered
+    assert caches["third"].status_code == 503 and caches["third"].json()["error"]["code"] == "model_not_loaded"
 
 
 async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloads_idle_ones(
