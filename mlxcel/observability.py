@@ -86,6 +86,15 @@ class ModelLimits:
     snapshots: bool = False
     """The model's cache cannot be rewound (recurrent or convolution state, a ring): the prefix cache serves a
     later prompt from snapshots only, so a chat prompt carries the positions worth one (its checkpoints)."""
+    sequence_bytes: int = 0
+    """What one sequence's cache holds whatever its length (recurrent and convolution state, the first
+    allocation of its KV), when measured (``WorkerSettings.measure_kv``); else 0."""
+    token_bytes: float = 0.0
+    """What each further token of a sequence adds to its cache (its KV), when measured; else 0."""
+
+    def sequence_cost(self, tokens: int) -> int:
+        """The bytes a sequence of at most *tokens* tokens may hold in its cache."""
+        return self.sequence_bytes + round(self.token_bytes * min(tokens, self.context_length))
 
 
 @dataclass(frozen=True, slots=True)

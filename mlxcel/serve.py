@@ -48,6 +48,8 @@ class ServeConfig:
     blas: str | None = None
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     access_log: bool = False
+    budget: int | None = None
+    """``--memory-budget``: the model is charged against it, and each request reserves its sequences' caches."""
     instrument: Instrument | None = field(default=None, compare=False)
     """Tests only: what the worker calls before the load and at its fault points (:mod:`.engine.instrument`)."""
 
@@ -65,7 +67,17 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
     observability.blas = config.blas
     engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
                     instrument=config.instrument)
-    app = guard_transport(create_app(engine, observability, config.options),
+    ledger = None
+    if config.budget is not None:
+        from .fleet.residency import charge
+        from .server.memory import MemoryLedger
+
+        ledger = MemoryLedger(config.budget)
+        drafter = config.worker.drafter
+        ledger.charge(config.checkpoint.name, charge(config.checkpoint.weight_bytes,
+                                                     drafter.own_bytes() if drafter else 0,
+                                                     config.worker.prefix_cache_bytes))
+    app = guard_transport(create_app(engine, observability, config.options, ledger),
                           drain_limit=config.options.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()

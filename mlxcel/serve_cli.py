@@ -132,6 +132,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what the server may hold, e.g. 24G: each model is charged its weights, its drafter's "
                              "and its prefix cache bound; a model that does not fit unloads idle ones first "
                              "(default: what this machine holds safely, printed at start)")
+    parser.add_argument("--memory-wait", type=_seconds("--memory-wait"), default=120.0, metavar="SECONDS",
+                        help="under a memory budget, how long a request waits for room for its sequences' caches "
+                             "before a 503 (default: %(default)s)")
     parser.add_argument("--idle-unload", type=_duration, default=None, metavar="DURATION",
                         help="with several models: unload one idle this long, e.g. 10m (default: never)")
     drafter = parser.add_mutually_exclusive_group()
@@ -249,7 +252,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
                                    chosen_block_size or default_block_size, chosen_block_size is not None)
     sharding = _join_group(args.distributed, checkpoint) if args.distributed else None
     worker, options = _model_serving(args, env, blas, keys, checkpoint, drafter, block_size,
-                                     names=args.served_model_name, sharding=sharding)
+                                     names=args.served_model_name, sharding=sharding,
+                                     budgeted=args.memory_budget is not None)
     if args.memory_budget is not None:  # the model's charge must fit (a fleet's models take turns instead)
         from .fleet.residency import charge, size
 
@@ -259,6 +263,7 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
                              f"than --memory-budget {size(args.memory_budget)}")
     connections = connection_limits(args)
     return ServeConfig(checkpoint=checkpoint, worker=worker, options=options, host=args.host, port=args.port,
+                       budget=args.memory_budget,
                        max_queue_depth=args.max_queue_depth, blas=blas, connections=connections,
                        access_log=args.access_log)
 
@@ -296,7 +301,7 @@ def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tup
                                        chosen or DEFAULT_DRAFT_BLOCK_SIZE, chosen is not None)
         worker, options = _model_serving(args, env, blas, keys, checkpoint, drafter, block_size,
                                          names=entry.exact_names, overrides=entry.options, patterns=entry.patterns,
-                                         available=available)
+                                         available=available, budgeted=True)
         return ModelParts(checkpoint, worker, options, args.max_queue_depth)
 
     logger.info("%d models: %s", len(available), ", ".join(available))
@@ -348,7 +353,7 @@ def _drafter(args: argparse.Namespace, checkpoint: CheckpointInfo, mtp: bool, dr
 def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tuple[str, ...],
                    checkpoint: CheckpointInfo, drafter: DrafterSpec | None, block_size: int, *, names: Sequence[str],
                    sharding: World | None = None, overrides: Mapping[str, int] | None = None,
-                   patterns: tuple[str, ...] = (), available: tuple[str, ...] = ()
+                   patterns: tuple[str, ...] = (), available: tuple[str, ...] = (), budgeted: bool = False
                    ) -> tuple[WorkerSettings, ServerOptions]:
     """How one model is served: its worker's settings and its routes' options, from the flags, and *overrides*
     (a ``--models`` table's own options, by their flag names with ``_``)."""
@@ -367,7 +372,8 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
                             policy=env.policy,
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding,
-                            prefill_step_size=option["prefill_step_size"], kv_bits=option["kv_bits"])
+                            prefill_step_size=option["prefill_step_size"], kv_bits=option["kv_bits"],
+                            measure_kv=budgeted)
     # The first served name is the model's; the others and the directory's name are accepted too.
     name, *aliases = dict.fromkeys([*names, checkpoint.name])
     options = ServerOptions(
@@ -375,7 +381,7 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
         model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=option["max_tokens"], api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
-        extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()})
+        extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()}, memory_wait=args.memory_wait)
     return worker, options
 
 def _join_group(mode: str, checkpoint: CheckpointInfo) -> World:

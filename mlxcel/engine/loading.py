@@ -204,3 +204,29 @@ def clear_device_cache() -> None:
     import mlx.core as mx
 
     mx.clear_cache()
+
+
+#: Tokens the cache cost is measured over: mlx-lm's KV cache grows by this many positions at a time.
+COST_STEP = 256
+
+
+def cache_cost(model: Any, new_cache: Callable[[], list[Any]]) -> tuple[int, float]:
+    """What a sequence's cache holds: (the bytes after its first :data:`COST_STEP` tokens, its recurrent and
+    convolution state and its KV's first allocation, which a reservation counts once as slack for the KV's
+    allocation in steps; the bytes each further token adds), read on a fresh cache after :data:`COST_STEP`
+    tokens and as many more. Shapes only: the forwards are never evaluated. (0, 0.0), said in the log, where a
+    family's cache cannot be read so: its requests then reserve nothing. Worker thread only."""
+    import mlx.core as mx
+
+    try:
+        cache = new_cache()
+        sizes = []
+        for _ in range(2):
+            model(mx.zeros((1, COST_STEP), dtype=mx.int32), cache=cache)
+            sizes.append(sum(c.nbytes for c in cache))
+    except Exception as exc:  # a cache mlxcel cannot size this way: the budget counts its model's charge only
+        logger.warning("cannot measure what a sequence's cache holds (%s: %s): requests reserve nothing for it",
+                       type(exc).__name__, exc)
+        return 0, 0.0
+    first, grown = sizes
+    return first, max(0.0, (grown - first) / COST_STEP)

@@ -42,6 +42,9 @@ class WorkerSettings:
     """``--draft-quantize``: quantize the drafter's linear layers to this many bits at load (affine, group 64)."""
     sharding: World | None = field(default=None, compare=False)
     """``--distributed``: this rank's place in the group (rank 0 runs the worker), or None: one process."""
+    measure_kv: bool = False
+    """Measure at load what a sequence's cache holds (``ModelLimits.sequence_bytes`` and ``token_bytes``): a
+    memory budget reserves it at admission."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,7 +124,7 @@ class Worker:
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
-        from .loading import load
+        from .loading import cache_cost, load
         from .prefix_cache import rewindable
         from .prompt_disk import open_prefix_cache
 
@@ -159,9 +159,12 @@ class Worker:
                            self.policy.state, speculation.decline)
         # Only a cache that cannot be rewound needs snapshots: a KV cache is trimmed back instead.
         self.snapshots = not rewindable(layers) and not self.prefix.off
+        sequence_bytes, token_bytes = (cache_cost(loaded.model, loaded.new_cache) if self.settings.measure_kv
+                                       else (0, 0.0))
         self.observability.limits = ModelLimits(vocab_size=loaded.vocab, embedding_size=loaded.embedding_rows,
                                                 context_length=self.checkpoint.context_length,
-                                                snapshots=self.snapshots)
+                                                snapshots=self.snapshots, sequence_bytes=sequence_bytes,
+                                                token_bytes=token_bytes)
         self._on_ready(self.tokenizer, loaded.grammar_tokenizer)
 
     def _loop(self) -> None:

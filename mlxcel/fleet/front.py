@@ -31,6 +31,7 @@ from ..models.loader import CheckpointInfo
 from ..observability import Observability
 from ..policy import MtpPolicy, PolicySettings
 from ..server import ServerOptions, create_app
+from ..server.memory import MemoryLedger
 from .catalog import Catalog, ModelEntry
 from .residency import Resident, charge, idle_too_long, next_idle_deadline, size, to_unload_for
 
@@ -102,6 +103,9 @@ class Slot:
         if self.parts is not None:
             body["weight_bytes"] = self.parts.checkpoint.weight_bytes + self.parts.drafter_bytes()
             body["charged_bytes"] = self.parts.charge()
+        limits = self.observability.limits if self.observability is not None else None
+        if limits is not None and limits.token_bytes:
+            body["cache_bytes"] = {"per_sequence": limits.sequence_bytes, "per_token": limits.token_bytes}
         if self.error is not None:
             body["error"] = self.error
         return body
@@ -116,6 +120,8 @@ class Fleet:
                  idle_unload: float | None = None, blas: str | None = None, budget: int | None = None) -> None:
         self.catalog = catalog
         self.budget = budget
+        self.ledger = MemoryLedger(budget) if budget is not None else None
+        """What the models are charged and the requests reserve, shared by every model's app."""
         self._blas = blas
         self._build = build
         self._api_keys = api_keys
@@ -170,6 +176,8 @@ class Fleet:
     def _start_loading(self, slot: Slot) -> None:
         assert self._nursery is not None and slot.parts is not None, "Fleet.run is not running, or unbuilt"
         slot.state, slot.error, slot.stopped, slot.charged = "loading", None, trio.Event(), slot.parts.charge()
+        if self.ledger is not None:
+            self.ledger.charge(slot.entry.id, slot.charged)
         self._notify()
         self._nursery.start_soon(self._serve_model, slot)
 
@@ -182,7 +190,7 @@ class Fleet:
             observability.blas = self._blas
             engine = Engine(parts.checkpoint, parts.worker, observability, max_queue_depth=parts.max_queue_depth)
             slot.engine, slot.observability = engine, observability
-            slot.app = create_app(engine, observability, parts.options)
+            slot.app = create_app(engine, observability, parts.options, self.ledger)
             logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(engine.run)
@@ -200,6 +208,8 @@ class Fleet:
                 slot.state = "unloaded"
             slot.engine = slot.app = slot.observability = None
             slot.charged = 0
+            if self.ledger is not None:
+                self.ledger.uncharge(slot.entry.id)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_release_memory)
             slot.stopped.set()
@@ -265,7 +275,9 @@ class Fleet:
                                            type="server_error", code="model_too_large")
                         others = [s.resident() for s in self.slots.values()
                                   if s is not slot and s.state in ("loading", "loaded", "unloading")]
-                        unload = to_unload_for(others, need, self.budget, self.max_loaded)
+                        # The requests in flight keep their reservations: the models' charges make room around them.
+                        reserved = self.ledger.reserved if self.ledger is not None else 0
+                        unload = to_unload_for(others, need + reserved, self.budget, self.max_loaded)
                         if unload == []:
                             self._start_loading(slot)
                             continue
@@ -334,9 +346,8 @@ class Fleet:
         status = "ok" if self._started else "loading"
         body: dict[str, Any] = {"status": status, "model": default.entry.id,
                                 "models": [s.describe() for s in self.slots.values()]}
-        charged = sum(slot.charged for slot in self.slots.values())
-        body["memory"] = {"budget": self.budget, "charged": charged,
-                          "free": None if self.budget is None else self.budget - charged}
+        if self.ledger is not None:
+            body["memory"] = self.ledger.to_json()
         if default.observability is not None:
             body["observability"] = {"mtp_policy": default.observability.policy.to_health(),
                                      "blas": default.observability.blas}

@@ -13,6 +13,7 @@ import trio
 
 from ..engine import Event, GenerationRequest
 from ..observability import Observability
+from .memory import MemoryLedger
 from .tokens import Tokens
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class ServerOptions:
     slots: bool = False
     metrics: bool = False
     extra_props: dict[str, Any] = field(default_factory=dict)
+    memory_wait: float = 120.0
+    """Seconds a request waits for room for its sequences' caches under a memory budget before a 503."""
 
 
 def serves(options: ServerOptions, name: str) -> bool:
@@ -87,3 +90,5 @@ class ServerContext:
     options: ServerOptions
     tokens: Tokens = field(default_factory=Tokens)
     places: HeldPlaces = field(default_factory=HeldPlaces)
+    ledger: MemoryLedger | None = None
+    """The memory budget's ledger (``--memory-budget``; a server of several models always has one), or None."""

@@ -30,6 +30,8 @@ def register(app: Quart, ctx: ServerContext) -> None:
         if observability.error:
             body["error"] = observability.error
         body["observability"] = {"mtp_policy": observability.policy.to_health(), "blas": observability.blas}
+        if ctx.ledger is not None:
+            body["memory"] = ctx.ledger.to_json()
         return body, 200 if state == "ready" else 503
 
     app.add_url_rule("/health", "health", health, methods=["GET"])

@@ -3,6 +3,7 @@ answering its own script, so which model answered is the text itself."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -167,9 +168,19 @@ async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
         assert await _states(client) == {"hello": "unloaded", "bye": "loaded", "third": "loaded"}
         memory = (await client.get("/health")).json()["memory"]
         listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
+        # A request whose sequence may reach 1,000 tokens needs more cache than the models leave: refused at once.
+        greedy = await client.post("/v1/chat/completions", json={
+            "model": "bye", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]})
     assert memory["budget"] == int(3.5 * (1 << 20))
     assert memory["charged"] == listed["bye"]["charged_bytes"] + listed["third"]["charged_bytes"]
-    assert memory["free"] == memory["budget"] - memory["charged"] > 0
+    assert memory["free"] == memory["budget"] - memory["charged"] - memory["reserved"] > 0
+    assert memory["reserved"] == 0  # no request in flight
+    # What a token adds to a sequence's cache, measured at load, is what the checkpoint's shape says: K and V
+    # for each layer's KV heads, float32.
+    config = json.loads((scripted["bye"] / "config.json").read_text())
+    per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
+    assert listed["bye"]["cache_bytes"]["per_token"] == per_token
+    assert greedy.status_code == 503 and greedy.json()["error"]["code"] == "insufficient_memory"
     assert listed["third"]["charged_bytes"] == listed["third"]["weight_bytes"] + (1 << 20)
     async with running_server([*common, "--memory-budget", "1M"], ready=False) as url, \
             httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -179,6 +190,20 @@ async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
     assert too_large.json()["error"]["message"].startswith("the model 'bye' needs 1.")
     assert "more than the memory budget of 1.05 MB" in too_large.json()["error"]["message"]
     assert health.status_code == 200  # nothing could load, and the server still answers
+
+
+async def test_a_lone_model_under_a_memory_budget_reserves_each_requests_cache(scripted: dict[str, Path]) -> None:
+    async with running_server(["--model", str(scripted["hello"]), "--prompt-cache-bytes", "1M",
+                               "--memory-budget", "2M"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        small = await _say(client, "hello")
+        large = await client.post("/v1/chat/completions", json={
+            "max_tokens": 2000, "messages": [{"role": "user", "content": "hi"}]})
+        memory = (await client.get("/health")).json()["memory"]
+    assert _text(small) == "Hello there, friend."
+    assert large.status_code == 503 and large.json()["error"]["code"] == "insufficient_memory"
+    assert "more than the memory budget leaves beside the models loaded" in large.json()["error"]["message"]
+    assert memory["budget"] == 2 << 20 and memory["reserved"] == 0 and memory["charged"] > 1 << 20
 
 
 def test_a_lone_model_over_its_memory_budget_is_refused_at_start(scripted: dict[str, Path]) -> None:

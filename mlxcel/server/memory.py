@@ -1,0 +1,69 @@
+"""What a server holds against ``--memory-budget``: each loaded model's charge, and each request's reservation for
+the caches of its sequences at the length they may reach. Trio thread only (the fleet's front and the routes).
+
+A request reserves before its sequences are submitted and gives its reservation back when it ends: a new
+sequence is admitted only if its cache at its reach fits beside everything else, so memory never outgrows the
+budget by the sequences' growth. One that does not fit waits for room, up to its bound.
+"""
+
+from __future__ import annotations
+
+import trio
+
+
+class MemoryLedger:
+    """The budget, the models charged against it, and the requests' reservations."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self._models: dict[str, int] = {}
+        self._requests: dict[str, int] = {}
+        self._changed = trio.Event()
+
+    @property
+    def charged(self) -> int:
+        """What the loaded models are charged (weights, drafters, prefix cache bounds)."""
+        return sum(self._models.values())
+
+    @property
+    def reserved(self) -> int:
+        """What the requests in flight have reserved for their sequences' caches."""
+        return sum(self._requests.values())
+
+    @property
+    def free(self) -> int:
+        return self.budget - self.charged - self.reserved
+
+    def charge(self, model: str, count: int) -> None:
+        self._models[model] = count
+
+    def uncharge(self, model: str) -> None:
+        if self._models.pop(model, None) is not None:
+            self._wake()
+
+    def try_reserve(self, request: str, count: int) -> bool:
+        """Reserve *count* bytes for *request*, if they fit now."""
+        if count > self.free:
+            return False
+        self._requests[request] = self._requests.get(request, 0) + count
+        return True
+
+    async def reserve(self, request: str, count: int, wait: float) -> bool:
+        """Reserve *count* bytes for *request*, waiting up to *wait* seconds for room; whether it got them."""
+        with trio.move_on_after(wait):
+            while not self.try_reserve(request, count):
+                await self._changed.wait()
+            return True
+        return False
+
+    def release(self, request: str) -> None:
+        """*request* has ended: its reservation is free again (a second call does nothing)."""
+        if self._requests.pop(request, None) is not None:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def to_json(self) -> dict[str, int]:
+        return {"budget": self.budget, "charged": self.charged, "reserved": self.reserved, "free": self.free}
