@@ -74,7 +74,7 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
 
         ledger = MemoryLedger(config.budget)
         drafter = config.worker.drafter
-        ledger.charge(config.checkpoint.name, charge(config.checkpoint.weight_bytes,
+        ledger.charge(config.options.model_name or config.checkpoint.name, charge(config.checkpoint.weight_bytes,
                                                      drafter.own_bytes() if drafter else 0,
                                                      config.worker.prefix_cache_bytes))
     app = guard_transport(create_app(engine, observability, config.options, ledger),

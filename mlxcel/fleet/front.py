@@ -122,6 +122,8 @@ class Fleet:
         self.budget = budget
         self.ledger = MemoryLedger(budget) if budget is not None else None
         """What the models are charged and the requests reserve, shared by every model's app."""
+        if self.ledger is not None:
+            self.ledger.make_room = self._make_room
         self._blas = blas
         self._build = build
         self._api_keys = api_keys
@@ -234,6 +236,18 @@ class Fleet:
         if slot.engine is not None:
             slot.engine.stop(f"the model {slot.entry.id} is being unloaded")
         await slot.stopped.wait()
+
+    async def _make_room(self, count: int) -> None:
+        """Unload idle, unpinned models, least recently used first, until *count* more bytes are charged no more
+        (a request's reservation did not fit), or none is left to unload."""
+        residents = sorted((s.resident() for s in self.slots.values() if s.state == "loaded"),
+                           key=lambda r: r.last_used)
+        for resident in residents:
+            if count <= 0:
+                return
+            if not resident.pinned and not resident.busy:
+                count -= resident.bytes
+                await self._unload(self.slots[resident.name], "making room for a request's cache")
 
     async def _unload_when_idle(self) -> None:
         with self._idle_scope:

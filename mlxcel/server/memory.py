@@ -8,6 +8,8 @@ budget by the sequences' growth. One that does not fit waits for room, up to its
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import trio
 
 
@@ -19,6 +21,9 @@ class MemoryLedger:
         self._models: dict[str, int] = {}
         self._requests: dict[str, int] = {}
         self._changed = trio.Event()
+        self.make_room: Callable[[int], Awaitable[None]] | None = None
+        """Set by a server of several models: unload idle models until this many more bytes are free (or none
+        is left to unload); what a reservation that does not fit asks first."""
 
     @property
     def charged(self) -> int:
@@ -33,6 +38,10 @@ class MemoryLedger:
     @property
     def free(self) -> int:
         return self.budget - self.charged - self.reserved
+
+    def charge_of(self, model: str) -> int:
+        """What *model* is charged (0: not loaded)."""
+        return self._models.get(model, 0)
 
     def charge(self, model: str, count: int) -> None:
         self._models[model] = count
@@ -50,7 +59,11 @@ class MemoryLedger:
 
     async def reserve(self, request: str, count: int, wait: float) -> bool:
         """Reserve *count* bytes for *request*, waiting up to *wait* seconds for room; whether it got them."""
+        if self.try_reserve(request, count):
+            return True
         with trio.move_on_after(wait):
+            if self.make_room is not None:
+                await self.make_room(count - self.free)
             while not self.try_reserve(request, count):
                 await self._changed.wait()
             return True

@@ -151,10 +151,11 @@ class Generation:
             return
         need = sum(limits.sequence_cost(len(g.prompt_tokens) + g.max_tokens) for g in generations)
         at_request_end(lambda: ledger.release(self.id))
-        if need > ledger.budget - ledger.charged:
+        room = ledger.budget - ledger.charge_of(self.ctx.options.model_name or "")
+        if need > room:  # not even with every other model unloaded and no other request in flight
             raise unavailable(f"this request's sequences may hold {size(need)} of cache, more than the memory "
-                              f"budget leaves beside the models loaded ({size(ledger.budget - ledger.charged)}); "
-                              "ask for fewer tokens or choices", "insufficient_memory")
+                              f"budget leaves beside this model ({size(room)}); ask for fewer tokens or choices",
+                              "insufficient_memory")
         if not await ledger.reserve(self.id, need, self.ctx.options.memory_wait):
             raise unavailable(f"no room for this request's {size(need)} of cache within the memory budget after "
                               f"{self.ctx.options.memory_wait:g} s; retry later", "insufficient_memory")

@@ -168,9 +168,13 @@ async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
         assert await _states(client) == {"hello": "unloaded", "bye": "loaded", "third": "loaded"}
         memory = (await client.get("/health")).json()["memory"]
         listed = {m["id"]: m for m in (await client.get("/v1/models")).json()["data"]}
-        # A request whose sequence may reach 1,000 tokens needs more cache than the models leave: refused at once.
+        # A request whose sequence may reach 4,000 tokens needs more cache than the budget leaves beside its
+        # model: refused at once. One of 1,000 fits once the other model, idle, is unloaded to make room.
         greedy = await client.post("/v1/chat/completions", json={
+            "model": "bye", "max_tokens": 4000, "messages": [{"role": "user", "content": "hi"}]})
+        roomy = await client.post("/v1/chat/completions", json={
             "model": "bye", "max_tokens": 1000, "messages": [{"role": "user", "content": "hi"}]})
+        after = await _states(client)
     assert memory["budget"] == int(3.5 * (1 << 20))
     assert memory["charged"] == listed["bye"]["charged_bytes"] + listed["third"]["charged_bytes"]
     assert memory["free"] == memory["budget"] - memory["charged"] - memory["reserved"] > 0
@@ -181,6 +185,7 @@ async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
     per_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * config["head_dim"] * 4
     assert listed["bye"]["cache_bytes"]["per_token"] == per_token
     assert greedy.status_code == 503 and greedy.json()["error"]["code"] == "insufficient_memory"
+    assert _text(roomy) == "Bye for now." and after == {"hello": "unloaded", "bye": "loaded", "third": "unloaded"}
     assert listed["third"]["charged_bytes"] == listed["third"]["weight_bytes"] + (1 << 20)
     async with running_server([*common, "--memory-budget", "1M"], ready=False) as url, \
             httpx.AsyncClient(base_url=url, timeout=60) as client:
@@ -202,7 +207,7 @@ async def test_a_lone_model_under_a_memory_budget_reserves_each_requests_cache(s
         memory = (await client.get("/health")).json()["memory"]
     assert _text(small) == "Hello there, friend."
     assert large.status_code == 503 and large.json()["error"]["code"] == "insufficient_memory"
-    assert "more than the memory budget leaves beside the models loaded" in large.json()["error"]["message"]
+    assert "more than the memory budget leaves beside this model" in large.json()["error"]["message"]
     assert memory["budget"] == 2 << 20 and memory["reserved"] == 0 and memory["charged"] > 1 << 20
 
 

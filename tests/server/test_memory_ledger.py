@@ -33,3 +33,16 @@ async def test_a_reservation_that_never_fits_gives_up_at_its_bound(autojump_cloc
     assert trio.current_time() == 3.0 and ledger.reserved == 0
     ledger.uncharge("model")  # a model unloaded makes room
     assert await ledger.reserve("a", 20, wait=3) and ledger.free == 80
+
+
+async def test_a_reservation_that_does_not_fit_asks_for_room_first(autojump_clock: trio.abc.Clock) -> None:
+    ledger = MemoryLedger(100)
+    ledger.charge("idle", 60)
+    asked: list[int] = []
+
+    async def make_room(count: int) -> None:
+        asked.append(count)
+        ledger.uncharge("idle")  # as a server of several models unloads an idle one
+
+    ledger.make_room = make_room
+    assert await ledger.reserve("a", 70, wait=1) and asked == [30] and trio.current_time() == 0.0
