@@ -273,8 +273,8 @@ def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tup
     """``--model-dir`` / ``--models``: the catalog, checked now, and how each model is built when first asked for."""
     from .checkpoints import inspect_checkpoint
     from .fleet import catalog
-    from .fleet.front import ModelParts
     from .fleet.serve import FleetConfig
+    from .fleet.slot import ModelParts
     from .http.listener import connection_limits
     from .models.loader import import_mlx_lm
 

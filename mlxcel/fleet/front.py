@@ -14,26 +14,25 @@ an error event), drops it, and hands its memory back. Which to unload is :mod:`.
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs
 
 import trio
 
-from ..engine import Engine, WorkerSettings
+from ..engine import Engine
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
-from ..http.errors import ApiError, anthropic_body
-from ..models.loader import CheckpointInfo
+from ..http.errors import ApiError
 from ..observability import Observability
 from ..policy import MtpPolicy, PolicySettings
-from ..server import ServerOptions, create_app
+from ..server import create_app
 from ..server.memory import MemoryLedger
+from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, read_body, replaying, send_error, send_json
 from .catalog import Catalog, ModelEntry
-from .residency import Resident, charge, idle_too_long, next_idle_deadline, size, to_unload_for
+from .residency import idle_too_long, next_idle_deadline, size, to_unload_for
+from .slot import ModelParts, Slot
 
 logger = logging.getLogger(__name__)
 
@@ -45,71 +44,6 @@ POLICY = "/v1/internal/mtp-policy"
 PER_MODEL = frozenset({POLICY, "/metrics", "/v1/cache/stats", "/props", "/slots"})
 #: How long a request waits for its model to load, and for room to load it in, before a 503.
 LOAD_WAIT = 600.0
-#: Bodies up to this many bytes are parsed for their ``model`` on the event loop; larger ones on a thread.
-INLINE_PARSE = 1 << 16
-
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-
-
-@dataclass(frozen=True)
-class ModelParts:
-    """What serving one model takes: built from its catalog entry and the server's flags."""
-
-    checkpoint: CheckpointInfo
-    worker: WorkerSettings
-    options: ServerOptions
-    max_queue_depth: int
-
-    def drafter_bytes(self) -> int:
-        return self.worker.drafter.own_bytes() if self.worker.drafter is not None else 0
-
-    def charge(self) -> int:
-        """What this model is charged against the memory budget while loaded."""
-        return charge(self.checkpoint.weight_bytes, self.drafter_bytes(), self.worker.prefix_cache_bytes)
-
-
-class Slot:
-    """One catalog entry and, while it is loaded, its engine and app."""
-
-    def __init__(self, entry: ModelEntry, idle_unload: float | None) -> None:
-        self.entry = entry
-        self.idle_unload = entry.idle_unload if entry.idle_unload is not None else idle_unload
-        self.state = "unloaded"
-        """``unloaded``, ``loading``, ``loaded``, ``unloading`` or ``failed``."""
-        self.error: str | None = None
-        self.engine: Engine | None = None
-        self.app: Any = None
-        self.observability: Observability | None = None
-        self.busy = 0
-        """Requests of its own in flight."""
-        self.parts: ModelParts | None = None
-        """How it is served, built (checkpoint inspected, drafter found) when it is first wanted."""
-        self.building = trio.Lock()
-        self.charged = 0
-        """What it is charged against the memory budget while loaded (:func:`.residency.charge`)."""
-        self.last_used = 0.0
-        self.stopped = trio.Event()
-
-    def resident(self) -> Resident:
-        return Resident(self.entry.id, self.entry.pin, self.busy > 0 or self.state in ("loading", "unloading"),
-                        self.last_used, self.idle_unload, self.charged)
-
-    def describe(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
-                                "names": [*self.entry.exact_names, *self.entry.patterns],
-                                "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
-        if self.parts is not None:
-            body["weight_bytes"] = self.parts.checkpoint.weight_bytes + self.parts.drafter_bytes()
-            body["charged_bytes"] = self.parts.charge()
-        limits = self.observability.limits if self.observability is not None else None
-        if limits is not None and limits.token_bytes:
-            body["cache_bytes"] = {"per_sequence": limits.sequence_bytes, "per_token": limits.token_bytes}
-        if self.error is not None:
-            body["error"] = self.error
-        return body
-
 
 class Fleet:
     """The ASGI app of a server with several models (``--model-dir``, ``--models``). :meth:`run` belongs in the
@@ -311,19 +245,19 @@ class Fleet:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             await self._to_default(scope, receive, send)
             return
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/v1/models" and self._authorized(scope):
-            await _json(send, 200, {"object": "list", "data": [s.describe() for s in self.slots.values()]})
+            await send_json(send, 200, {"object": "list", "data": [s.describe() for s in self.slots.values()]})
             return
         if method == "GET" and path.startswith("/v1/models/") and self._authorized(scope):
             named = self._slot_for(path.removeprefix("/v1/models/"))
             if named is not None:
-                await _json(send, 200, named.describe())
+                await send_json(send, 200, named.describe())
                 return
         if method == "GET" and path in PER_MODEL and self._authorized(scope):
             name = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("model", [None])[0]
@@ -334,11 +268,15 @@ class Fleet:
             await self._health(send)
             return
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
-            messages, complete = await _read_body(receive, self._max_body_bytes)
-            replay = _replaying(messages, receive)
-            slot = self._slot_for(await _model_named(messages)) if complete else None
+            messages, complete = await read_body(receive, self._max_body_bytes)
+            replay = replaying(messages, receive)
+            model, streamed = await model_named(messages) if complete else (None, False)
+            slot = self._slot_for(model) if complete else None
             if slot is not None:
-                await self._forward(slot, scope, replay, send)
+                if streamed and slot.state != "loaded":
+                    await self._forward_with_pings(slot, scope, replay, send)
+                else:
+                    await self._forward(slot, scope, replay, send)
                 return
             await self._to_default(scope, replay, send)
             return
@@ -365,7 +303,7 @@ class Fleet:
         if default.observability is not None:
             body["observability"] = {"mtp_policy": default.observability.policy.to_health(),
                                      "blas": default.observability.blas}
-        await _json(send, 503 if status == "loading" else 200, body)
+        await send_json(send, 503 if status == "loading" else 200, body)
 
     async def _status_of(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         """A status route with ``?model=NAME``: that model's app answers while it is loaded or loading; for a
@@ -374,14 +312,15 @@ class Fleet:
         slot = self._slot_for(name)
         if slot is None:
             served = ", ".join(repr(i) for i in self.catalog.ids())
-            await _error(send, scope, ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
-                                               param="model", code="model_not_found"))
+            await send_error(send, scope, ApiError(
+                404, f"the model {name!r} does not exist; this server serves {served}", param="model",
+                code="model_not_found"))
         elif slot.app is not None:
             await slot.app(scope, receive, send)
         elif scope["path"] == POLICY:
-            await _json(send, 200, self._not_loaded)
+            await send_json(send, 200, self._not_loaded)
         else:
-            await _error(send, scope, ApiError(503, f"the model {slot.entry.id!r} is not loaded: its figures exist "
+            await send_error(send, scope, ApiError(503, f"the model {slot.entry.id!r} is not loaded: its figures exist "
                                                     f"while it is", type="server_error", code="model_not_loaded"))
 
     def _slot_for(self, name: str | None) -> Slot | None:
@@ -392,8 +331,29 @@ class Fleet:
         try:
             app = await self.ready(slot)
         except ApiError as error:
-            await _error(send, scope, error)
+            await send_error(send, scope, error)
             return
+        await self._answer(slot, app, scope, receive, send)
+
+    async def _forward_with_pings(self, slot: Slot, scope: Scope, receive: Receive, send: Send) -> None:
+        """A stream for a model that is not loaded: if the load outlasts :data:`PING_AFTER`, the stream's head is
+        sent then and a keep-alive every :data:`PING_EVERY` (Anthropic's ``ping`` event on its routes, an SSE
+        comment elsewhere), so that a client's read timeout does not fire while it waits; once loaded, the app's
+        answer follows in that stream (an error it answers with, as the route's error event)."""
+        stream = PingedStream(send, scope["path"].startswith("/v1/messages"))
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stream.ping_while_waiting)
+                try:
+                    app = await self.ready(slot)
+                finally:
+                    nursery.cancel_scope.cancel()
+        except ApiError as error:
+            await (stream.fail(error) if stream.started else send_error(send, scope, error))
+            return
+        await self._answer(slot, app, scope, receive, stream.send if stream.started else send)
+
+    async def _answer(self, slot: Slot, app: Any, scope: Scope, receive: Receive, send: Send) -> None:
         slot.busy += 1
         try:
             await app(scope, receive, send)
@@ -412,7 +372,7 @@ class Fleet:
                 await app(scope, receive, send)
             return
         if not self._authorized(scope):
-            await _error(send, scope, key_required())
+            await send_error(send, scope, key_required())
             return
         await self._forward(self.default, scope, receive, send)
 
@@ -434,63 +394,3 @@ def _release_memory() -> None:
 
     gc.collect()
     clear_device_cache()
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-
-
-async def _read_body(receive: Receive, limit: int) -> tuple[list[dict[str, Any]], bool]:
-    """The request's body messages as read, and whether that is all of it (not when it outgrows *limit*, when
-    given, or the client left: the default app then answers from the replay)."""
-    messages: list[dict[str, Any]] = []
-    size = 0
-    while True:
-        message = await receive()
-        messages.append(message)
-        if message["type"] != "http.request":
-            return messages, False
-        size += len(message.get("body", b""))
-        if limit and size > limit:
-            return messages, False
-        if not message.get("more_body", False):
-            return messages, True
-
-
-def _replaying(messages: list[dict[str, Any]], receive: Receive) -> Receive:
-    pending = list(messages)
-
-    async def replay() -> dict[str, Any]:
-        return pending.pop(0) if pending else await receive()
-    return replay
-
-
-async def _model_named(messages: list[dict[str, Any]]) -> str | None:
-    """The body's ``model``, when it is a JSON object naming one as a string; else None (the app that answers
-    finds what is wrong with it)."""
-    body = b"".join(m.get("body", b"") for m in messages)
-    try:
-        parsed = json.loads(body) if len(body) <= INLINE_PARSE else await trio.to_thread.run_sync(json.loads, body)
-    except ValueError:
-        return None
-    model = parsed.get("model") if isinstance(parsed, dict) else None
-    return model if isinstance(model, str) else None
-
-
-async def _error(send: Send, scope: Scope, error: ApiError) -> None:
-    """*error* in the shape of the API asked (Anthropic's on its routes, else OpenAI's)."""
-    anthropic = scope["path"] == "/v1/messages" or scope["path"].startswith("/v1/messages/")
-    await _json(send, error.status, anthropic_body(error) if anthropic else error.body())
-
-
-async def _json(send: Send, status: int, body: dict[str, Any]) -> None:
-    data = json.dumps(body).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
-    await send({"type": "http.response.body", "body": data})

@@ -24,7 +24,8 @@ from ..http.listener import serve as serve_http
 from ..http.transport import guard_transport
 from ..policy import PolicySettings
 from .catalog import Catalog, ModelEntry
-from .front import Fleet, ModelParts
+from .front import Fleet
+from .slot import ModelParts
 
 logger = logging.getLogger(__name__)
 

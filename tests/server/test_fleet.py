@@ -118,7 +118,10 @@ names = ["broken"]
 
 
 async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloads_idle_ones(
-        scripted: dict[str, Path], tmp_path: Path) -> None:
+        scripted: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.fleet import asgi
+
+    monkeypatch.setattr(asgi, "PING_AFTER", 0.0)  # a stream's keep-alive begins at once (these loads take ms)
     root = tmp_path / "models"
     (root / "org").mkdir(parents=True)
     (root / "org" / "bye").symlink_to(scripted["bye"], target_is_directory=True)  # LM Studio's ORG/NAME
@@ -133,6 +136,24 @@ async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloa
             while set((await _states(client)).values()) != {"unloaded"}:
                 await trio.sleep(0.1)
         assert _text(await _say(client, "third")) == "A third one."  # and loads again when asked for
+        # A stream for a model not loaded begins with keep-alives while it loads, then is the model's own stream.
+        with trio.fail_after(30):
+            while (await _states(client))["org/bye"] != "unloaded":
+                await trio.sleep(0.1)
+        openai = await client.post("/v1/chat/completions", json={
+            "model": "org/bye", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        with trio.fail_after(30):
+            while (await _states(client))["org/bye"] != "unloaded":
+                await trio.sleep(0.1)
+        anthropic = await client.post("/v1/messages", json={
+            "model": "org/bye", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+    assert openai.headers["content-type"].startswith("text/event-stream")
+    assert openai.text.startswith(": ping\n\n") and openai.text.endswith("data: [DONE]\n\n")
+    deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+              for line in openai.text.splitlines() if line.startswith("data: {")]
+    assert "".join(deltas) == "Bye for now."
+    assert anthropic.text.startswith('event: ping\ndata: {"type":"ping"}\n\n')
+    assert "event: message_stop" in anthropic.text and "Bye" in anthropic.text
 
 
 async def test_without_a_key_nothing_is_listed_or_loaded(scripted: dict[str, Path], tmp_path: Path) -> None:
