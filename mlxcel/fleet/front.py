@@ -111,15 +111,15 @@ class Fleet:
 
     def _start_loading(self, slot: Slot) -> None:
         assert self._nursery is not None and slot.parts is not None, "Fleet.run is not running, or unbuilt"
-        slot.state, slot.error, slot.stopped, slot.charged = "loading", None, trio.Event(), slot.parts.charge()
+        slot.state, slot.error, slot.stopped = "loading", None, trio.Event()
         if self.ledger is not None:
-            self.ledger.charge(slot.entry.id, slot.charged)
+            self.ledger.charge(slot.entry.id, slot.parts.charge())
         self._notify()
         self._nursery.start_soon(self._serve_model, slot)
 
     async def _serve_model(self, slot: Slot) -> None:
         """Build *slot*'s engine and app, run the engine until it stops; a failure fails this model alone."""
-        parts = slot.parts
+        parts, stopped = slot.parts, slot.stopped  # a reload replaces slot.stopped: this run sets its own
         assert parts is not None
         try:
             observability = Observability(MtpPolicy(parts.worker.policy).snapshot, model=slot.entry.id)
@@ -140,15 +140,17 @@ class Fleet:
             slot.state, slot.error = "failed", said or str(exc) or type(exc).__name__
             logger.error("the model %s failed: %s", slot.entry.id, slot.error)
         finally:
+            # Unloading until its memory is back: no request may find it loaded, nor load it again, meanwhile.
             if slot.state != "failed":
-                slot.state = "unloaded"
+                slot.state = "unloading"
             slot.engine = slot.app = slot.observability = None
-            slot.charged = 0
-            if self.ledger is not None:
-                self.ledger.uncharge(slot.entry.id)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_release_memory)
-            slot.stopped.set()
+            if self.ledger is not None:
+                self.ledger.uncharge(slot.entry.id)
+            if slot.state != "failed":
+                slot.state = "unloaded"
+            stopped.set()
             self._notify()
 
     async def _build_parts(self, slot: Slot) -> None:
@@ -172,16 +174,12 @@ class Fleet:
         await slot.stopped.wait()
 
     async def _make_room(self, count: int) -> None:
-        """Unload idle, unpinned models, least recently used first, until *count* more bytes are charged no more
-        (a request's reservation did not fit), or none is left to unload."""
-        residents = sorted((s.resident() for s in self.slots.values() if s.state == "loaded"),
-                           key=lambda r: r.last_used)
-        for resident in residents:
-            if count <= 0:
-                return
-            if not resident.pinned and not resident.busy:
-                count -= resident.bytes
-                await self._unload(self.slots[resident.name], "making room for a request's cache")
+        """Unload idle, unpinned models, least recently used first, until *count* more bytes are free (a request's
+        reservation did not fit); none when unloading every one of them would not free enough (it waits instead)."""
+        residents = [s.resident() for s in self.slots.values() if s.state == "loaded"]
+        charged = sum(r.bytes for r in residents)
+        for name in to_unload_for(residents, count, charged, None) or ():
+            await self._unload(self.slots[name], "making room for a request's cache")
 
     async def _unload_when_idle(self) -> None:
         with self._idle_scope:

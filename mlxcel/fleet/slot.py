@@ -49,14 +49,13 @@ class Slot:
         self.parts: ModelParts | None = None
         """How it is served, built (checkpoint inspected, drafter found) when it is first wanted."""
         self.building = trio.Lock()
-        self.charged = 0
-        """What it is charged against the memory budget while loaded (:func:`.residency.charge`)."""
         self.last_used = 0.0
         self.stopped = trio.Event()
 
     def resident(self) -> Resident:
+        """As :mod:`.residency` sees it while loaded: charged its :meth:`ModelParts.charge`."""
         return Resident(self.entry.id, self.entry.pin, self.busy > 0 or self.state in ("loading", "unloading"),
-                        self.last_used, self.idle_unload, self.charged)
+                        self.last_used, self.idle_unload, self.parts.charge() if self.parts is not None else 0)
 
     def describe(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
