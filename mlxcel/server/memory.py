@@ -12,6 +12,10 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from ..fleet.residency import size
+from ..http.errors import unavailable
+from ..http.scope import at_request_end
+
 
 class MemoryLedger:
     """The budget, the models charged against it, and the requests' reservations."""
@@ -80,3 +84,18 @@ class MemoryLedger:
 
     def to_json(self) -> dict[str, int]:
         return {"budget": self.budget, "charged": self.charged, "reserved": self.reserved, "free": self.free}
+
+
+async def reserve(ledger: MemoryLedger, request: str, need: int, model: str, wait: float) -> None:
+    """Room for *need* bytes of a request's sequences' caches, held until the request ends (a route's call): a 503
+    ``insufficient_memory`` at once when *need* is more than the budget leaves beside *model* (not even with every
+    other model unloaded and no other request in flight), else after *wait* seconds without room."""
+    at_request_end(lambda: ledger.release(request))
+    room = ledger.budget - ledger.charge_of(model)
+    if need > room:
+        raise unavailable(f"this request's sequences may hold {size(need)} of cache, more than the memory budget "
+                          f"leaves beside this model ({size(room)}); ask for fewer tokens or choices",
+                          "insufficient_memory")
+    if not await ledger.reserve(request, need, wait):
+        raise unavailable(f"no room for this request's {size(need)} of cache within the memory budget after "
+                          f"{wait:g} s; retry later", "insufficient_memory")

@@ -14,7 +14,6 @@ from pydantic import ValidationError
 from quart import Quart, Response
 
 from ..engine import EngineUnavailable, Event, Finish, GenerationRequest, PromptLogprobs, QueueFull, TextDelta
-from ..fleet.residency import size
 from ..http.errors import ApiError, bad_request, unavailable
 from ..http.scope import at_request_end
 from ..observability import ModelLimits
@@ -23,6 +22,7 @@ from .choice_reader import ChoiceReader
 from .context import ServerContext, no_such_model, serves
 from .fanin import fan_in
 from .matchers import token_bytes
+from .memory import reserve
 from .prompts import prompt_tokens, too_long
 from .reasoning import Thinking, thinking
 from .schemas import ChatCompletionRequest, CompletionRequest, describe, unsupported
@@ -138,27 +138,13 @@ class Generation:
         self.prompt_length = len(tokens)
         if self.chat and not matchers:  # a grammar decides the output from its first token: no reasoning
             self.thinking = thinking(self.ctx.engine.tokenizer, tokens)
-        await self._reserve(generations, limits)
+        if self.ctx.ledger is not None:  # under a memory budget: room for the sequences' caches, or a 503
+            need = sum(limits.sequence_cost(len(g.prompt_tokens) + g.max_tokens) for g in generations)
+            await reserve(self.ctx.ledger, self.id, need, self.ctx.options.model_name or "",
+                          self.ctx.options.memory_wait)
         # A client that left while its prompt was tokenized is noticed here, before anything is submitted.
         await trio.lowlevel.checkpoint()
         return params, self._submit(generations), candidates
-
-    async def _reserve(self, generations: list[GenerationRequest], limits: ModelLimits) -> None:
-        """Under a memory budget, room for every sequence's cache at the length it may reach, held until the
-        request ends; waited for up to ``memory_wait`` seconds, then a 503."""
-        ledger = self.ctx.ledger
-        if ledger is None:
-            return
-        need = sum(limits.sequence_cost(len(g.prompt_tokens) + g.max_tokens) for g in generations)
-        at_request_end(lambda: ledger.release(self.id))
-        room = ledger.budget - ledger.charge_of(self.ctx.options.model_name or "")
-        if need > room:  # not even with every other model unloaded and no other request in flight
-            raise unavailable(f"this request's sequences may hold {size(need)} of cache, more than the memory "
-                              f"budget leaves beside this model ({size(room)}); ask for fewer tokens or choices",
-                              "insufficient_memory")
-        if not await ledger.reserve(self.id, need, self.ctx.options.memory_wait):
-            raise unavailable(f"no room for this request's {size(need)} of cache within the memory budget after "
-                              f"{self.ctx.options.memory_wait:g} s; retry later", "insufficient_memory")
 
     def _check_combinations(self, params: CompletionRequest | ChatCompletionRequest) -> None:
         if params.stream_options is not None and not params.stream:
