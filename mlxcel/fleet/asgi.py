@@ -58,10 +58,9 @@ def replaying(messages: list[dict[str, Any]], receive: Receive) -> Receive:
     return replay
 
 
-async def model_named(messages: list[dict[str, Any]]) -> tuple[str | None, bool]:
-    """The body's ``model``, when it is a JSON object naming one as a string (else None: the app that answers finds
-    what is wrong with it), and whether it asks for a stream."""
-    body = b"".join(m.get("body", b"") for m in messages)
+async def model_named(body: bytes) -> tuple[str | None, bool]:
+    """A request body's ``model``, when it is a JSON object naming one as a string (else None: the app that answers
+    finds what is wrong with it), and whether it asks for a stream. Also the router's."""
     try:
         parsed = json.loads(body) if len(body) <= INLINE_PARSE else await trio.to_thread.run_sync(json.loads, body)
     except ValueError:

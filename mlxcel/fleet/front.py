@@ -53,7 +53,6 @@ class Fleet:
                  max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
                  idle_unload: float | None = None, blas: str | None = None, budget: int | None = None) -> None:
         self.catalog = catalog
-        self.budget = budget
         self.ledger = MemoryLedger(budget) if budget is not None else None
         """What the models are charged and the requests reserve, shared by every model's app."""
         if self.ledger is not None:
@@ -214,16 +213,17 @@ class Fleet:
                         continue
                     if slot.state == "unloaded":
                         need = slot.parts.charge() if slot.parts is not None else 0
-                        if self.budget is not None and need > self.budget:
+                        budget = self.ledger.budget if self.ledger is not None else None
+                        if budget is not None and need > budget:
                             raise ApiError(503, f"the model {slot.entry.id!r} needs {size(need)} (weights, drafter, "
                                                 f"prefix cache bound), more than the memory budget of "
-                                                f"{size(self.budget)} (--memory-budget, --prompt-cache-bytes)",
+                                                f"{size(budget)} (--memory-budget, --prompt-cache-bytes)",
                                            type="server_error", code="model_too_large")
                         others = [s.resident() for s in self.slots.values()
                                   if s is not slot and s.state in ("loading", "loaded", "unloading")]
                         # The requests in flight keep their reservations: the models' charges make room around them.
                         reserved = self.ledger.reserved if self.ledger is not None else 0
-                        unload = to_unload_for(others, need + reserved, self.budget, self.max_loaded)
+                        unload = to_unload_for(others, need + reserved, budget, self.max_loaded)
                         if unload == []:
                             self._start_loading(slot)
                             continue
@@ -268,7 +268,8 @@ class Fleet:
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
             messages, complete = await read_body(receive, self._max_body_bytes)
             replay = replaying(messages, receive)
-            model, streamed = await model_named(messages) if complete else (None, False)
+            body = b"".join(m.get("body", b"") for m in messages)
+            model, streamed = await model_named(body) if complete else (None, False)
             slot = self._slot_for(model) if complete else None
             if slot is not None:
                 if streamed and slot.state != "loaded":

@@ -8,7 +8,6 @@ gate and the error handlers are the serving node's (``mlxcel/http/app.py``), wit
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +16,7 @@ import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from ..fleet.asgi import model_named
 from ..http.app import create_app
 from ..http.errors import ApiError
 from ..http.scope import at_request_end
@@ -74,7 +74,7 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         scope, receive = await state.forwarder.open(state.nursery, path, body, dict(request.headers),
-                                                    await _model_named(body))
+                                                    (await model_named(body))[0])
         # No checkpoint since open(): however this request ends, its backend request ends with it.
         at_request_end(scope.cancel)
         try:
@@ -103,12 +103,3 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
 
     return app
 
-
-async def _model_named(body: bytes) -> str | None:
-    """The request's ``model``, when its body is a JSON object naming one (a node finds what else is wrong)."""
-    try:
-        parsed = json.loads(body) if len(body) <= 1 << 16 else await trio.to_thread.run_sync(json.loads, body)
-    except ValueError:
-        return None
-    model = parsed.get("model") if isinstance(parsed, dict) else None
-    return model if isinstance(model, str) else None

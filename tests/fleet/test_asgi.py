@@ -56,11 +56,7 @@ async def test_a_streams_own_events_pass_through_and_its_head_is_dropped() -> No
 
 
 async def test_the_model_and_whether_a_stream_is_read_from_the_body() -> None:
-    def body(data: bytes) -> list[dict[str, Any]]:
-        return [{"type": "http.request", "body": data[:5], "more_body": True},
-                {"type": "http.request", "body": data[5:]}]
-
-    assert await model_named(body(b'{"model": "a", "stream": true}')) == ("a", True)
-    assert await model_named(body(b'{"model": 3, "stream": "yes"}')) == (None, False)
-    assert await model_named(body(b'[1, 2]')) == (None, False)
-    assert await model_named(body(b'{"model": "a"')) == (None, False)
+    assert await model_named(b'{"model": "a", "stream": true}') == ("a", True)
+    assert await model_named(b'{"model": 3, "stream": "yes"}') == (None, False)
+    assert await model_named(b'[1, 2]') == (None, False)
+    assert await model_named(b'{"model": "a"') == (None, False)
