@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a Hugging Face-layout model directory with continuous batching.")
-    from .serve_cli import add_serve_arguments
+    from .serve_args import add_serve_arguments
 
     add_serve_arguments(serve)
     serve.set_defaults(run=_serve)

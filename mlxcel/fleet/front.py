@@ -21,24 +21,21 @@ from urllib.parse import parse_qs
 
 import trio
 
-from ..engine import Engine
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
 from ..http.errors import ApiError
-from ..observability import Observability
 from ..policy import MtpPolicy, PolicySettings
-from ..server import create_app
 from ..server.memory import MemoryLedger
 from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, read_body, replaying, send_error, send_json
 from .catalog import Catalog, ModelEntry
 from .residency import idle_too_long, next_idle_deadline, size, to_unload_for
-from .slot import ModelParts, Slot
+from .slot import Parts, Slot
 
 logger = logging.getLogger(__name__)
 
 #: The routes whose JSON body names the model.
 MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-                          "/v1/responses"})
+                          "/v1/responses", "/v1/embeddings"})
 #: The policy endpoint, and every status route: ``?model=NAME`` asks for that model's (else the default's).
 POLICY = "/v1/internal/mtp-policy"
 PER_MODEL = frozenset({POLICY, "/metrics", "/v1/cache/stats", "/props", "/slots"})
@@ -49,7 +46,7 @@ class Fleet:
     """The ASGI app of a server with several models (``--model-dir``, ``--models``). :meth:`run` belongs in the
     server's nursery, before the app takes requests."""
 
-    def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], ModelParts], *, api_keys: tuple[str, ...],
+    def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], Parts], *, api_keys: tuple[str, ...],
                  max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
                  idle_unload: float | None = None, blas: str | None = None, budget: int | None = None) -> None:
         self.catalog = catalog
@@ -121,11 +118,8 @@ class Fleet:
         parts, stopped = slot.parts, slot.stopped  # a reload replaces slot.stopped: this run sets its own
         assert parts is not None
         try:
-            observability = Observability(MtpPolicy(parts.worker.policy).snapshot, model=slot.entry.id)
-            observability.blas = self._blas
-            engine = Engine(parts.checkpoint, parts.worker, observability, max_queue_depth=parts.max_queue_depth)
+            engine, observability, slot.app = parts.start(slot.entry.id, self._blas, self.ledger)
             slot.engine, slot.observability = engine, observability
-            slot.app = create_app(engine, observability, parts.options, self.ledger)
             logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(engine.run)

@@ -25,7 +25,7 @@ from ..http.transport import guard_transport
 from ..policy import PolicySettings
 from .catalog import Catalog, ModelEntry
 from .front import Fleet
-from .slot import ModelParts
+from .slot import Parts
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class FleetConfig:
     catalog: Catalog
-    build: Callable[[ModelEntry], ModelParts] = field(compare=False)
+    build: Callable[[ModelEntry], Parts] = field(compare=False)
     """A model's engine settings and route options from its entry (raises when it cannot be served)."""
     policy: PolicySettings = field(default_factory=PolicySettings)
     """The policy's settings (``MLXCEL_*``): what a model not loaded says its profiling window needs."""
@@ -74,7 +74,8 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
         await nursery.start(fleet.run)
         urls = await nursery.start(lambda task_status: serve_http(
             app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
-        logger.info("listening on %s, serving %d models: %s", ", ".join(urls), len(config.catalog.entries),
+        count = len(config.catalog.entries)
+        logger.info("listening on %s, serving %d model%s: %s", ", ".join(urls), count, "s" if count > 1 else "",
                     ", ".join(config.catalog.ids()))
         task_status.started(urls)
         await shutdown.wait()

@@ -1,35 +1,101 @@
-"""One model of a fleet: how it is served (:class:`ModelParts`) and, while loaded, its engine and app."""
+"""One model of a fleet: how it is served (:class:`ModelParts` for generation, :class:`EmbeddingParts`) and,
+while loaded, its engine and app."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
+from ..embeddings.checkpoint import EmbeddingModel
+from ..embeddings.engine import EmbeddingEngine
+from ..embeddings.layout import embedding_working_bytes
 from ..engine import Engine, WorkerSettings
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
-from ..server import ServerOptions
+from ..policy import MtpPolicy, PolicySettings
+from ..server import ServerOptions, create_app, create_embedding_app
+from ..server.memory import MemoryLedger
 from .catalog import ModelEntry
 from .residency import Resident, charge
 
 
+class Engineish(Protocol):
+    """What the fleet drives of a model's engine (:class:`~mlxcel.engine.Engine`, or an embedding model's)."""
+
+    ready: trio.Event
+    finished: trio.Event
+
+    async def run(self) -> None: ...
+
+    def stop(self, reason: str = ...) -> None: ...
+
+
+class Parts(Protocol):
+    """How one model is served, whatever its kind: what it is charged, and its engine and app when loaded."""
+
+    @property
+    def kind(self) -> str:
+        """``generation`` or ``embedding``."""
+
+    def weight_bytes(self) -> int: ...
+
+    def charge(self) -> int: ...
+
+    def start(self, name: str, blas: str | None, ledger: MemoryLedger | None
+              ) -> tuple[Engineish, Observability, Any]: ...
+
+
 @dataclass(frozen=True)
 class ModelParts:
-    """What serving one model takes: built from its catalog entry and the server's flags."""
+    """What serving one generation model takes: built from its catalog entry and the server's flags."""
 
     checkpoint: CheckpointInfo
     worker: WorkerSettings
     options: ServerOptions
     max_queue_depth: int
+    kind: str = "generation"
 
-    def drafter_bytes(self) -> int:
-        return self.worker.drafter.own_bytes() if self.worker.drafter is not None else 0
+    def weight_bytes(self) -> int:
+        return self.checkpoint.weight_bytes + (self.worker.drafter.own_bytes() if self.worker.drafter else 0)
 
     def charge(self) -> int:
         """What this model is charged against the memory budget while loaded."""
-        return charge(self.checkpoint.weight_bytes, self.drafter_bytes(), self.worker.prefix_cache_bytes)
+        drafter = self.worker.drafter.own_bytes() if self.worker.drafter is not None else 0
+        return charge(self.checkpoint.weight_bytes, drafter, self.worker.prefix_cache_bytes)
+
+    def start(self, name: str, blas: str | None, ledger: MemoryLedger | None) -> tuple[Engine, Observability, Any]:
+        observability = Observability(MtpPolicy(self.worker.policy).snapshot, model=name)
+        observability.blas = blas
+        engine = Engine(self.checkpoint, self.worker, observability, max_queue_depth=self.max_queue_depth)
+        return engine, observability, create_app(engine, observability, self.options, ledger)
+
+
+@dataclass(frozen=True)
+class EmbeddingParts:
+    """What serving one embedding model takes."""
+
+    model: EmbeddingModel
+    options: ServerOptions
+    policy: PolicySettings
+    kind: str = "embedding"
+
+    def weight_bytes(self) -> int:
+        return self.model.weight_bytes
+
+    def charge(self) -> int:
+        """Its weights, and the working memory of its largest forward (:func:`embedding_working_bytes`)."""
+        return self.model.weight_bytes + embedding_working_bytes(self.model.config, self.model.layout.max_tokens)
+
+    def start(self, name: str, blas: str | None, ledger: MemoryLedger | None
+              ) -> tuple[EmbeddingEngine, Observability, Any]:
+        observability = Observability(MtpPolicy(self.policy).snapshot, model=name)
+        observability.blas = blas
+        engine = EmbeddingEngine(self.model, observability, self.policy)
+        vocab = int(self.model.config.get("vocab_size", 0))
+        return engine, observability, create_embedding_app(engine, observability, self.options, self.model.layout,
+                                                           vocab, ledger)
 
 
 class Slot:
@@ -41,12 +107,12 @@ class Slot:
         self.state = "unloaded"
         """``unloaded``, ``loading``, ``loaded``, ``unloading`` or ``failed``."""
         self.error: str | None = None
-        self.engine: Engine | None = None
+        self.engine: Engineish | None = None
         self.app: Any = None
         self.observability: Observability | None = None
         self.busy = 0
         """Requests of its own in flight."""
-        self.parts: ModelParts | None = None
+        self.parts: Parts | None = None
         """How it is served, built (checkpoint inspected, drafter found) when it is first wanted."""
         self.building = trio.Lock()
         self.last_used = 0.0
@@ -62,7 +128,8 @@ class Slot:
                                 "names": [*self.entry.exact_names, *self.entry.patterns],
                                 "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
         if self.parts is not None:
-            body["weight_bytes"] = self.parts.checkpoint.weight_bytes + self.parts.drafter_bytes()
+            body["kind"] = self.parts.kind
+            body["weight_bytes"] = self.parts.weight_bytes()
             body["charged_bytes"] = self.parts.charge()
         limits = self.observability.limits if self.observability is not None else None
         if limits is not None and limits.token_bytes:

@@ -138,7 +138,7 @@ def _unreadable(path: Path, exc: OSError) -> CheckpointError:
     return CheckpointError(f"cannot read {path}: {exc.strerror or exc}")
 
 
-def _check_safetensors(path: Path) -> None:
+def check_safetensors(path: Path) -> None:
     """A regular file whose header parses and whose data it describes fits the file exactly."""
     try:
         _read_safetensors_header(path)
@@ -210,7 +210,7 @@ def inspect_checkpoint(path: str | Path, *, own_models: Collection[str]) -> Chec
     if not weights:
         raise CheckpointError(f"{directory} has no model*.safetensors weights")
     for file in weights:
-        _check_safetensors(file)
+        check_safetensors(file)
     tokenizers = [directory / name for name in _TOKENIZER_FILES if (directory / name).is_file()]
     if not tokenizers:
         raise CheckpointError(f"{directory} has no tokenizer (tokenizer.json or tokenizer.model)")

@@ -1,4 +1,5 @@
-"""OpenAI-compatible generation: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``."""
+"""OpenAI-compatible generation: ``/v1/completions``, ``/v1/chat/completions`` (the model list:
+:mod:`.model_routes`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from ..engine import EngineUnavailable, Event, Finish, GenerationRequest, Prompt
 from ..http.errors import ApiError, bad_request, unavailable
 from ..http.scope import at_request_end
 from ..observability import ModelLimits
-from . import shapes, structured
+from . import model_routes, shapes, structured
 from .choice_reader import ChoiceReader
 from .context import ServerContext, no_such_model, serves
 from .fanin import fan_in
@@ -359,24 +360,7 @@ class Generation:
 
 
 def register(app: Quart, ctx: ServerContext) -> None:
-    def model_object() -> dict[str, Any]:
-        # `max_model_len`: the context length, under vLLM's name (clients size their prompts by it).
-        # `names`: every name and pattern a request's `model` may use here (what a router routes by).
-        options = ctx.options
-        return {"id": options.model_name, "object": "model", "created": 0, "owned_by": "mlxcel",
-                "max_model_len": options.context_length,
-                "names": [options.model_name, *options.aliases, *options.patterns]}
-
-    @app.get("/v1/models")
-    async def models() -> Any:
-        return {"object": "list", "data": [model_object()]}
-
-    @app.get("/v1/models/<path:model>")
-    async def model(model: str) -> Any:
-        # <path:...>: Hugging Face style ids ("org/name") hold a slash.
-        if not serves(ctx.options, model) or model == "default":
-            raise ApiError(404, no_such_model(ctx.options, model), param="model", code="model_not_found")
-        return model_object()
+    model_routes.register(app, ctx.options, kind="generation")
 
     @app.post("/v1/completions")
     async def completions() -> Any:

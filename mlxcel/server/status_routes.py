@@ -11,11 +11,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Quart, Response, jsonify
 
 from .. import __version__
-from .context import ServerContext
+from ..observability import Observability
+from .context import ServerOptions
+from .memory import MemoryLedger
 
 
-def register(app: Quart, ctx: ServerContext) -> None:
-    observability, options = ctx.observability, ctx.options
+def register(app: Quart, observability: Observability, options: ServerOptions, ledger: MemoryLedger | None) -> None:
 
     @app.get("/")
     async def index() -> Any:
@@ -30,8 +31,8 @@ def register(app: Quart, ctx: ServerContext) -> None:
         if observability.error:
             body["error"] = observability.error
         body["observability"] = {"mtp_policy": observability.policy.to_health(), "blas": observability.blas}
-        if ctx.ledger is not None:
-            body["memory"] = ctx.ledger.to_json()
+        if ledger is not None:
+            body["memory"] = ledger.to_json()
         return body, 200 if state == "ready" else 503
 
     app.add_url_rule("/health", "health", health, methods=["GET"])
