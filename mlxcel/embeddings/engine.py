@@ -27,6 +27,8 @@ from .checkpoint import EmbeddingModel
 
 logger = logging.getLogger(__name__)
 
+#: Characters of text tokenized on the event loop rather than a thread: tens of microseconds.
+INLINE_CHARACTERS = 2048
 #: Inputs one round of the thread takes from the queue (of every request waiting, in arrival order).
 BATCH_INPUTS = 256
 
@@ -95,9 +97,12 @@ class EmbeddingEngine:
             self._stop_scopes.discard(scope)
 
     async def tokenize(self, texts: list[str]) -> list[list[int]]:
-        """*texts*' tokens (special tokens included), on a worker thread: the tokenizer is Rust, not MLX."""
+        """*texts*' tokens (special tokens included): on the event loop when they are short (a thread's round trip
+        would cost more than the tokenizing), else on a worker thread (the tokenizer is Rust, not MLX)."""
         if not self.ready.is_set():
             raise EngineUnavailable("the model is still loading")
+        if sum(len(text) for text in texts) <= INLINE_CHARACTERS:
+            return self._tokenize(texts)
         return await trio.to_thread.run_sync(self._tokenize, texts)
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:

@@ -26,7 +26,8 @@ from .nodes import Node, models_body, stats_body
 logger = logging.getLogger(__name__)
 
 #: The only paths a router mounts.
-ROUTER_PATHS = ("/health", "/router/stats", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ROUTER_PATHS = ("/health", "/router/stats", "/v1/models", "/v1/chat/completions", "/v1/completions",
+                "/v1/embeddings")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,10 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         return await forward("/v1/chat/completions")
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        return await forward("/v1/embeddings")
 
     return app
 

@@ -384,16 +384,19 @@ async def test_the_router_sends_a_request_to_a_node_that_serves_its_model() -> N
     def node(name: str, names: list[str]) -> dict[bytes, bytes | None]:
         return {b"/v1/models": answer({"object": "list", "data": [{"id": name, "object": "model", "names": names}]}),
                 b"/v1/completions": answer({"id": "cmpl-1", "object": "text_completion",
-                                            "choices": [{"index": 0, "text": f"from {name}"}]})}
+                                            "choices": [{"index": 0, "text": f"from {name}"}]}),
+                b"/v1/embeddings": answer({"object": "list", "model": name, "data": []})}
 
     async with trio.open_nursery() as nursery:
         small = await _scripted_node(nursery, node("small", ["small", "claude-haiku-*"]))
         big = await _scripted_node(nursery, node("big", ["big", "claude-opus-*", "claude-sonnet-*"]))
-        url = await _in_process_router(nursery, "--backend", small, "--backend", big)
+        embedder = await _scripted_node(nursery, node("embedder", ["embedder", "text-embedding-*"]))
+        url = await _in_process_router(nursery, "--backend", small, "--backend", big, "--backend", embedder)
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            with trio.fail_after(30):  # until a probe has read both lists
-                while len((await client.get("/v1/models")).json()["data"]) < 2:
+            with trio.fail_after(30):  # until a probe has read every list
+                while len((await client.get("/v1/models")).json()["data"]) < 3:
                     await trio.sleep(0.05)
+            embedded = await client.post("/v1/embeddings", json={"model": "text-embedding-3-small", "input": "a"})
             texts = {}
             for model in ("claude-haiku-4-5", "claude-opus-4", "big", "small"):
                 response = await client.post("/v1/completions", json={**GREEDY, "model": model})
@@ -404,7 +407,9 @@ async def test_the_router_sends_a_request_to_a_node_that_serves_its_model() -> N
     assert texts == {"claude-haiku-4-5": ("from small", "node-0"), "claude-opus-4": ("from big", "node-1"),
                      "big": ("from big", "node-1"), "small": ("from small", "node-0")}
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
-    assert unknown.json()["error"]["message"] == "the model 'gpt-4o' does not exist; the nodes serve 'small', 'big'"
+    assert (embedded.json()["model"], embedded.headers["X-Mlxcel-Node"]) == ("embedder", "node-2")
+    assert unknown.json()["error"]["message"] == ("the model 'gpt-4o' does not exist; the nodes serve 'small', "
+                                                  "'big', 'embedder'")
     assert anyone.status_code == 200  # no model: any node
 
 
