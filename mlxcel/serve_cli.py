@@ -166,7 +166,7 @@ def _fleet_config(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tup
     return FleetConfig(catalog=models, build=build, policy=env.policy, api_keys=keys,
                        max_body_bytes=args.max_body_bytes, max_loaded=args.max_loaded, budget=_budget(args),
                        idle_unload=args.idle_unload, host=args.host, port=args.port, blas=blas,
-                       connections=connection_limits(args), access_log=args.access_log)
+                       connections=connection_limits(args), access_log=args.access_log, metrics=args.metrics)
 
 
 def _budget(args: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from ..policy import MtpPolicy, PolicySettings
 from ..server.memory import MemoryLedger
 from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, read_body, replaying, send_error, send_json
 from .catalog import Catalog, ModelEntry
+from .metrics import fleet_registry, serve_metrics
 from .residency import idle_too_long, next_idle_deadline, size, to_unload_for
 from .slot import Parts, Slot
 
@@ -48,7 +49,8 @@ class Fleet:
 
     def __init__(self, catalog: Catalog, build: Callable[[ModelEntry], Parts], *, api_keys: tuple[str, ...],
                  max_body_bytes: int, policy: PolicySettings, max_loaded: int | None = None,
-                 idle_unload: float | None = None, blas: str | None = None, budget: int | None = None) -> None:
+                 idle_unload: float | None = None, blas: str | None = None, budget: int | None = None,
+                 metrics: bool = False) -> None:
         self.catalog = catalog
         self.ledger = MemoryLedger(budget) if budget is not None else None
         """What the models are charged and the requests reserve, shared by every model's app."""
@@ -68,6 +70,8 @@ class Fleet:
         self._stopping = False
         self._started = False
         """Whether the default model's first load has ended, loaded or not: until then ``/health`` is 503."""
+        self._metrics = fleet_registry(lambda: list(self.slots.values()), self.ledger) if metrics else None
+        """``--metrics``: the fleet's gauges, after the default model's own (:mod:`.metrics`)."""
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -256,6 +260,9 @@ class Fleet:
             if name is not None:
                 await self._status_of(name, scope, receive, send)
                 return
+        if method == "GET" and path == "/metrics" and self._metrics is not None and self._authorized(scope):
+            await serve_metrics(self.default.app, self._metrics, scope, receive, send)
+            return
         if method == "GET" and path in ("/health", "/v1/health"):
             await self._health(send)
             return

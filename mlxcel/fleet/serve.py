@@ -48,6 +48,8 @@ class FleetConfig:
     blas: str | None = None
     connections: ConnectionLimits = field(default_factory=ConnectionLimits)
     access_log: bool = False
+    metrics: bool = False
+    """``--metrics``: ``GET /metrics`` adds the fleet's memory and model gauges to the default model's."""
 
 
 async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
@@ -57,7 +59,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
         shutdown = trio.Event()
     fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
                   policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload,
-                  budget=config.budget)
+                  budget=config.budget, metrics=config.metrics)
     app = guard_transport(fleet, drain_limit=config.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()

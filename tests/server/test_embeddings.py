@@ -43,7 +43,7 @@ def url(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> It
     file = tmp_path_factory.mktemp("embeddings-config") / "models.toml"
     file.write_text("".join(f'[[models]]\npath = "{path}"\nnames = ["{name}"]\n\n' for name, path in models.items()))
     env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("embeddings-cache"))}
-    with server_on_a_thread(["--models", str(file)], env) as served:
+    with server_on_a_thread(["--models", str(file), "--metrics", "--memory-budget", "4G"], env) as served:
         yield served
 
 
@@ -182,3 +182,17 @@ def test_one_embedding_model_served_alone_under_its_served_name(models: dict[str
         answer = client.embeddings.create(model="text-embedding-3-small", input="def main():")
         assert answer.model == "text-embedding-3-small" and len(answer.data[0].embedding) == 64
         assert httpx.get(f"{lone}/health", timeout=30).json()["status"] == "ok"
+
+
+def test_metrics_say_what_is_loaded_what_each_holds_and_what_is_free(url: str) -> None:
+    assert _embed(url, {"model": "qwen", "input": "a"}).status_code == 200
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    assert 'mlxcel_requests_total{route="/v1/embeddings",status="200"}' in text  # the default model's own
+    assert 'mlxcel_model_loaded{model="qwen"} 1.0' in text and 'mlxcel_model_loaded{model="chat"}' in text
+    assert "mlxcel_memory_budget_bytes 4.294967296e+09" in text
+    charged = {line.split('"')[1]: float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("mlxcel_model_charged_bytes{")}
+    listed = {m["id"]: m.get("charged_bytes") for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]}
+    assert charged["qwen"] == listed["qwen"] > 0
+    free = next(float(line.split()[-1]) for line in text.splitlines() if line.startswith("mlxcel_memory_free_bytes"))
+    assert free == httpx.get(f"{url}/health", timeout=30).json()["memory"]["free"]
