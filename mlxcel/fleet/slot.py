@@ -10,7 +10,7 @@ import trio
 
 from ..embeddings.checkpoint import EmbeddingModel
 from ..embeddings.engine import EmbeddingEngine
-from ..embeddings.layout import embedding_working_bytes
+from ..embeddings.layout import embedding_working_bytes, is_embedding_checkpoint
 from ..engine import Engine, WorkerSettings
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
@@ -103,6 +103,8 @@ class Slot:
 
     def __init__(self, entry: ModelEntry, idle_unload: float | None) -> None:
         self.entry = entry
+        self.kind = "embedding" if is_embedding_checkpoint(entry.path) else "generation"
+        """Known from its files before it is looked at further (a small JSON read), so ``/v1/models`` says it."""
         self.idle_unload = entry.idle_unload if entry.idle_unload is not None else idle_unload
         self.state = "unloaded"
         """``unloaded``, ``loading``, ``loaded``, ``unloading`` or ``failed``."""
@@ -126,9 +128,9 @@ class Slot:
     def describe(self) -> dict[str, Any]:
         body: dict[str, Any] = {"id": self.entry.id, "object": "model", "created": 0, "owned_by": "mlxcel",
                                 "names": [*self.entry.exact_names, *self.entry.patterns],
-                                "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin}
+                                "loaded": self.state == "loaded", "state": self.state, "pinned": self.entry.pin,
+                                "kind": self.kind}
         if self.parts is not None:
-            body["kind"] = self.parts.kind
             body["weight_bytes"] = self.parts.weight_bytes()
             body["charged_bytes"] = self.parts.charge()
         limits = self.observability.limits if self.observability is not None else None
