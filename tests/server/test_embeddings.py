@@ -186,6 +186,7 @@ def test_one_embedding_model_served_alone_under_its_served_name(models: dict[str
 
 def test_metrics_say_what_is_loaded_what_each_holds_and_what_is_free(url: str) -> None:
     assert _embed(url, {"model": "qwen", "input": "a"}).status_code == 200
+    assert _embed(url, {"model": "bert", "input": "a"}).status_code == 200  # bert: the default model
     text = httpx.get(f"{url}/metrics", timeout=30).text
     assert 'mlxcel_requests_total{route="/v1/embeddings",status="200"}' in text  # the default model's own
     assert 'mlxcel_model_loaded{model="qwen"} 1.0' in text and 'mlxcel_model_loaded{model="chat"}' in text
