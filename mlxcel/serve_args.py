@@ -154,6 +154,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "turns the disk tier off (default: a tenth of the disk's free space, at most 64G)")
     parser.add_argument("--max-body-bytes", type=_positive("--max-body-bytes"), default=4 * 1024 * 1024,
                         help="largest request body accepted (default: %(default)s)")
+    parser.add_argument("--max-images", type=_positive("--max-images"), default=16,
+                        help="images in one request at most (default: %(default)s)")
+    parser.add_argument("--max-image-bytes", type=_byte_size, default=5 * 1024 * 1024, metavar="SIZE",
+                        help="bytes of one image at most, decoded from base64 (default: 5M, Anthropic's bound; the "
+                             "body's own bound, --max-body-bytes, comes first)")
+    parser.add_argument("--max-image-pixels", type=_positive("--max-image-pixels"), default=33_554_432,
+                        help="pixels of one image at most, read from its header before it is decoded "
+                             "(default: %(default)s, 32 megapixels)")
     parser.add_argument("--max-connections", type=_positive("--max-connections"), default=1024,
                         help="open HTTP connections at most; at the limit the longest-idle one is closed "
                              "(default: %(default)s, lowered to fit the open-file limit)")

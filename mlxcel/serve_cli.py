@@ -217,6 +217,7 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
     (a ``--models`` table's own options, by their flag names with ``_``)."""
     from .engine import WorkerSettings
     from .server import ServerOptions
+    from .server.images import ImageLimits
 
     option = {**{key: getattr(args, key) for key in MODEL_OPTIONS}, **(overrides or {})}
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
@@ -239,7 +240,8 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
         model_path=checkpoint.path, context_length=checkpoint.context_length,
         parallel=parallel, default_max_tokens=option["max_tokens"], api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
-        extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()}, memory_wait=args.memory_wait)
+        extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()}, memory_wait=args.memory_wait,
+        image_limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels))
     return worker, options
 
 def _join_group(mode: str, checkpoint: CheckpointInfo) -> World:

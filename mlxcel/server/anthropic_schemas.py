@@ -16,6 +16,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 
 from ..http.errors import bad_request
 from .bounds import MAX_MESSAGES, MAX_STOP_STRINGS, MAX_TOOLS, check_parts, declared_type
+from .images import data_url
 
 BILLING_HEADER = "x-anthropic-billing-header:"
 """Claude Code's first system block starts so, and changes per client: kept, every prompt would miss the prefix
@@ -33,7 +34,7 @@ class TextBlock(_Block):
 
 
 class ImageBlock(_Block):
-    """An ``image`` or ``document`` block: validated for its shape, then refused by a model that reads text."""
+    """An ``image`` block (served as a chat ``image_url`` part) or a ``document`` block (refused)."""
 
     type: Literal["image", "document"]
     source: dict[str, Any]
@@ -176,16 +177,42 @@ def _system_text(system: str | list[TextBlock] | None) -> str:
 
 
 def _blocks(message: Message, index: int) -> list[_Block]:
-    """*message*'s blocks; an image or document anywhere in it (a ``tool_result``'s content too) is a 400."""
+    """*message*'s blocks; a ``document`` block anywhere in it (a ``tool_result``'s content too) is a 400."""
     if isinstance(message.content, str):
         return [TextBlock(type="text", text=message.content)]
     for block in message.content:
         parts = block.content if isinstance(block, ToolResultBlock) and isinstance(block.content, list) else [block]
         for part in parts:
-            if isinstance(part, ImageBlock):
-                raise bad_request(f"messages.{index}: this model reads text only; {part.type} blocks cannot be "
-                                  "served", param="messages")
+            if isinstance(part, ImageBlock) and part.type == "document":
+                raise bad_request(f"messages.{index}: document blocks cannot be served", param="messages")
     return list(message.content)
+
+
+def _system_blocks(message: Message, index: int) -> list[_Block]:
+    """A system-role message's blocks: text only (an image there is a 400; a system prompt is text)."""
+    blocks = _blocks(message, index)
+    if any(isinstance(block, ImageBlock) for block in blocks):
+        raise bad_request(f"messages.{index}: a system message holds text only, not images", param="messages")
+    return blocks
+
+
+def _image_part(block: ImageBlock, where: str) -> dict[str, Any]:
+    """An ``image`` block as the chat ``image_url`` part :mod:`.images` reads (``base64`` and ``url`` sources)."""
+    source = block.source
+    if source.get("type") == "base64" and isinstance(source.get("data"), str) \
+            and isinstance(source.get("media_type"), str):
+        return {"type": "image_url", "image_url": {"url": data_url(source["media_type"], source["data"])}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise bad_request(f"{where}: an image's source must be {{type: base64, media_type, data}} or {{type: url, url}}",
+                      param="messages", code="invalid_image")
+
+
+def _content(texts: list[str], images: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A chat message's content: its text, or its parts when it holds images (the images after the text)."""
+    if not images:
+        return "".join(texts)
+    return [*({"type": "text", "text": text} for text in texts if text), *images]
 
 
 def _texts(blocks: list[_Block]) -> list[str]:
@@ -197,7 +224,7 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
     chat: list[dict[str, Any]] = []
     # A system-role message inside `messages` (Claude Code sends one) joins the system prompt: chat
     # templates take one system message, first.
-    systems = [_system_text(params.system), *("\n".join(_texts(_blocks(m, i)))
+    systems = [_system_text(params.system), *("\n".join(_texts(_system_blocks(m, i)))
                                                for i, m in enumerate(params.messages) if m.role == "system")]
     system = "\n".join(s for s in systems if s)
     if system:
@@ -206,23 +233,28 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
         if message.role == "system":
             continue
         texts: list[str] = []
+        images: list[dict[str, Any]] = []
         thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for block in _blocks(message, index):
             if isinstance(block, TextBlock):
                 texts.append(block.text)
+            elif isinstance(block, ImageBlock):
+                images.append(_image_part(block, f"messages.{index}"))
             elif isinstance(block, ToolUseBlock) and message.role == "assistant":
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input)}})
             elif isinstance(block, ToolResultBlock) and message.role == "user":
                 text = block.text()
+                shown = [_image_part(part, f"messages.{index}") for part in block.content
+                         if isinstance(part, ImageBlock)] if isinstance(block.content, list) else []
                 chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                             "content": f"Error: {text}" if block.is_error else text})
+                             "content": _content([f"Error: {text}" if block.is_error else text], shown)})
             elif isinstance(block, ThinkingBlock) and message.role == "assistant":
                 thoughts.append(block.thinking)
             # redacted_thinking (opaque), server tool blocks: nothing the template renders
-        if texts or calls or not isinstance(message.content, list):
-            entry: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if texts or images or calls or not isinstance(message.content, list):
+            entry: dict[str, Any] = {"role": message.role, "content": _content(texts, images)}
             if calls:
                 entry["tool_calls"] = calls
             if any(thoughts):

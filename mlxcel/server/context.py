@@ -13,6 +13,7 @@ import trio
 
 from ..engine import Event, GenerationRequest
 from ..observability import Observability
+from .images import ImageLimits
 from .memory import MemoryLedger
 from .tokens import Tokens
 
@@ -57,6 +58,9 @@ class ServerOptions:
     extra_props: dict[str, Any] = field(default_factory=dict)
     memory_wait: float = 120.0
     """Seconds a request waits for room for its sequences' caches under a memory budget before a 503."""
+    image_limits: ImageLimits = field(default_factory=ImageLimits)
+    vision: bool = False
+    """Whether the model takes images (a vision tower loaded); else a request with one is a 400."""
 
 
 def serves(options: ServerOptions, name: str) -> bool:

@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import trio
+
 from ..http.errors import ApiError, bad_request
 from ..observability import ModelLimits
 from .context import ServerContext
 from .fim import fim_format, fim_prompt
+from .images import DecodedImage, decode_all
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import ToolSetup, template_messages
 from .wire import off_the_loop_if_large
@@ -69,8 +72,22 @@ async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatComp
     return Prompt(list(prompt))  # type: ignore[arg-type]
 
 
+async def _images(ctx: ServerContext, params: ChatCompletionRequest) -> list[DecodedImage]:
+    """The conversation's images, each checked and decoded on a worker thread (:mod:`.images`); a model that reads
+    text only refuses them, after the checks (a broken image is named as such wherever it is sent)."""
+    refs = params.image_refs()
+    if not refs:
+        return []
+    images = await trio.to_thread.run_sync(decode_all, refs, ctx.options.image_limits)
+    if not ctx.options.vision:
+        raise bad_request(f"the model {ctx.options.model_name!r} reads text only: it takes no images",
+                          param="messages", code="model_not_supported")
+    return images
+
+
 async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits: ModelLimits, completion: int,
                        tools: ToolSetup | None, checkpoints: bool) -> Prompt:
+    await _images(ctx, params)
     tokenizer = ctx.engine.tokenizer
     messages = await off_the_loop_if_large(template_messages, params.messages)
     if getattr(tokenizer, "chat_template", None) is None:

@@ -93,19 +93,37 @@ class ResponsesRequest(BaseModel):
 
 
 def _text(content: Any, where: str) -> str:
-    """A message's content: a string, or ``input_text`` / ``output_text`` parts (images are a 400)."""
+    """A system message's content: its text parts (an image there is a 400: a system prompt is text)."""
+    parts = _content(content, where)
+    if isinstance(parts, str):
+        return parts
+    if any(part["type"] == "image_url" for part in parts):
+        raise bad_request(f"{where}: a system or developer message holds text only", param="input")
+    return "".join(part["text"] for part in parts)
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content as chat's: a string, or (with an ``input_image``) text and ``image_url`` parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or a list of content parts", param="input")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
-            texts.append(str(part.get("text", "")))
-        elif kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{where}: this model reads text only; {kind} parts cannot be served", param="input")
-    return "".join(texts)
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str):  # a file_id names an uploaded file: there is no file store here
+                raise bad_request(f"{where}: an input_image needs an image_url (a data: URL); file_id is not "
+                                  "served", param="input", code="invalid_image")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind in ("input_file", "input_audio"):
+            raise bad_request(f"{where}: {kind} parts cannot be served", param="input")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
 
 
 def _reasoning_text(item: dict[str, Any]) -> str:
@@ -133,7 +151,7 @@ def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
             if role in ("system", "developer"):  # chat templates take one system message, first
                 system.append(_text(item.get("content", ""), where))
             elif role in ("user", "assistant"):
-                chat.append({"role": role, "content": _text(item.get("content", ""), where)})
+                chat.append({"role": role, "content": _content(item.get("content", ""), where)})
                 if role == "assistant" and thought:
                     chat[-1]["reasoning_content"], thought = thought, ""
             else:
@@ -150,7 +168,7 @@ def _chat_messages(params: ResponsesRequest) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output", "")
             chat.append({"role": "tool", "tool_call_id": str(item.get("call_id", "")),
-                         "content": output if isinstance(output, str) else _text(output, where)})
+                         "content": output if isinstance(output, str) else _content(output, where)})
         elif kind == "reasoning":  # passed back: the template may render it with the turn it led to
             thought = _reasoning_text(item)
         elif kind is None:

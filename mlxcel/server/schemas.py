@@ -10,7 +10,7 @@ so a client never silently gets something else. The bounds are
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,6 +30,7 @@ from .bounds import (
     SEED_RANGE,
     check_parts,
 )
+from .images import ImageRef
 
 
 class JsonSchemaFormat(BaseModel):
@@ -185,6 +186,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImageUrlPart(BaseModel):
+    """An image (:mod:`.images` reads it); the other APIs' images arrive as these too."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
+
+
 class CallFunction(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     name: str
@@ -202,7 +220,7 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None
     """An assistant's earlier calls."""
     tool_call_id: str | None = None
@@ -218,7 +236,11 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def images(self) -> list[ImageUrlPart]:
+        return [part for part in self.content if isinstance(part, ImageUrlPart)] \
+            if isinstance(self.content, list) else []
 
 
 class FunctionDefinition(BaseModel):
@@ -281,6 +303,11 @@ class ChatCompletionRequest(_Request):
         check_parts(sum(len(m.content) if isinstance(m.content, list) else 0 for m in messages)
                     + sum(len(m.tool_calls or ()) for m in messages), "content parts and tool calls")
         return messages
+
+    def image_refs(self) -> list[ImageRef]:
+        """Every image of the conversation, in order, with its place."""
+        return [ImageRef(f"messages.{i}.content", part.image_url.url)
+                for i, message in enumerate(self.messages) for part in message.images()]
 
     def template_kwargs(self) -> dict[str, Any]:
         """What the chat template is rendered with besides the messages and tools.

@@ -264,6 +264,11 @@ HELLO = ("Hello", " there", ",", " friend", ".")
 """The scripted reply of :func:`hello_model`, piece by piece (a token each)."""
 
 
+#: A real 2 x 2 PNG, base64: an image every check passes (a text-only model then refuses it).
+TINY_PNG = ("iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAFklEQVR4nGPk5ORkYGBgYmBgYGBgAAABbgAfXn6dLgAAAABJRU5E"
+            "rkJggg==")
+
+
 @pytest.fixture(scope="session")
 def hello_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A llama answering every chat with "Hello there, friend." (``mlxcel.testing.tools``)."""

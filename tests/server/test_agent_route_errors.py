@@ -15,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.server.conftest import TINY_PNG
 from tests.server.test_fuzz import WILD
 
 ASK = [{"role": "user", "content": "Hi?"}]
-PNG = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+PNG = {"type": "base64", "media_type": "image/png", "data": TINY_PNG}
 
 
 @pytest.fixture

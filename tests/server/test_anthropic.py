@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from tests.server.conftest import HELLO, running_server
+from tests.server.conftest import HELLO, TINY_PNG, running_server
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Berlin"]}},
@@ -148,7 +148,7 @@ def _error_session(url: str) -> dict[str, Any]:
             "model": lambda: client.messages.create(model="gpt-4o", max_tokens=8, messages=ASK),
             "image": lambda: client.messages.create(model="default", max_tokens=8, messages=[{
                 "role": "user", "content": [{"type": "image", "source": {
-                    "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]),
+                    "type": "base64", "media_type": "image/png", "data": TINY_PNG}}]}]),
             "max_tokens": lambda: client.messages.create(model="default", max_tokens=0, messages=ASK),
         }.items():
             try:

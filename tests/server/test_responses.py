@@ -14,7 +14,7 @@ import httpx
 import openai
 import trio
 
-from tests.server.conftest import HELLO, running_server
+from tests.server.conftest import HELLO, TINY_PNG, running_server
 from tests.server.test_anthropic import _rendered_length
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city.",
@@ -114,7 +114,7 @@ async def test_what_codex_sends_is_accepted_and_errors_are_clear(hello_model: Pa
         stored = await client.post("/v1/responses", json={"input": QUESTION, "previous_response_id": "resp_1"})
         unknown = await client.post("/v1/responses", json={"model": "gpt-5", "input": QUESTION})
         image = await client.post("/v1/responses", json={"input": [{"role": "user", "content": [
-            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]})
+            {"type": "input_image", "image_url": "data:image/png;base64," + TINY_PNG}]}]})
     assert stored.status_code == 400 and stored.json()["error"]["param"] == "previous_response_id"
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
     assert image.status_code == 400 and "text only" in image.json()["error"]["message"]
