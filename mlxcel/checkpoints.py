@@ -32,6 +32,18 @@ def load_checkpoint(info: CheckpointInfo, check: Callable[[], None] | None = Non
     return _load_checkpoint(info, family(info.model_type), check=check)
 
 
+def image_prompt(info: CheckpointInfo) -> Any:
+    """How *info*'s prompts hold images (:class:`~mlxcel.models.images.ImagePrompt`), or None: it is served as text
+    (JSON only)."""
+    return family(info.model_type).image_prompt(info)
+
+
+def load_vision(info: CheckpointInfo, model: Any) -> Any:
+    """The vision half of *info* beside its loaded *model* (:class:`~mlxcel.models.images.VisionPrefill`; worker
+    thread)."""
+    return family(info.model_type).load_vision(info, model)
+
+
 def speculative_target(model_type: str, model: Any) -> SpeculativeTarget:
     """The family's target adapter around the loaded mlx-lm *model*."""
     served = family(model_type)
@@ -70,5 +82,5 @@ def split_mtp(source: Path, out: Path, *, block_size: int | None = None, force: 
                                                         quantize=quantize, report=report)
 
 
-__all__ = ["inspect_checkpoint", "inspect_drafter", "load_checkpoint", "load_drafter",
+__all__ = ["image_prompt", "inspect_checkpoint", "inspect_drafter", "load_checkpoint", "load_drafter", "load_vision",
            "speculative_target", "split_mtp"]

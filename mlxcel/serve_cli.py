@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config import DEFAULT_DRAFT_BLOCK_SIZE, ConfigError, EnvConfig, load_env, parse_draft_block_size
 from .embeddings.layout import is_embedding_checkpoint
@@ -220,6 +220,7 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
     from .server.images import ImageLimits
 
     option = {**{key: getattr(args, key) for key in MODEL_OPTIONS}, **(overrides or {})}
+    prompt = _image_prompt(checkpoint, sharding is not None)
     # Sharded: one sequence at a time, and no prefix cache, since the other ranks mirror one cache.
     parallel = 1 if args.no_batch or sharding else option["parallel"]
     worker = WorkerSettings(parallel=parallel, batch=not args.no_batch,
@@ -232,7 +233,7 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
                             cache_root=env.cache_root, drafter=drafter, block_size=block_size,
                             draft_quantize=args.draft_quantize, sharding=sharding,
                             prefill_step_size=option["prefill_step_size"], kv_bits=option["kv_bits"],
-                            measure_kv=budgeted)
+                            measure_kv=budgeted, vision=prompt is not None)
     # The first served name is the model's; the others and the directory's name are accepted too.
     name, *aliases = dict.fromkeys([*names, checkpoint.name])
     options = ServerOptions(
@@ -241,8 +242,29 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
         parallel=parallel, default_max_tokens=option["max_tokens"], api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()}, memory_wait=args.memory_wait,
-        image_limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels))
+        image_limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels), image_prompt=prompt)
     return worker, options
+
+def _image_prompt(checkpoint: CheckpointInfo, sharded: bool) -> Any:
+    """A vision checkpoint's :class:`~mlxcel.models.images.ImagePrompt` when its vision half can be served: mlx-vlm
+    and Pillow installed (the ``vision`` extra), one process; else None, said once: it serves its text half."""
+    import importlib.util
+
+    from .checkpoints import image_prompt
+
+    prompt = image_prompt(checkpoint)
+    if prompt is None:
+        return None
+    if sharded:
+        logger.warning("%s is a vision model; sharded (--distributed), it serves text only", checkpoint.name)
+        return None
+    if importlib.util.find_spec("mlx_vlm") is None or importlib.util.find_spec("PIL") is None:
+        logger.warning("%s is a vision model; it serves text only without mlx-vlm and Pillow: "
+                       "pip install 'mlxcel[vision]'", checkpoint.name)
+        return None
+    logger.info("%s takes images", checkpoint.name)
+    return prompt
+
 
 def _join_group(mode: str, checkpoint: CheckpointInfo) -> World:
     """``--distributed``: check mlx-lm can shard the family so, then join the group (it waits for every rank)."""

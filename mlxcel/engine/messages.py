@@ -42,6 +42,8 @@ class WorkerSettings:
     """``--draft-quantize``: quantize the drafter's linear layers to this many bits at load (affine, group 64)."""
     sharding: World | None = field(default=None, compare=False)
     """``--distributed``: this rank's place in the group (rank 0 runs the worker), or None: one process."""
+    vision: bool = False
+    """Load the checkpoint's vision half beside its text model: requests may carry images."""
     measure_kv: bool = False
     """Measure at load what a sequence's cache holds (``ModelLimits.sequence_bytes`` and ``token_bytes``): a
     memory budget reserves it at admission."""

@@ -67,6 +67,10 @@ class GenerationRequest:
     group: str = ""
     """The client request it is one choice of (``n``, ``best_of``), which the scheduler shares places among
     fairly; empty: a request of its own."""
+    images: tuple[Any, ...] = ()
+    """A vision model's images (Pillow RGB), one per image span of the prompt, in order: the prompt is prefilled
+    whole with their features at admission, and neither looked up in the prefix cache nor kept there (its keys
+    are tokens, which two images share)."""
     checkpoints: tuple[int, ...] = ()
     """Prompt positions a later prompt is likely to share the tokens before (the end of a chat's system
     prompt, the end of its conversation before the generation prompt): a cache that cannot be rewound is

@@ -63,6 +63,8 @@ def snapshot_marks(request: GenerationRequest) -> list[int]:
     checkpoints, and the end of its prompt but the last token (which the first step feeds), what a later
     prompt extending this one, or the same prompt again, resumes from."""
     end = len(request.prompt_tokens) - 1
+    if request.images:  # its tokens are not its prompt: nothing of it is offered to the prefix cache
+        return []
     return sorted({m for m in request.checkpoints if 0 < m < end} | ({end} if end > 0 else set()))
 
 
@@ -174,7 +176,8 @@ class SoloTurns:
         worker = self.worker
         if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
             solo.finish_round(count=False)
-        worker.keep(solo.tokens_in_cache, solo.cache)
+        if not sequence.request.images:  # (see GenerationRequest.images)
+            worker.keep(solo.tokens_in_cache, solo.cache)
         worker.forget(sequence)
         stats = sequence.burst
         # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.

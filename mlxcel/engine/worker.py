@@ -70,6 +70,8 @@ class Worker:
         self.batch_mtp: BatchMtp | None = None  # the batch's speculation (decided at load, when batching)
         self.scheduler = Scheduler(Capabilities())
         self.model: Any = None
+        self.vision: Any = None
+        """The checkpoint's vision half (``WorkerSettings.vision``), or None."""
         self.tokenizer: Any = None
         self.stream: Any = None
         self.eos_tokens: frozenset[int] = frozenset()
@@ -134,6 +136,10 @@ class Worker:
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation, self._release = loaded.eos_tokens, loaded.speculation, loaded.release
         self.new_cache = loaded.new_cache
+        if self.settings.vision:
+            from ..checkpoints import load_vision
+
+            self.vision = load_vision(self.checkpoint, self.model)
         capabilities = loaded.capabilities
         self.scheduler = Scheduler(capabilities)
         layers = self.new_cache()
@@ -227,10 +233,14 @@ class Worker:
         tokens = list(request.prompt_tokens)
         try:
             # A prompt to score goes through the model whole: that forward is its prefill too.
-            cache, rest, drafter = self.prefix.fetch(tokens) if place != "scoring" else (self.new_cache(), tokens, None)
+            if request.images:  # prefilled whole here, its images' features in place (never from the cache)
+                cache, rest, drafter = self._prefill_images(tokens, request.images), tokens[-1:], None
+            else:
+                cache, rest, drafter = self.prefix.fetch(tokens) if place != "scoring" \
+                    else (self.new_cache(), tokens, None)
             cached = len(tokens) - len(rest)
             probe = self.instrument.probe(request) if self.instrument is not None else None
-            sequence = new_sequence(request, self.tokenizer, self.eos_tokens, cached, probe)
+            sequence = new_sequence(request, self.tokenizer, self.eos_tokens, 0 if request.images else cached, probe)
             sequence.prompt_state = (cache, tokens[:cached], rest)  # prefilled on its turn
             sequence.drafter_state = drafter
             if place == "scoring":  # its scores are the request's first event: a chunk per scoring turn
@@ -244,6 +254,18 @@ class Worker:
             return
         self.sequences[request.id] = sequence
         self.observability.prompt_tokens.inc(len(tokens))
+
+    def _prefill_images(self, tokens: list[int], images: tuple[Any, ...]) -> Any:
+        """A fresh cache holding *tokens* but the last, with *images* (a vision model's; on this thread, in one
+        forward: the other sequences wait for it, as for a prefill chunk)."""
+        import mlx.core as mx
+
+        if self.vision is None:
+            raise ValueError("this model takes no images")
+        cache = self.new_cache()
+        with mx.stream(self.stream):
+            self.vision.prefill(self.model, tokens[:-1], images, cache)
+        return cache
 
     def _score_turn(self, sequence: Sequence) -> None:
         """Score the next chunk of *sequence*'s prompt; once it is whole, deliver its scores (the request's

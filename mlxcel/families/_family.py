@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from ..models.drafters import DrafterSpec
+    from ..models.images import ImagePrompt, VisionPrefill
     from ..models.loader import CheckpointInfo
     from ..models.speculative import DraftHead, SpeculativeTarget
 
@@ -45,6 +46,16 @@ class Family:
         """The family's own cache classes (beside mlx-lm's), which a prompt cache file may name: each
         rebuilds itself with ``from_state``."""
         return ()
+
+    def image_prompt(self, checkpoint: CheckpointInfo) -> ImagePrompt | None:
+        """How *checkpoint*'s prompts hold images, when it is a vision model this family serves with its images
+        (reads JSON only); None: its text half alone."""
+        return None
+
+    def load_vision(self, checkpoint: CheckpointInfo, model: Any) -> VisionPrefill:
+        """The vision half of *checkpoint* beside its loaded text *model* (worker thread; :meth:`image_prompt`
+        said it is a vision model)."""
+        raise NotImplementedError
 
     def model_classes(self, config: dict[str, Any]) -> tuple[Any, Any]:
         """(Model, ModelArgs) of an own model file: mlx-lm's ``load_model(get_model_classes=...)``."""

@@ -208,11 +208,25 @@ def _image_part(block: ImageBlock, where: str) -> dict[str, Any]:
                       param="messages", code="invalid_image")
 
 
-def _content(texts: list[str], images: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
-    """A chat message's content: its text, or its parts when it holds images (the images after the text)."""
-    if not images:
-        return "".join(texts)
-    return [*({"type": "text", "text": text} for text in texts if text), *images]
+def _content(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """A chat message's content from its text and image parts in their order: its text when it holds no image."""
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _result_parts(block: ToolResultBlock, where: str) -> list[dict[str, Any]]:
+    """A ``tool_result``'s content as chat parts in order (an error's text after ``Error:``, as before images)."""
+    if isinstance(block.content, str) or not any(isinstance(part, ImageBlock) for part in block.content):
+        text = block.text()
+        return [{"type": "text", "text": f"Error: {text}" if block.is_error else text}]
+    parts = [{"type": "text", "text": "Error:"}] if block.is_error else []
+    for part in block.content:
+        if isinstance(part, TextBlock):
+            parts.append({"type": "text", "text": part.text})
+        elif isinstance(part, ImageBlock):
+            parts.append(_image_part(part, where))
+    return parts
 
 
 def _texts(blocks: list[_Block]) -> list[str]:
@@ -232,29 +246,25 @@ def _chat_messages(params: MessagesRequest | CountTokensRequest) -> list[dict[st
     for index, message in enumerate(params.messages):
         if message.role == "system":
             continue
-        texts: list[str] = []
-        images: list[dict[str, Any]] = []
+        parts: list[dict[str, Any]] = []  # text and images, in order
         thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for block in _blocks(message, index):
             if isinstance(block, TextBlock):
-                texts.append(block.text)
+                parts.append({"type": "text", "text": block.text})
             elif isinstance(block, ImageBlock):
-                images.append(_image_part(block, f"messages.{index}"))
+                parts.append(_image_part(block, f"messages.{index}"))
             elif isinstance(block, ToolUseBlock) and message.role == "assistant":
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": json.dumps(block.input)}})
             elif isinstance(block, ToolResultBlock) and message.role == "user":
-                text = block.text()
-                shown = [_image_part(part, f"messages.{index}") for part in block.content
-                         if isinstance(part, ImageBlock)] if isinstance(block.content, list) else []
                 chat.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                             "content": _content([f"Error: {text}" if block.is_error else text], shown)})
+                             "content": _content(_result_parts(block, f"messages.{index}"))})
             elif isinstance(block, ThinkingBlock) and message.role == "assistant":
                 thoughts.append(block.thinking)
             # redacted_thinking (opaque), server tool blocks: nothing the template renders
-        if texts or images or calls or not isinstance(message.content, list):
-            entry: dict[str, Any] = {"role": message.role, "content": _content(texts, images)}
+        if parts or calls or not isinstance(message.content, list):
+            entry: dict[str, Any] = {"role": message.role, "content": _content(parts)}
             if calls:
                 entry["tool_calls"] = calls
             if any(thoughts):

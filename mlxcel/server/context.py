@@ -59,8 +59,9 @@ class ServerOptions:
     memory_wait: float = 120.0
     """Seconds a request waits for room for its sequences' caches under a memory budget before a 503."""
     image_limits: ImageLimits = field(default_factory=ImageLimits)
-    vision: bool = False
-    """Whether the model takes images (a vision tower loaded); else a request with one is a 400."""
+    image_prompt: Any = None
+    """A vision model's :class:`~mlxcel.models.images.ImagePrompt` (its vision half loaded): requests may hold
+    images; None: a request with one is a 400."""
 
 
 def serves(options: ServerOptions, name: str) -> bool:

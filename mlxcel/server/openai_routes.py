@@ -110,7 +110,7 @@ class Generation:
                      else params.max_tokens)
         # Fitting the context, only the prompt must fit: the completion is cut to the room it leaves.
         least = 1 if self.fit_context else requested or 1
-        tokens, checkpoints = await prompt_tokens(self.ctx, params, limits, least, self.tools)
+        tokens, checkpoints, images = await prompt_tokens(self.ctx, params, limits, least, self.tools)
         room = options.context_length - len(tokens)
         if self.fit_context and requested is not None and 0 < room < requested:
             requested, self.clamped = room, True
@@ -134,7 +134,7 @@ class Generation:
             sampling=params.sampling(limits.vocab_size, index, matchers[index] if matchers else None),
             stop=params.stop_strings(), logprobs=logprobs or ranked,
             top_logprobs=alternatives if logprobs else 0, prompt_logprobs=self.prompt is not None and index == 0,
-            group=self.id, checkpoints=checkpoints)
+            group=self.id, checkpoints=checkpoints, images=images)
             for index in range(candidates)]
         self.prompt_length = len(tokens)
         if self.chat and not matchers:  # a grammar decides the output from its first token: no reasoning

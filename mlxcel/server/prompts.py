@@ -43,6 +43,8 @@ class Prompt(NamedTuple):
     checkpoints: tuple[int, ...] = ()
     """Positions worth a snapshot of the cache (see ``GenerationRequest.checkpoints``): a chat's, for a model
     whose cache cannot be rewound."""
+    images: tuple[Any, ...] = ()
+    """A vision model's images, in prompt order (Pillow RGB: ``GenerationRequest.images``)."""
 
 
 async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
@@ -79,15 +81,26 @@ async def _images(ctx: ServerContext, params: ChatCompletionRequest) -> list[Dec
     if not refs:
         return []
     images = await trio.to_thread.run_sync(decode_all, refs, ctx.options.image_limits)
-    if not ctx.options.vision:
+    if ctx.options.image_prompt is None:
         raise bad_request(f"the model {ctx.options.model_name!r} reads text only: it takes no images",
                           param="messages", code="model_not_supported")
     return images
 
 
+def _expanded(text: str, images: list[DecodedImage], prompt: Any) -> str:
+    """*text* (the rendered prompt) with each image's marker become its span, sized for that image."""
+    pieces = text.split(prompt.placeholder)
+    if len(pieces) != len(images) + 1:
+        raise bad_request(f"the prompt holds {len(pieces) - 1} image markers ({prompt.placeholder!r}) for "
+                          f"{len(images)} images: a message's text may not write the marker itself",
+                          param="messages")
+    spans = [prompt.expansion(image.width, image.height) for image in images]
+    return pieces[0] + "".join(span + piece for span, piece in zip(spans, pieces[1:], strict=True))
+
+
 async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits: ModelLimits, completion: int,
                        tools: ToolSetup | None, checkpoints: bool) -> Prompt:
-    await _images(ctx, params)
+    images = await _images(ctx, params)
     tokenizer = ctx.engine.tokenizer
     messages = await off_the_loop_if_large(template_messages, params.messages)
     if getattr(tokenizer, "chat_template", None) is None:
@@ -104,8 +117,12 @@ async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits
         text = await ctx.tokens.run(render, messages)
     except Exception as exc:  # a template that rejects these messages
         raise bad_request(f"the chat template cannot render these messages: {exc}", param="messages") from exc
+    if images:
+        text = _expanded(text, images, ctx.options.image_prompt)
     # What apply_chat_template(tokenize=True) does, in two steps so the length bound comes first.
     tokens = await _encode(ctx, True, text, completion, add_special_tokens=False)
+    if images:  # no snapshots: nothing of a prompt with images is kept (GenerationRequest.images)
+        return Prompt(tokens, images=tuple(image.rgb for image in images))
     if not (checkpoints and limits.snapshots):
         return Prompt(tokens)
     return Prompt(tokens, await _checkpoints(ctx, render, messages, text, tokens))

@@ -54,11 +54,16 @@ def template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """The request's messages as chat templates read them (Hugging Face's conventions).
 
     Templates serialize an assistant's call arguments themselves (``| tojson``),
-    so a JSON string of arguments is handed over as the object it spells.
+    so a JSON string of arguments is handed over as the object it spells. A
+    message with images is a list of ``text`` and ``image`` parts, in order
+    (a vision model's template writes its image marker for each).
     """
     out = []
     for message in messages:
         entry: dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.images():
+            entry["content"] = [{"type": "image"} if part.type == "image_url" else {"type": "text", "text": part.text}
+                                for part in message.content]
         if message.tool_calls:
             entry["tool_calls"] = [{"id": call.id, "type": "function", "function": {
                 "name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}

@@ -38,6 +38,30 @@ class Gemma4(Family):
 
         return adopt_cache(cache)
 
+    def image_prompt(self, checkpoint: CheckpointInfo) -> Any:
+        """A Gemma 4 checkpoint with a ``vision_config``, its image processor's settings and its image token id."""
+        from .image_size import Gemma4ImagePrompt, ImageGeometry
+
+        config = checkpoint.config
+        processor = checkpoint.path / "preprocessor_config.json"
+        if not isinstance(config.get("vision_config"), dict) or "image_token_id" not in config \
+                or not processor.is_file():
+            return None
+        try:
+            settings = json.loads(processor.read_text(encoding="utf-8"))
+            geometry = ImageGeometry(int(settings.get("patch_size", 16)), int(settings.get("pooling_kernel_size", 3)),
+                                     int(settings.get("max_soft_tokens", 280)))
+        except (OSError, ValueError, TypeError):
+            return None
+        return Gemma4ImagePrompt(geometry)
+
+    def load_vision(self, checkpoint: CheckpointInfo, model: Any) -> Any:
+        from .vision import Gemma4Vision
+
+        prompt = self.image_prompt(checkpoint)
+        assert prompt is not None
+        return Gemma4Vision(checkpoint.path, checkpoint.config, prompt.geometry)
+
     def cache_classes(self) -> tuple[type, ...]:
         from .target import SlidingWindowCache
 

@@ -21,6 +21,20 @@ class ImageGeometry:
     max_soft_tokens: int = 280
 
 
+@dataclass(frozen=True)
+class Gemma4ImagePrompt:
+    """Gemma 4's :class:`~mlxcel.models.images.ImagePrompt`: its template writes ``<|image|>``, which becomes
+    ``<|image>``, one ``<|image|>`` per soft token, ``<image|>`` (as transformers' processor expands it)."""
+
+    geometry: ImageGeometry
+    placeholder: str = "<|image|>"
+    begin: str = "<|image>"
+    end: str = "<image|>"
+
+    def expansion(self, width: int, height: int) -> str:
+        return self.begin + self.placeholder * soft_tokens(width, height, self.geometry) + self.end
+
+
 def resized(width: int, height: int, geometry: ImageGeometry) -> tuple[int, int]:
     """The (width, height) Gemma 4 resizes a *width* x *height* image to."""
     side = geometry.patch * geometry.pooling

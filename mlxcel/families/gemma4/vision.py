@@ -72,6 +72,20 @@ class Gemma4Vision:
         """One row per soft token of *image*, in the text model's width."""
         return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
 
+    def prefill(self, model: Any, ids: list[int], images: tuple[Any, ...], cache: list[Any]) -> None:
+        """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
+        features in place of their image tokens, through *model* into *cache* in one forward."""
+        from .target import text_model
+
+        inner = text_model(model).model
+        plain, embedded = prompt_embeddings(inner, ids, [self.features(image) for image in images],
+                                            self.image_token_id)
+        masks = image_masks([layer.layer_type for layer in inner.layers], inner.window_size, ids,
+                            self.image_token_id) if self.bidirectional else None
+        with masked(inner, masks):
+            model(plain, cache=cache, input_embeddings=embedded)
+        mx.eval([c.state for c in cache])
+
 
 def prompt_embeddings(text_model: Any, ids: list[int], features: list[mx.array], image_token_id: int,
                       pad_id: int = 0) -> tuple[mx.array, mx.array]:
