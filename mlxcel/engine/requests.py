@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ..models.images import PromptImage
 from ..policy import BurstSample
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
@@ -67,8 +68,8 @@ class GenerationRequest:
     group: str = ""
     """The client request it is one choice of (``n``, ``best_of``), which the scheduler shares places among
     fairly; empty: a request of its own."""
-    images: tuple[Any, ...] = ()
-    """A vision model's images (Pillow RGB), one per image span of the prompt, in order: the prompt is prefilled
+    images: tuple[PromptImage, ...] = ()
+    """A vision model's images, one per image span of the prompt, in order: the prompt is prefilled
     whole with their features at admission, and neither looked up in the prefix cache nor kept there (its keys
     are tokens, which two images share)."""
     checkpoints: tuple[int, ...] = ()

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt, as the worker gets it: its content's hash (what its features are cached by) and its
+    pixels (a Pillow RGB image)."""
+
+    digest: str
+    pixels: Any = field(compare=False, repr=False)
 
 
 class ImagePrompt(Protocol):
@@ -19,4 +29,4 @@ class VisionPrefill(Protocol):
     """A vision model's image prefill (worker thread): its prompt but the last token, images included, into a
     fresh cache, whole."""
 
-    def prefill(self, model: Any, ids: list[int], images: tuple[Any, ...], cache: list[Any]) -> None: ...
+    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None: ...

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import trio
 
 from ..http.errors import ApiError, bad_request
+from ..models.images import PromptImage
 from ..observability import ModelLimits
 from .context import ServerContext
 from .fim import fim_format, fim_prompt
@@ -43,8 +44,8 @@ class Prompt(NamedTuple):
     checkpoints: tuple[int, ...] = ()
     """Positions worth a snapshot of the cache (see ``GenerationRequest.checkpoints``): a chat's, for a model
     whose cache cannot be rewound."""
-    images: tuple[Any, ...] = ()
-    """A vision model's images, in prompt order (Pillow RGB: ``GenerationRequest.images``)."""
+    images: tuple[PromptImage, ...] = ()
+    """A vision model's images, in prompt order (``GenerationRequest.images``)."""
 
 
 async def prompt_tokens(ctx: ServerContext, params: CompletionRequest | ChatCompletionRequest, limits: ModelLimits,
@@ -122,7 +123,7 @@ async def _chat_prompt(ctx: ServerContext, params: ChatCompletionRequest, limits
     # What apply_chat_template(tokenize=True) does, in two steps so the length bound comes first.
     tokens = await _encode(ctx, True, text, completion, add_special_tokens=False)
     if images:  # no snapshots: nothing of a prompt with images is kept (GenerationRequest.images)
-        return Prompt(tokens, images=tuple(image.rgb for image in images))
+        return Prompt(tokens, images=tuple(PromptImage(image.digest, image.rgb) for image in images))
     if not (checkpoints and limits.snapshots):
         return Prompt(tokens)
     return Prompt(tokens, await _checkpoints(ctx, render, messages, text, tokens))

@@ -99,3 +99,17 @@ def test_the_logits_of_a_prompt_with_an_image_are_transformers(checkpoint: Path)
     assert np.abs(changed - prefill[-1]).max() > 1e-2  # another image, another answer
     with pytest.raises(ValueError, match="image tokens"):
         prompt_embeddings(inner, [*ids[:-5], vision.image_token_id], [vision.features(image)], vision.image_token_id)
+
+
+def test_an_images_features_are_kept_by_its_hash(tmp_path: Path) -> None:
+    from mlxcel.models.images import PromptImage
+
+    checkpoint = build_vision_checkpoint(tmp_path / "tiny")
+    config = json.loads((checkpoint / "config.json").read_text())
+    vision = Gemma4Vision(checkpoint, config, ImageGeometry(4, 3, 70))
+    first = vision.cached_features(PromptImage("a", _image(0)))
+    assert np.array_equal(np.array(first), np.array(vision.features(_image(0))))
+    again = vision.cached_features(PromptImage("a", _image(9)))  # the same hash: kept, not computed again
+    assert again is first and list(vision.kept) == ["a"]
+    vision.cached_features(PromptImage("b", _image(1)))
+    assert list(vision.kept) == ["a", "b"]

@@ -8,6 +8,7 @@ processor. Its vocabulary is bytes, so the expected text is the greedy tokens' b
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 from collections.abc import Iterator
@@ -51,13 +52,21 @@ def _png(image: Image.Image) -> str:
     return base64.b64encode(out.getvalue()).decode()
 
 
+@functools.cache
+def _reference(checkpoint: Path) -> tuple[Any, Any, Any]:
+    """transformers' model, tokenizer and image processor of *checkpoint*, loaded once a module."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma4ImageProcessorPil
+
+    return (AutoModelForImageTextToText.from_pretrained(checkpoint).eval(), AutoTokenizer.from_pretrained(checkpoint),
+            Gemma4ImageProcessorPil.from_pretrained(checkpoint))
+
+
 def _expected(checkpoint: Path, image: Image.Image, question: str = QUESTION) -> str:
     """transformers' greedy continuation of one user turn (the image, then *question*), as text."""
     import torch
-    from transformers import AutoModelForImageTextToText, AutoTokenizer, Gemma4ImageProcessorPil
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    pixels = Gemma4ImageProcessorPil.from_pretrained(checkpoint)(images=[image], return_tensors="pt")
+    model, tokenizer, processor = _reference(checkpoint)
+    pixels = processor(images=[image], return_tensors="pt")
     count = int(pixels["num_soft_tokens_per_image"][0])
     text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
                                                                        {"type": "text", "text": question}]}],
@@ -65,7 +74,6 @@ def _expected(checkpoint: Path, image: Image.Image, question: str = QUESTION) ->
     ids = torch.tensor([tokenizer.encode(text.replace("<|image|>", "<|image>" + "<|image|>" * count + "<image|>"),
                                          add_special_tokens=False)])
     image_token = json.loads((checkpoint / "config.json").read_text())["image_token_id"]
-    model = AutoModelForImageTextToText.from_pretrained(checkpoint).eval()
     with torch.no_grad():
         out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"], do_sample=False,
                              image_position_ids=pixels["image_position_ids"], max_new_tokens=TOKENS,

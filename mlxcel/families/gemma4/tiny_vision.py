@@ -38,9 +38,12 @@ def vocabulary() -> dict[str, int]:
     return vocab
 
 
-def build_vision_checkpoint(directory: Path, *, bidirectional: bool = True, seed: int = 0) -> Path:
+def build_vision_checkpoint(directory: Path, *, bidirectional: bool = True, seed: int = 0,
+                            text_sizes: dict[str, Any] | None = None, vision_sizes: dict[str, Any] | None = None,
+                            max_soft_tokens: int = MAX_SOFT_TOKENS) -> Path:
     """Write the tiny checkpoint into *directory*; *bidirectional*: the text model's sliding layers see a whole
-    image at once (``use_bidirectional_attention: "vision"``, as Gemma 4 12B and larger), else plain causal."""
+    image at once (``use_bidirectional_attention: "vision"``, as Gemma 4 12B and larger), else plain causal.
+    *text_sizes*, *vision_sizes*, *max_soft_tokens*: a bigger model (a benchmark's)."""
     import torch
     from transformers import Gemma4Config, Gemma4ForConditionalGeneration, Gemma4ImageProcessorPil, GemmaTokenizer
 
@@ -56,11 +59,11 @@ def build_vision_checkpoint(directory: Path, *, bidirectional: bool = True, seed
         "hidden_size_per_layer_input": 8, "num_kv_shared_layers": 0, "sliding_window": 32,
         "max_position_embeddings": 2048, "final_logit_softcapping": 30.0,
         "use_bidirectional_attention": "vision" if bidirectional else None, "use_double_wide_mlp": False,
-        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True}
+        "pad_token_id": 0, "eos_token_id": 1, "bos_token_id": 2, "tie_word_embeddings": True, **(text_sizes or {})}
     vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
               "num_key_value_heads": 2, "head_dim": 16, "patch_size": PATCH, "pooling_kernel_size": POOLING,
               "position_embedding_size": 64, "standardize": True,
-              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}}
+              "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0}, **(vision_sizes or {})}
     config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                           image_token_id=ids["image_token"], boi_token_id=ids["boi_token"],
                           eoi_token_id=ids["eoi_token"], video_token_id=ids["video_token"],
@@ -85,7 +88,12 @@ def build_vision_checkpoint(directory: Path, *, bidirectional: bool = True, seed
     written["text_config"]["global_head_dim"] = text["global_head_dim"]
     written["vocab_size"] = len(vocab)
     (directory / "config.json").write_text(json.dumps(written, indent=2))
-    Gemma4ImageProcessorPil(patch_size=PATCH, pooling_kernel_size=POOLING,
-                            max_soft_tokens=MAX_SOFT_TOKENS).save_pretrained(directory)
+    images = Gemma4ImageProcessorPil(patch_size=vision["patch_size"], pooling_kernel_size=vision["pooling_kernel_size"],
+                                     max_soft_tokens=max_soft_tokens)
+    images.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    # What a download holds beside them (mlx-vlm's processor reads it).
+    (directory / "processor_config.json").write_text(json.dumps({
+        "processor_class": "Gemma4Processor", "image_seq_length": max_soft_tokens, "audio_seq_length": 750,
+        "audio_ms_per_token": 40, "image_processor": images.to_dict()}, indent=2))
     return directory

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,7 +25,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...models.images import PromptImage
 from .image_size import ImageGeometry, resized
+
+#: Bytes of image features kept for images sent again (a 280-token image of a 5,376-wide model: 6 MB).
+FEATURE_CACHE_BYTES = 256 << 20
 
 
 class Gemma4Vision:
@@ -57,6 +62,8 @@ class Gemma4Vision:
                 weights[name] = value
         self.module.load_weights(list(weights.items()))
         mx.eval(self.module.parameters())
+        self.kept: OrderedDict[str, mx.array] = OrderedDict()
+        """Images' features by content hash (:meth:`cached_features`)."""
 
     def pixels(self, image: Any) -> mx.array:
         """A Pillow RGB *image* as the tower takes it: (1, 3, height, width), in [0, 1]."""
@@ -69,16 +76,28 @@ class Gemma4Vision:
         return mx.array(data.transpose(2, 0, 1)[None])
 
     def features(self, image: Any) -> mx.array:
-        """One row per soft token of *image*, in the text model's width."""
+        """One row per soft token of *image* (Pillow RGB), in the text model's width."""
         return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
 
-    def prefill(self, model: Any, ids: list[int], images: tuple[Any, ...], cache: list[Any]) -> None:
+    def cached_features(self, image: PromptImage) -> mx.array:
+        """:meth:`features` of *image*, kept by its content's hash (the next turn of an agent resends the same
+        screenshot): least recently used first out beyond :data:`FEATURE_CACHE_BYTES`."""
+        rows = self.kept.pop(image.digest, None)
+        if rows is None:
+            rows = self.features(image.pixels)
+            mx.eval(rows)
+        self.kept[image.digest] = rows
+        while sum(kept.nbytes for kept in self.kept.values()) > FEATURE_CACHE_BYTES and len(self.kept) > 1:
+            self.kept.popitem(last=False)
+        return rows
+
+    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
         features in place of their image tokens, through *model* into *cache* in one forward."""
         from .target import text_model
 
         inner = text_model(model).model
-        plain, embedded = prompt_embeddings(inner, ids, [self.features(image) for image in images],
+        plain, embedded = prompt_embeddings(inner, ids, [self.cached_features(image) for image in images],
                                             self.image_token_id)
         masks = image_masks([layer.layer_type for layer in inner.layers], inner.window_size, ids,
                             self.image_token_id) if self.bidirectional else None

@@ -1,0 +1,132 @@
+"""Images: time to first token for one screenshot and a short question, mlxcel against mlx-vlm's own call.
+
+    python -m benchmarks.image_ttft [--size tiny large] [--rounds 3]
+
+A random-weight Gemma 4 vision checkpoint built with transformers (:mod:`mlxcel.families.gemma4.tiny_vision`):
+``tiny`` (the tests' own, patch 4, at most 70 image tokens) and ``large`` (text: 12 layers of 1024; vision: 12 of
+768, patch 16, at most 280 image tokens, Gemma 4's default budget; 1.1 GB in float32). One 1024 x 768 image
+(a rendered gradient with text-like stripes) and "What is in this screenshot?". Time to first token is the time of
+a request for one token: mlxcel's through ``mlxcel serve`` in its own process (HTTP, the image's checks and
+decoding included), cold (an image it has not seen) and again (its vision features kept by the image's hash);
+mlx-vlm's through its ``generate`` with ``max_tokens=1`` in this process (its processor and
+vision tower included). Prints the medians and mlxcel's ratio (mlx-vlm / mlxcel: above 1.0, mlxcel is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import time
+from pathlib import Path
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from benchmarks._common import BENCH_DIR, median  # noqa: E402
+from mlxcel.testing.serving import serve_subprocess  # noqa: E402
+
+QUESTION = "What is in this screenshot?"
+SIZES = {
+    "tiny": {},
+    "large": {"text_sizes": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 12,
+                             "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
+                             + ["sliding_attention"] * 5 + ["full_attention"],
+                             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+                             "global_head_dim": 128, "sliding_window": 512, "hidden_size_per_layer_input": 0},
+              "vision_sizes": {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                               "num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 64,
+                               "patch_size": 16, "position_embedding_size": 1024},
+              "max_soft_tokens": 280},
+}
+
+
+def checkpoint(size: str) -> Path:
+    from mlxcel.families.gemma4.tiny_vision import build_vision_checkpoint
+
+    directory = BENCH_DIR / f"gemma4-vision-{size}"
+    if not (directory / "model.safetensors").exists():
+        build_vision_checkpoint(directory, **SIZES[size])  # type: ignore[arg-type]
+    return directory
+
+
+def screenshot() -> Image.Image:
+    """A 1024 x 768 image with the texture of a screen: a gradient, and stripes of varying grey like lines of text."""
+    y, x = np.mgrid[0:768, 0:1024]
+    base = np.stack([x * 255 // 1023, y * 255 // 767, (x + y) * 255 // 1790], axis=-1).astype(np.uint8)
+    lines = ((y // 12) % 2 == 0) & ((x // 7) % 9 != 0)
+    base[lines] = (base[lines] // 3).astype(np.uint8)
+    return Image.fromarray(base)
+
+
+def _data_url(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, float]:
+    """(cold: another image each time, its features computed; cached: the same image again) medians."""
+    def body(picture: Image.Image) -> dict[str, object]:
+        return {"max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(picture)}}, {"type": "text", "text": QUESTION}]}]}
+
+    with serve_subprocess(["--model", str(path)], {}, BENCH_DIR / f"{path.name}.log") as served, \
+            httpx.Client(base_url=served, timeout=600) as client:
+        client.post("/v1/chat/completions", json=body(image)).raise_for_status()  # warm
+        cold, cached = [], []
+        for round_ in range(rounds):
+            pixels = np.array(image)
+            pixels[0, 0] = (round_ * 37) % 256  # another image: another hash, its features computed
+            fresh = body(Image.fromarray(pixels))
+            start = time.perf_counter()
+            client.post("/v1/chat/completions", json=fresh).raise_for_status()
+            cold.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            client.post("/v1/chat/completions", json=fresh).raise_for_status()
+            cached.append(time.perf_counter() - start)
+    return median(cold), median(cached)
+
+
+def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
+    import mlx.core as mx
+    from mlx_vlm import generate, load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(str(path))
+    file = BENCH_DIR / "screenshot.png"
+    image.save(file)
+    prompt = apply_chat_template(processor, model.config, QUESTION, num_images=1)
+    generate(model, processor, prompt, image=[str(file)], max_tokens=1, verbose=False)  # warm
+    seconds = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        generate(model, processor, prompt, image=[str(file)], max_tokens=1, verbose=False)
+        mx.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return median(seconds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["tiny", "large"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    image = screenshot()
+    for size in args.size:
+        path = checkpoint(size)
+        cold, cached = mlxcel_ttft(path, image, args.rounds)
+        theirs = mlx_vlm_ttft(path, image, args.rounds)
+        weights = sum(f.stat().st_size for f in path.glob("model*.safetensors")) / 1e9
+        print(f"{size} ({weights:.2f} GB): mlxcel cold {cold * 1000:.0f} ms, with the image's features cached "
+              f"{cached * 1000:.0f} ms; mlx-vlm generate {theirs * 1000:.0f} ms; mlx-vlm / mlxcel: cold "
+              f"{theirs / cold:.2f}, cached {theirs / cached:.2f}")
+
+
+if __name__ == "__main__":
+    main()
