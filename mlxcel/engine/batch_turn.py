@@ -135,8 +135,7 @@ class BatchTurns:
                 kept = batch.take_out(list(finished.values()))
                 for sequence, _ in finished.values():
                     cache, tokens = kept[id(sequence)]
-                    if not sequence.request.images:  # (see GenerationRequest.images)
-                        worker.keep(tokens, cache)
+                    worker.keep(worker.cache_keys(sequence, tokens), cache)
                     worker.forget(sequence)
                     assert sequence.output.finish_reason is not None
                     events.append((sequence.request.id, worker.finish(sequence, sequence.output.finish_reason)))

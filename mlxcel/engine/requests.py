@@ -69,9 +69,9 @@ class GenerationRequest:
     """The client request it is one choice of (``n``, ``best_of``), which the scheduler shares places among
     fairly; empty: a request of its own."""
     images: tuple[PromptImage, ...] = ()
-    """A vision model's images, one per image span of the prompt, in order: the prompt is prefilled
-    whole with their features at admission, and neither looked up in the prefix cache nor kept there (its keys
-    are tokens, which two images share)."""
+    """A vision model's images, one per image span of the prompt, in order: the prompt is prefilled whole with
+    their features at admission, unless the prefix cache holds all of its images, where its keys hold the
+    images' hashes in place of their tokens (:func:`~mlxcel.models.images.image_keys`)."""
     checkpoints: tuple[int, ...] = ()
     """Prompt positions a later prompt is likely to share the tokens before (the end of a chat's system
     prompt, the end of its conversation before the generation prompt): a cache that cannot be rewound is

@@ -47,6 +47,8 @@ class SoloHost(Protocol):
 
     def keep(self, tokens: list[int], cache: Any) -> None: ...
 
+    def cache_keys(self, sequence: Sequence, tokens: list[int]) -> list[int]: ...
+
     def forget(self, sequence: Sequence) -> None: ...
 
     def finish(self, sequence: Sequence, reason: FinishReason, error: str | None = None,
@@ -176,8 +178,7 @@ class SoloTurns:
         worker = self.worker
         if solo.round_in_flight:  # a stop string ended it with a round on the device: drop that round
             solo.finish_round(count=False)
-        if not sequence.request.images:  # (see GenerationRequest.images)
-            worker.keep(solo.tokens_in_cache, solo.cache)
+        worker.keep(worker.cache_keys(sequence, solo.tokens_in_cache), solo.cache)
         worker.forget(sequence)
         stats = sequence.burst
         # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hardware import kernel_versions
+from ..models.images import PromptImage, image_keys
 from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
@@ -233,14 +234,16 @@ class Worker:
         tokens = list(request.prompt_tokens)
         try:
             # A prompt to score goes through the model whole: that forward is its prefill too.
-            if request.images:  # prefilled whole here, its images' features in place (never from the cache)
-                cache, rest, drafter = self._prefill_images(tokens, request.images), tokens[-1:], None
+            reused: int | None = None  # prompt tokens the prefix cache gave, where not all those already in a cache
+            if request.images:  # its images' features in place; the prefix cache keyed by the images too
+                cache, rest, drafter, reused = self._image_prompt(tokens, request.images)
             else:
                 cache, rest, drafter = self.prefix.fetch(tokens) if place != "scoring" \
                     else (self.new_cache(), tokens, None)
             cached = len(tokens) - len(rest)
             probe = self.instrument.probe(request) if self.instrument is not None else None
-            sequence = new_sequence(request, self.tokenizer, self.eos_tokens, 0 if request.images else cached, probe)
+            sequence = new_sequence(request, self.tokenizer, self.eos_tokens, cached if reused is None else reused,
+                                    probe)
             sequence.prompt_state = (cache, tokens[:cached], rest)  # prefilled on its turn
             sequence.drafter_state = drafter
             if place == "scoring":  # its scores are the request's first event: a chunk per scoring turn
@@ -255,17 +258,36 @@ class Worker:
         self.sequences[request.id] = sequence
         self.observability.prompt_tokens.inc(len(tokens))
 
-    def _prefill_images(self, tokens: list[int], images: tuple[Any, ...]) -> Any:
-        """A fresh cache holding *tokens* but the last, with *images* (a vision model's; on this thread, in one
-        forward: the other sequences wait for it, as for a prefill chunk)."""
+    def _image_prompt(self, tokens: list[int], images: tuple[PromptImage, ...]
+                      ) -> tuple[Any, list[int], Any, int]:
+        """(cache, tokens still to prefill, drafter state, tokens the prefix cache gave) of a prompt with
+        *images*: from the prefix cache when an entry holds all of its images (keyed by them:
+        :func:`~mlxcel.models.images.image_keys`), else a fresh cache holding all of it but the last token,
+        prefilled here in one forward (the other sequences wait for it, as for a prefill chunk), and offered to
+        the prefix cache as a snapshot."""
         import mlx.core as mx
 
         if self.vision is None:
             raise ValueError("this model takes no images")
+        keys = image_keys(tokens, images, self.vision.image_token_id)
+        found = self.prefix.fetch(keys)
+        cached = len(tokens) - len(found.rest)
+        last_image = max(i for i, key in enumerate(keys) if key < 0) if any(key < 0 for key in keys) else -1
+        if found.cache is not None and cached > last_image:
+            return found.cache, tokens[cached:], found.drafter, cached
         cache = self.new_cache()
         with mx.stream(self.stream):
             self.vision.prefill(self.model, tokens[:-1], images, cache)
-        return cache
+        self.snapshot(keys[:-1], cache, None)
+        return cache, tokens[-1:], None, 0
+
+    def cache_keys(self, sequence: Sequence, tokens: list[int]) -> list[int]:
+        """What the prefix cache keeps a sequence's cache holding *tokens* (its prompt, then its output) under."""
+        images = sequence.request.images
+        if not images or self.vision is None:
+            return tokens
+        prompt = list(sequence.request.prompt_tokens)
+        return image_keys(prompt, images, self.vision.image_token_id) + tokens[len(prompt):]
 
     def _score_turn(self, sequence: Sequence) -> None:
         """Score the next chunk of *sequence*'s prompt; once it is whole, deliver its scores (the request's

@@ -25,8 +25,26 @@ class ImagePrompt(Protocol):
     def expansion(self, width: int, height: int) -> str: ...
 
 
+def image_keys(tokens: list[int], images: tuple[PromptImage, ...], image_token_id: int) -> list[int]:
+    """*tokens* as the prefix cache keys them: each image's tokens (the *k*-th run of *image_token_id*) become
+    numbers no token is (negative) drawn from that image's hash and the place in its run, so two prompts share a
+    key only where they share the images too (the tokens alone are the same for any two images of a size)."""
+    keyed, run, at = list(tokens), -1, 0
+    for index, token in enumerate(tokens):
+        if token != image_token_id:
+            continue
+        if index == 0 or tokens[index - 1] != image_token_id:
+            run, at = run + 1, 0
+        if run < len(images):
+            keyed[index] = -((int(images[run].digest[:12], 16) << 12) + at + 1)
+        at += 1
+    return keyed
+
+
 class VisionPrefill(Protocol):
     """A vision model's image prefill (worker thread): its prompt but the last token, images included, into a
     fresh cache, whole."""
+
+    image_token_id: int
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None: ...

@@ -61,15 +61,17 @@ def _reference(checkpoint: Path) -> tuple[Any, Any, Any]:
             Gemma4ImageProcessorPil.from_pretrained(checkpoint))
 
 
-def _expected(checkpoint: Path, image: Image.Image, question: str = QUESTION) -> str:
-    """transformers' greedy continuation of one user turn (the image, then *question*), as text."""
+def _expected(checkpoint: Path, image: Image.Image, question: str = QUESTION,
+              after: tuple[dict[str, Any], ...] = ()) -> str:
+    """transformers' greedy continuation of a user turn (the image, then *question*) and the turns *after* it, as
+    text."""
     import torch
 
     model, tokenizer, processor = _reference(checkpoint)
     pixels = processor(images=[image], return_tensors="pt")
     count = int(pixels["num_soft_tokens_per_image"][0])
     text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"},
-                                                                       {"type": "text", "text": question}]}],
+                                                                       {"type": "text", "text": question}]}, *after],
                                          add_generation_prompt=True, tokenize=False)
     ids = torch.tensor([tokenizer.encode(text.replace("<|image|>", "<|image>" + "<|image|>" * count + "<image|>"),
                                          add_special_tokens=False)])
@@ -154,3 +156,20 @@ def test_a_screenshot_a_tool_returned_is_seen(url: str) -> None:
             answers.append("".join(block.text for block in message.content if block.type == "text"))
             assert message.usage.input_tokens > 60
     assert answers[0] != answers[1]
+
+
+def test_the_next_turn_resending_the_screenshot_resumes_after_it(url: str, checkpoint: Path) -> None:
+    """An agent resends its screenshot each turn: the next turn's prompt is found in the prefix cache past the
+    image (keyed by the image's hash), and its answer is still transformers'."""
+    first = httpx.post(f"{url}/v1/chat/completions", json=_chat(_image(7)), timeout=60).json()
+    said = first["choices"][0]["message"]["content"]
+    after = ({"role": "assistant", "content": said}, {"role": "user", "content": "And now?"})
+    body = _chat(_image(7))
+    body["messages"] += list(after)
+    second = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert second["choices"][0]["message"]["content"] == _expected(checkpoint, _image(7), after=after)
+    other = _chat(_image(8))
+    other["messages"] += list(after)
+    changed = httpx.post(f"{url}/v1/chat/completions", json=other, timeout=60).json()
+    assert changed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the same tokens, another image
