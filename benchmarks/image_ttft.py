@@ -7,7 +7,8 @@ A random-weight Gemma 4 vision checkpoint built with transformers (:mod:`mlxcel.
 768, patch 16, at most 280 image tokens, Gemma 4's default budget; 1.1 GB in float32). One 1024 x 768 image
 (a rendered gradient with text-like stripes) and "What is in this screenshot?". Time to first token is the time of
 a request for one token: mlxcel's through ``mlxcel serve`` in its own process (HTTP, the image's checks and
-decoding included), cold (an image it has not seen) and again (its vision features kept by the image's hash);
+decoding included), cold (an image it has not seen), again (its vision features kept by the image's hash, its
+prompt in the prefix cache), and as an agent's next turn (the same image, an answer and a new question);
 mlx-vlm's through its ``generate`` with ``max_tokens=1`` in this process (its processor and
 vision tower included). Prints the medians and mlxcel's ratio (mlx-vlm / mlxcel: above 1.0, mlxcel is faster).
 """
@@ -70,27 +71,34 @@ def _data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
 
 
-def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, float]:
-    """(cold: another image each time, its features computed; cached: the same image again) medians."""
-    def body(picture: Image.Image) -> dict[str, object]:
+def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, float, float]:
+    """(cold: another image each time, its features computed; cached: the same image again; next turn: the same
+    image, the answer and a new question, as an agent's next turn sends them) medians."""
+    def body(picture: Image.Image, *after: dict[str, str]) -> dict[str, object]:
         return {"max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": _data_url(picture)}}, {"type": "text", "text": QUESTION}]}]}
+            {"type": "image_url", "image_url": {"url": _data_url(picture)}}, {"type": "text", "text": QUESTION}]},
+            *after]}
 
     with serve_subprocess(["--model", str(path)], {}, BENCH_DIR / f"{path.name}.log") as served, \
             httpx.Client(base_url=served, timeout=600) as client:
         client.post("/v1/chat/completions", json=body(image)).raise_for_status()  # warm
-        cold, cached = [], []
+        cold, cached, turn = [], [], []
         for round_ in range(rounds):
             pixels = np.array(image)
             pixels[0, 0] = (round_ * 37) % 256  # another image: another hash, its features computed
-            fresh = body(Image.fromarray(pixels))
+            picture = Image.fromarray(pixels)
             start = time.perf_counter()
-            client.post("/v1/chat/completions", json=fresh).raise_for_status()
+            client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
             cold.append(time.perf_counter() - start)
             start = time.perf_counter()
-            client.post("/v1/chat/completions", json=fresh).raise_for_status()
+            client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
             cached.append(time.perf_counter() - start)
-    return median(cold), median(cached)
+            after = ({"role": "assistant", "content": "A window with lines of text."},
+                     {"role": "user", "content": "What does the second line say?"})
+            start = time.perf_counter()
+            client.post("/v1/chat/completions", json=body(picture, *after)).raise_for_status()
+            turn.append(time.perf_counter() - start)
+    return median(cold), median(cached), median(turn)
 
 
 def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
@@ -116,16 +124,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["tiny", "large"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-mlx-vlm", action="store_true", help="measure mlxcel alone")
     args = parser.parse_args()
     image = screenshot()
     for size in args.size:
         path = checkpoint(size)
-        cold, cached = mlxcel_ttft(path, image, args.rounds)
-        theirs = mlx_vlm_ttft(path, image, args.rounds)
+        cold, cached, turn = mlxcel_ttft(path, image, args.rounds)
+        theirs = mlx_vlm_ttft(path, image, args.rounds) if not args.no_mlx_vlm else float("nan")
         weights = sum(f.stat().st_size for f in path.glob("model*.safetensors")) / 1e9
-        print(f"{size} ({weights:.2f} GB): mlxcel cold {cold * 1000:.0f} ms, with the image's features cached "
-              f"{cached * 1000:.0f} ms; mlx-vlm generate {theirs * 1000:.0f} ms; mlx-vlm / mlxcel: cold "
-              f"{theirs / cold:.2f}, cached {theirs / cached:.2f}")
+        print(f"{size} ({weights:.2f} GB): mlxcel cold {cold * 1000:.0f} ms, the same image again "
+              f"{cached * 1000:.0f} ms, the next turn resending it {turn * 1000:.0f} ms ({turn / cold:.1%} of "
+              f"cold); mlx-vlm generate {theirs * 1000:.0f} ms; mlx-vlm / mlxcel: cold {theirs / cold:.2f}, "
+              f"again {theirs / cached:.2f}")
 
 
 if __name__ == "__main__":
