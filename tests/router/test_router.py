@@ -52,7 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
         yield router, nodes
 
 
-def test_the_router_mounts_five_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
+def test_the_router_mounts_six_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
     router, nodes = cluster
     with httpx.Client(base_url=router.url, headers=AUTH, timeout=30) as client:
         listed = client.get("/v1/models").json()["data"]  # the union of the nodes' lists
@@ -73,6 +73,9 @@ def test_the_router_mounts_five_routes_and_404s_everything_else(cluster: tuple[P
         assert [(n["id"], n["healthy"], n["policy_state"], n["verdict"]) for n in body.json()["nodes"]] == [
             ("node-0", True, "unavailable", None), ("node-1", True, "unavailable", None)]
         assert client.get("/v1/completions").status_code == 405
+        embedded = client.post("/v1/embeddings", json={"model": "llama", "input": "hi"})  # forwarded: a chat model
+        assert embedded.status_code == 400 and embedded.json()["error"]["code"] == "model_not_supported"
+        assert embedded.headers["X-Mlxcel-Node"] in ("node-0", "node-1")
 
 
 def test_the_router_has_its_own_keys_and_presents_the_backend_key(cluster: tuple[Process, list[Process]]) -> None:
