@@ -173,3 +173,22 @@ def test_the_next_turn_resending_the_screenshot_resumes_after_it(url: str, check
     other["messages"] += list(after)
     changed = httpx.post(f"{url}/v1/chat/completions", json=other, timeout=60).json()
     assert changed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the same tokens, another image
+
+
+def test_the_mtp_burst_after_an_image_gives_classic_decodes_text(url: str, checkpoint: Path, tmp_path: Path) -> None:
+    """With Gemma 4's assistant as drafter, an image prompt's temperature-0 text is classic decode's (the module's
+    server, which has no drafter), the burst having run (its rounds counted): drafting resumes after the image
+    prefill as after a cache hit. (Compared with classic decode, not transformers: past a dozen tokens this random
+    model writes ``<|audio|>``, which transformers' forward takes for an audio placeholder and blanks.)"""
+    from mlxcel.families.gemma4.tiny import build_assistant
+
+    assistant = build_assistant(tmp_path / "assistant", checkpoint)
+    body = _chat(_image(0))
+    body["max_tokens"] = 24
+    with server_on_a_thread(["--model", str(checkpoint), "--draft-model", str(assistant)],
+                            {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}) as served:
+        answer = httpx.post(f"{served}/v1/chat/completions", json=body, timeout=120).json()
+    classic = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
+    assert answer["timings"]["draft_rounds"] > 0 and not classic["timings"].get("draft_rounds")
+    assert answer["choices"][0]["message"]["content"] == classic["choices"][0]["message"]["content"]
+    assert classic["choices"][0]["message"]["content"].startswith(_expected(checkpoint, _image(0)))

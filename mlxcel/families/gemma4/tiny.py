@@ -33,7 +33,7 @@ PERMUTATION = np.concatenate([np.arange(SPECIAL), SPECIAL + np.random.default_rn
 
 
 def _text_config(hidden: int, layers: int, *, softcap: float | None, tied: bool, init: float,
-                 window: int = WINDOW, head_dim: int | None = None) -> Any:
+                 window: int = WINDOW, head_dim: int | None = None, vocab: int = VOCAB_SIZE) -> Any:
     """*head_dim*: an assistant's, which must be its target's (it attends into the target's keys)."""
     from transformers import Gemma4TextConfig
 
@@ -41,7 +41,7 @@ def _text_config(hidden: int, layers: int, *, softcap: float | None, tied: bool,
     heads = max(4, hidden // 64)
     head_dim = head_dim or hidden // heads
     return Gemma4TextConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=heads // 2, head_dim=head_dim,
         global_head_dim=2 * head_dim, sliding_window=window,  # type: ignore[call-arg]  # transformers 5 has it
         layer_types=kinds, hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
@@ -106,7 +106,7 @@ def build_assistant(directory: Path, target: Path, *, kind: str = "random", agre
     agreeing = kind == "agreeing"
     hidden = backbone if agreeing else backbone // 2
     text = _text_config(hidden, layers, softcap=None, tied=True, init=0.1, window=target_text["sliding_window"],
-                        head_dim=target_text["head_dim"])
+                        head_dim=target_text["head_dim"], vocab=target_text.get("vocab_size", VOCAB_SIZE))
     if kind == "unified":
         from transformers.models.gemma4_unified.configuration_gemma4_unified import Gemma4UnifiedTextConfig
 
