@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 import trio
 
 from ..engine import EngineUnavailable, QueueFull
+from ..engine.stopping import Stopping
 from ..observability import Observability
 from ..policy import BootFacts, MtpPolicy, PolicySettings
 from .checkpoint import EmbeddingModel
@@ -58,9 +58,8 @@ class EmbeddingEngine:
         self._policy = policy
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._held = 0
-        self._closing = False
+        self._stopping = Stopping()
         self._stop_reason = "server shutting down"
-        self._stop_scopes: set[trio.CancelScope] = set()
         self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self) -> None:
@@ -72,29 +71,18 @@ class EmbeddingEngine:
             logger.error("the embedding model %s stopped: %s", self.model.name, self.observability.error)
             raise
         finally:
-            self._closing = True
+            self._stopping.close()
             self.finished.set()
 
     def stop(self, reason: str = "server shutting down") -> None:
         """Finish the forward under way, fail what waits with *reason*, and let the thread return."""
-        self._closing = True
         self._stop_reason = reason
-        for scope in self._stop_scopes:
-            scope.cancel()
+        self._stopping.close()
         self._inbox.put(None)
 
-    @contextlib.contextmanager
-    def cancelled_on_stop(self) -> Iterator[trio.CancelScope]:
+    def cancelled_on_stop(self) -> contextlib.AbstractContextManager[trio.CancelScope]:
         """A cancel scope a stop cancels (at once if stopping already): around a wait a stopping server cannot use."""
-        scope = trio.CancelScope()
-        if self._closing:
-            scope.cancel()
-        self._stop_scopes.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._stop_scopes.discard(scope)
+        return self._stopping.cancelled()
 
     async def tokenize(self, texts: list[str]) -> list[list[int]]:
         """*texts*' tokens (special tokens included): on the event loop when they are short (a thread's round trip
@@ -107,7 +95,7 @@ class EmbeddingEngine:
 
     async def embed(self, rows: list[list[int]]) -> np.ndarray:
         """One float32 vector per token list of *rows*, in order."""
-        if self._closing:
+        if self._stopping.closing:
             raise EngineUnavailable("the server is shutting down")
         if not self.ready.is_set():
             raise EngineUnavailable("the model is still loading")
@@ -192,6 +180,6 @@ class EmbeddingEngine:
     def _became_ready(self, tokenizer: Any, snapshot: Any) -> None:
         self.tokenizer = tokenizer
         self.observability.publish_policy(snapshot)
-        if not self._closing:
+        if not self._stopping.closing:
             self.observability.state = "ready"
         self.ready.set()

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import math
 import queue
-from collections.abc import Iterator
 from typing import Any
 
 import trio
@@ -16,6 +15,7 @@ from ..observability import Observability
 from .instrument import Instrument
 from .messages import Cancel, LoadCancelled, Message, Stop, Submit, WorkerSettings
 from .requests import Event, Finish, GenerationRequest
+from .stopping import Stopping
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,7 @@ class Engine:
         self._channels: dict[str, trio.MemorySendChannel[Event]] = {}
         self._held: set[str] = set()
         """Requests submitted whose Finish has not come back from the worker yet."""
-        self._closing = False
-        self._stop_scopes: set[trio.CancelScope] = set()
+        self._stopping = Stopping()
         self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(self) -> None:
@@ -115,24 +114,17 @@ class Engine:
         self._close()
         self._inbox.put(Stop(reason))
 
-    @contextlib.contextmanager
-    def cancelled_on_stop(self) -> Iterator[trio.CancelScope]:
+    def cancelled_on_stop(self) -> contextlib.AbstractContextManager[trio.CancelScope]:
         """A cancel scope that a stop cancels (at once, if the engine is closing already): around a wait whose
         result a stopping server can no longer use (a grammar compile before its submit)."""
-        scope = trio.CancelScope()
-        if self._closing:
-            scope.cancel()
-        self._stop_scopes.add(scope)
-        try:
-            with scope:
-                yield scope
-        finally:
-            self._stop_scopes.discard(scope)
+        return self._stopping.cancelled()
+
+    @property
+    def _closing(self) -> bool:
+        return self._stopping.closing
 
     def _close(self) -> None:
-        self._closing = True
-        for scope in self._stop_scopes:
-            scope.cancel()
+        self._stopping.close()
 
     # -- called from the worker thread ----------------------------------------
 
