@@ -69,14 +69,12 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
                     instrument=config.instrument)
     ledger = None
     if config.budget is not None:
-        from .fleet.residency import charge
+        from .fleet.slot import model_charge
         from .server.memory import MemoryLedger
 
         ledger = MemoryLedger(config.budget)
-        drafter = config.worker.drafter
-        ledger.charge(config.options.model_name or config.checkpoint.name, charge(config.checkpoint.weight_bytes,
-                                                     drafter.own_bytes() if drafter else 0,
-                                                     config.worker.prefix_cache_bytes))
+        ledger.charge(config.options.model_name or config.checkpoint.name,
+                      model_charge(config.checkpoint, config.worker))
     app = guard_transport(create_app(engine, observability, config.options, ledger),
                           drain_limit=config.options.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)

@@ -94,9 +94,10 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
                                      names=args.served_model_name, sharding=sharding,
                                      budgeted=args.memory_budget is not None)
     if args.memory_budget is not None:  # the model's charge must fit (a fleet's models take turns instead)
-        from .fleet.residency import charge, size
+        from .fleet.residency import size
+        from .fleet.slot import model_charge
 
-        need = charge(checkpoint.weight_bytes, drafter.own_bytes() if drafter else 0, worker.prefix_cache_bytes)
+        need = model_charge(checkpoint, worker)
         if need > args.memory_budget:
             raise UsageError(f"{checkpoint.name} needs {size(need)} (weights, drafter, prefix cache bound), more "
                              f"than --memory-budget {size(args.memory_budget)}")

@@ -12,6 +12,7 @@ from ..embeddings.checkpoint import EmbeddingModel
 from ..embeddings.engine import EmbeddingEngine
 from ..embeddings.layout import embedding_working_bytes, is_embedding_checkpoint
 from ..engine import Engine, WorkerSettings
+from ..models.images import FEATURE_CACHE_BYTES
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
 from ..policy import MtpPolicy, PolicySettings
@@ -19,6 +20,14 @@ from ..server import ServerOptions, create_app, create_embedding_app
 from ..server.memory import MemoryLedger
 from .catalog import ModelEntry
 from .residency import Resident, charge
+
+
+def model_charge(checkpoint: CheckpointInfo, worker: WorkerSettings) -> int:
+    """What a generation model is charged against the memory budget while loaded: its weights, its standalone
+    drafter's, its prefix cache's bound, and its images' features cache where it takes images."""
+    drafter = worker.drafter.own_bytes() if worker.drafter is not None else 0
+    return charge(checkpoint.weight_bytes, drafter, worker.prefix_cache_bytes) + \
+        (FEATURE_CACHE_BYTES if worker.vision else 0)
 
 
 class Engineish(Protocol):
@@ -61,9 +70,8 @@ class ModelParts:
         return self.checkpoint.weight_bytes + (self.worker.drafter.own_bytes() if self.worker.drafter else 0)
 
     def charge(self) -> int:
-        """What this model is charged against the memory budget while loaded."""
-        drafter = self.worker.drafter.own_bytes() if self.worker.drafter is not None else 0
-        return charge(self.checkpoint.weight_bytes, drafter, self.worker.prefix_cache_bytes)
+        """What this model is charged against the memory budget while loaded (:func:`model_charge`)."""
+        return model_charge(self.checkpoint, self.worker)
 
     def start(self, name: str, blas: str | None, ledger: MemoryLedger | None) -> tuple[Engine, Observability, Any]:
         observability = Observability(MtpPolicy(self.worker.policy).snapshot, model=name)

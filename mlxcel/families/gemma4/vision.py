@@ -25,11 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...models.images import PromptImage
+from ...models.images import FEATURE_CACHE_BYTES, PromptImage
 from .image_size import ImageGeometry, resized
-
-#: Bytes of image features kept for images sent again (a 280-token image of a 5,376-wide model: 6 MB).
-FEATURE_CACHE_BYTES = 256 << 20
 
 
 class Gemma4Vision:
