@@ -1,6 +1,7 @@
 """Images: time to first token for one screenshot and a short question, mlxcel against mlx-vlm's own call.
 
     python -m benchmarks.image_ttft [--size tiny large] [--rounds 3]
+    python -m benchmarks.image_ttft --size medium --throughput 4
 
 A random-weight Gemma 4 vision checkpoint built with transformers (:mod:`mlxcel.families.gemma4.tiny_vision`):
 ``tiny`` (the tests' own, patch 4, at most 70 image tokens) and ``large`` (text: 12 layers of 1024; vision: 12 of
@@ -35,6 +36,15 @@ from mlxcel.testing.serving import serve_subprocess  # noqa: E402
 QUESTION = "What is in this screenshot?"
 SIZES = {
     "tiny": {},
+    "medium": {"text_sizes": {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+                              "layer_types": ["sliding_attention"] * 3 + ["full_attention"]
+                              + ["sliding_attention"] * 3 + ["full_attention"],
+                              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64,
+                              "global_head_dim": 64, "sliding_window": 512, "hidden_size_per_layer_input": 0},
+               "vision_sizes": {"hidden_size": 384, "intermediate_size": 1536, "num_hidden_layers": 4,
+                                "num_attention_heads": 6, "num_key_value_heads": 6, "head_dim": 64,
+                                "patch_size": 16, "position_embedding_size": 1024},
+               "max_soft_tokens": 280},
     "large": {"text_sizes": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 12,
                              "layer_types": ["sliding_attention"] * 5 + ["full_attention"]
                              + ["sliding_attention"] * 5 + ["full_attention"],
@@ -101,6 +111,37 @@ def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, flo
     return median(cold), median(cached), median(turn)
 
 
+def throughput(path: Path, image: Image.Image, requests: int, tokens: int) -> tuple[float, float]:
+    """Generated tokens/s over *requests* image requests (each another image, *tokens* tokens each), one after
+    another and all at once."""
+    import concurrent.futures
+
+    def body(index: int, run: int) -> dict[str, object]:
+        pixels = np.array(image)
+        pixels[1, 1] = (index * 31 + run * 7) % 256  # another image each time: its features computed
+        return {"max_tokens": tokens, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(Image.fromarray(pixels))}},
+            {"type": "text", "text": QUESTION}]}]}
+
+    with serve_subprocess(["--model", str(path), "--parallel", str(requests)], {},
+                          BENCH_DIR / f"{path.name}-throughput.log") as served, \
+            httpx.Client(base_url=served, timeout=600, limits=httpx.Limits(max_connections=requests)) as client:
+        def ask(index: int, run: int) -> int:
+            answer = client.post("/v1/chat/completions", json=body(index, run))
+            answer.raise_for_status()
+            return int(answer.json()["usage"]["completion_tokens"])
+
+        ask(99, 0)  # warm
+        start = time.perf_counter()
+        made = sum(ask(index, 1) for index in range(requests))
+        alone = made / (time.perf_counter() - start)
+        start = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(requests) as pool:
+            made = sum(pool.map(lambda index: ask(index, 2), range(requests)))
+        together = made / (time.perf_counter() - start)
+    return alone, together
+
+
 def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
     import mlx.core as mx
     from mlx_vlm import generate, load
@@ -125,7 +166,15 @@ def main() -> None:
     parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["tiny", "large"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-mlx-vlm", action="store_true", help="measure mlxcel alone")
+    parser.add_argument("--throughput", type=int, default=0, metavar="N",
+                        help="instead: N image requests of 32 tokens, one after another and all at once")
     args = parser.parse_args()
+    if args.throughput:
+        for size in args.size:
+            alone, together = throughput(checkpoint(size), screenshot(), args.throughput, 32)
+            print(f"{size}: {args.throughput} image requests of 32 tokens, one after another {alone:.1f} tokens/s, "
+                  f"all at once {together:.1f} tokens/s ({together / alone:.2f}x)")
+        return
     image = screenshot()
     for size in args.size:
         path = checkpoint(size)
