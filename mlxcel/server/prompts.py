@@ -84,7 +84,7 @@ async def _images(ctx: ServerContext, params: ChatCompletionRequest) -> list[Dec
     images = await trio.to_thread.run_sync(decode_all, refs, ctx.options.image_limits)
     if ctx.options.image_prompt is None:
         raise bad_request(f"the model {ctx.options.model_name!r} reads text only: it takes no images",
-                          param="messages", code="model_not_supported")
+                          param=refs[0].where.split(".")[0], code="model_not_supported")
     return images
 
 

@@ -118,7 +118,7 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
             if not isinstance(url, str):  # a file_id names an uploaded file: there is no file store here
                 raise bad_request(f"{where}: an input_image needs an image_url (a data: URL); file_id is not "
                                   "served", param="input", code="invalid_image")
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+            parts.append({"type": "image_url", "image_url": {"url": url}, "where": f"{where}.content"})
         elif kind in ("input_file", "input_audio"):
             raise bad_request(f"{where}: {kind} parts cannot be served", param="input")
     if all(part["type"] == "text" for part in parts):

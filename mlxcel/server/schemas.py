@@ -193,7 +193,8 @@ class ImageUrl(BaseModel):
 
 
 class ImageUrlPart(BaseModel):
-    """An image (:mod:`.images` reads it); the other APIs' images arrive as these too."""
+    """An image (:mod:`.images` reads it); the other APIs' images arrive as these too, with ``where``: the place of
+    the image in their own request (``input.2.content``), which errors name."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     type: Literal["image_url"]
@@ -306,7 +307,7 @@ class ChatCompletionRequest(_Request):
 
     def image_refs(self) -> list[ImageRef]:
         """Every image of the conversation, in order, with its place."""
-        return [ImageRef(f"messages.{i}.content", part.image_url.url)
+        return [ImageRef(str((part.model_extra or {}).get("where") or f"messages.{i}.content"), part.image_url.url)
                 for i, message in enumerate(self.messages) for part in message.images()]
 
     def template_kwargs(self) -> dict[str, Any]:

@@ -93,6 +93,10 @@ def test_a_text_only_model_refuses_a_good_image_on_every_route(hello_client: htt
     responses = hello_client.post("/v1/responses", json={"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "What is this?"}, {"type": "input_image", "image_url": PNG_URL}]}]})
     assert responses.status_code == 400 and "reads text only" in responses.json()["error"]["message"]
+    assert responses.json()["error"]["param"] == "input"  # the route's own field
+    broken = hello_client.post("/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]}).json()["error"]
+    assert broken["param"] == "input" and broken["message"].startswith("input.0.content: the image")
     by_file = hello_client.post("/v1/responses", json={"input": [{"role": "user", "content": [
         {"type": "input_image", "file_id": "file-1"}]}]})
     assert by_file.status_code == 400 and "file_id is not served" in by_file.json()["error"]["message"]
