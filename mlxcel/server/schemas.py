@@ -10,7 +10,7 @@ so a client never silently gets something else. The bounds are
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -30,6 +30,7 @@ from .bounds import (
     SEED_RANGE,
     check_parts,
 )
+from .content_parts import ContentPart, ImageUrlPart, TextPart
 from .images import ImageRef
 
 
@@ -178,30 +179,6 @@ class CompletionRequest(_Request):
 
     def top_logprobs_count(self) -> int:
         return self.logprobs or 0
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: Literal["text"]
-    text: str
-
-
-class ImageUrl(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-    url: str
-    detail: Literal["auto", "low", "high"] | None = None
-
-
-class ImageUrlPart(BaseModel):
-    """An image (:mod:`.images` reads it); the other APIs' images arrive as these too, with ``where``: the place of
-    the image in their own request (``input.2.content``), which errors name."""
-
-    model_config = ConfigDict(strict=True, extra="allow")
-    type: Literal["image_url"]
-    image_url: ImageUrl
-
-
-ContentPart = Annotated[TextPart | ImageUrlPart, Field(discriminator="type")]
 
 
 class CallFunction(BaseModel):
