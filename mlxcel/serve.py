@@ -21,17 +21,16 @@ from dataclasses import dataclass, field
 import trio
 from hypercorn.config import Config as HypercornConfig
 
-from .engine import Engine, WorkerSettings
+from .engine import WorkerSettings
 from .engine.instrument import Instrument
 from .fleet.serve import FleetConfig, run_fleet
+from .fleet.slot import ModelParts, model_charge
 from .http.listener import ConnectionLimits
 from .http.listener import serve as serve_http
 from .http.signals import until_signalled
 from .http.transport import guard_transport
 from .models.loader import CheckpointInfo
-from .observability import Observability
-from .policy import MtpPolicy
-from .server import ServerOptions, create_app
+from .server import ServerOptions
 from .server.native import wait_for_native_calls
 
 logger = logging.getLogger(__name__)
@@ -62,21 +61,17 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
         return
     if shutdown is None:
         shutdown = trio.Event()
-    initial = MtpPolicy(config.worker.policy).snapshot
-    observability = Observability(initial, model=config.options.model_name or config.checkpoint.name)
-    observability.blas = config.blas
-    engine = Engine(config.checkpoint, config.worker, observability, max_queue_depth=config.max_queue_depth,
-                    instrument=config.instrument)
+    name = config.options.model_name or config.checkpoint.name
     ledger = None
     if config.budget is not None:
-        from .fleet.slot import model_charge
         from .server.memory import MemoryLedger
 
         ledger = MemoryLedger(config.budget)
-        ledger.charge(config.options.model_name or config.checkpoint.name,
-                      model_charge(config.checkpoint, config.worker))
-    app = guard_transport(create_app(engine, observability, config.options, ledger),
-                          drain_limit=config.options.max_body_bytes,
+        ledger.charge(name, model_charge(config.checkpoint, config.worker))
+    engine, observability, app = ModelParts(config.checkpoint, config.worker, config.options,
+                                            config.max_queue_depth).start(name, config.blas, ledger,
+                                                                          config.instrument)
+    app = guard_transport(app, drain_limit=config.options.max_body_bytes,
                           drain_seconds=config.connections.keep_alive_timeout)
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"{config.host}:{config.port}"]

@@ -12,6 +12,7 @@ from ..embeddings.checkpoint import EmbeddingModel
 from ..embeddings.engine import EmbeddingEngine
 from ..embeddings.layout import embedding_working_bytes, is_embedding_checkpoint
 from ..engine import Engine, WorkerSettings
+from ..engine.instrument import Instrument
 from ..models.images import FEATURE_CACHE_BYTES
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
@@ -73,10 +74,14 @@ class ModelParts:
         """What this model is charged against the memory budget while loaded (:func:`model_charge`)."""
         return model_charge(self.checkpoint, self.worker)
 
-    def start(self, name: str, blas: str | None, ledger: MemoryLedger | None) -> tuple[Engine, Observability, Any]:
+    def start(self, name: str, blas: str | None, ledger: MemoryLedger | None,
+              instrument: Instrument | None = None) -> tuple[Engine, Observability, Any]:
+        """Its engine, observability and app (a fleet's member, or ``mlxcel serve``'s one model; *instrument*: the
+        tests')."""
         observability = Observability(MtpPolicy(self.worker.policy).snapshot, model=name)
         observability.blas = blas
-        engine = Engine(self.checkpoint, self.worker, observability, max_queue_depth=self.max_queue_depth)
+        engine = Engine(self.checkpoint, self.worker, observability, max_queue_depth=self.max_queue_depth,
+                        instrument=instrument)
         return engine, observability, create_app(engine, observability, self.options, ledger)
 
 

@@ -76,18 +76,18 @@ def _openai_spec(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 
     Yields the list of responses checked (``"METHOD path status"``), for tests that look at the coverage.
     """
-    import mlxcel.serve
+    import mlxcel.fleet.slot  # where a serving node's app is made, for one model or a fleet's
 
     found: list[str] = []
     checked: list[str] = []
-    real = mlxcel.serve.create_app
+    real = mlxcel.fleet.slot.create_app
 
     def create_app(*args: Any, **kwargs: Any) -> Any:
         app = real(*args, **kwargs)
         app.asgi_app = SpecRecorder(app.asgi_app, found, checked)
         return app
 
-    monkeypatch.setattr(mlxcel.serve, "create_app", create_app)
+    monkeypatch.setattr(mlxcel.fleet.slot, "create_app", create_app)
     yield checked
     assert not found, "responses that break OpenAI's OpenAPI schemas:\n" + "\n".join(found[:20])
 
