@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from ..hardware import kernel_versions
-from ..models.images import PromptImage, image_keys
+from ..models.images import PromptImage
 from ..models.loader import CheckpointInfo
 from ..observability import ModelLimits, Observability
 from ..policy import BootFacts, HintStore, MtpPolicy
@@ -262,14 +262,14 @@ class Worker:
                       ) -> tuple[Any, list[int], Any, int]:
         """(cache, tokens still to prefill, drafter state, tokens the prefix cache gave) of a prompt with
         *images*: from the prefix cache when an entry holds all of its images (keyed by them:
-        :func:`~mlxcel.models.images.image_keys`), else a fresh cache holding all of it but the last token,
+        :meth:`~mlxcel.models.images.VisionPrefill.keys`), else a fresh cache holding all of it but the last token,
         prefilled here in one forward (the other sequences wait for it, as for a prefill chunk), and offered to
         the prefix cache as a snapshot."""
         import mlx.core as mx
 
         if self.vision is None:
             raise ValueError("this model takes no images")
-        keys = image_keys(tokens, images, self.vision.image_token_id)
+        keys = self.vision.keys(tokens, images)
         found = self.prefix.fetch(keys)
         cached = len(tokens) - len(found.rest)
         last_image = max(i for i, key in enumerate(keys) if key < 0) if any(key < 0 for key in keys) else -1
@@ -287,7 +287,7 @@ class Worker:
         if not images or self.vision is None:
             return tokens
         prompt = list(sequence.request.prompt_tokens)
-        return image_keys(prompt, images, self.vision.image_token_id) + tokens[len(prompt):]
+        return self.vision.keys(prompt, images) + tokens[len(prompt):]
 
     def _score_turn(self, sequence: Sequence) -> None:
         """Score the next chunk of *sequence*'s prompt; once it is whole, deliver its scores (the request's

@@ -49,6 +49,9 @@ class VisionPrefill(Protocol):
     """A vision model's image prefill (worker thread): its prompt but the last token, images included, into a
     fresh cache, whole."""
 
-    image_token_id: int
+    def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:
+        """The prompt *ids* as the prefix cache keys it (:func:`image_keys`, and whatever else its cache depends
+        on), as many keys as tokens."""
+        ...
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None: ...

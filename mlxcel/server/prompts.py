@@ -95,7 +95,11 @@ def _expanded(text: str, images: list[DecodedImage], prompt: Any) -> str:
         raise bad_request(f"the prompt holds {len(pieces) - 1} image markers ({prompt.placeholder!r}) for "
                           f"{len(images)} images: a message's text may not write the marker itself",
                           param="messages")
-    spans = [prompt.expansion(image.width, image.height) for image in images]
+    try:
+        spans = [prompt.expansion(image.width, image.height) for image in images]
+    except ValueError as exc:  # a size the model's processor cannot take (a 1 x 500 sliver)
+        raise bad_request(f"an image cannot be read by this model: {exc}", param="messages",
+                          code="invalid_image") from exc
     return pieces[0] + "".join(span + piece for span, piece in zip(spans, pieces[1:], strict=True))
 
 

@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...models.images import FEATURE_CACHE_BYTES, PromptImage
+from ...models.images import FEATURE_CACHE_BYTES, PromptImage, image_keys
 from .image_size import ImageGeometry, resized
 
 
@@ -87,6 +87,10 @@ class Gemma4Vision:
         while sum(kept.nbytes for kept in self.kept.values()) > FEATURE_CACHE_BYTES and len(self.kept) > 1:
             self.kept.popitem(last=False)
         return rows
+
+    def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:
+        """:class:`~mlxcel.models.images.VisionPrefill`: keyed by its images (:func:`image_keys`)."""
+        return image_keys(ids, images, self.image_token_id)
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'

@@ -2,12 +2,14 @@
 
 ``target.py`` (verify and rollback of the hybrid's recurrent state), ``mtp.py``
 (the head, in the checkpoint as ``mtp.*`` tensors or standalone), ``split.py``
-(``mlxcel split-mtp``), ``bundled/`` (the default pairing ``mlxcel serve``
-serves with no ``--model``) and ``train_default.py`` (the script that trained it).
+(``mlxcel split-mtp``), ``vision.py`` and ``image_size.py`` (a vision checkpoint's
+images), ``bundled/`` (the default pairing ``mlxcel serve`` serves with no
+``--model``) and ``train_default.py`` (the script that trained it).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,6 +28,35 @@ class Qwen35(Family):
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe")
     mtp = True
     head_type = "qwen3_5_mtp"
+
+    def image_prompt(self, checkpoint: CheckpointInfo) -> Any:
+        """A Qwen 3.5 checkpoint with a ``vision_config`` (``Qwen3_5ForConditionalGeneration``): its image
+        processor's settings."""
+        from .image_size import ImageGeometry, Qwen35ImagePrompt
+
+        config = checkpoint.config
+        processor = checkpoint.path / "preprocessor_config.json"
+        if not isinstance(config.get("vision_config"), dict) or "image_token_id" not in config \
+                or not processor.is_file():
+            return None
+        try:
+            settings = json.loads(processor.read_text(encoding="utf-8"))
+            size = settings.get("size") or {}
+            geometry = ImageGeometry(
+                patch=int(settings.get("patch_size", 16)), merge=int(settings.get("merge_size", 2)),
+                temporal_patch=int(settings.get("temporal_patch_size", 2)),
+                min_pixels=int(settings.get("min_pixels") or size.get("shortest_edge", 65_536)),
+                max_pixels=int(settings.get("max_pixels") or size.get("longest_edge", 16_777_216)))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+        return Qwen35ImagePrompt(geometry)
+
+    def load_vision(self, checkpoint: CheckpointInfo, model: Any) -> Any:
+        from .vision import Qwen35Vision
+
+        prompt = self.image_prompt(checkpoint)
+        assert prompt is not None
+        return Qwen35Vision(checkpoint.path, checkpoint.config, prompt.geometry)
 
     def target(self, model: Any) -> Any:
         from .target import Qwen35Target

@@ -1,0 +1,182 @@
+"""A Qwen 3.5 vision checkpoint (the gated-delta hybrid) served with its images and its MTP head, through real
+HTTP and the ``openai`` and ``anthropic`` SDKs.
+
+The checkpoint is tiny and built with transformers' own classes (:mod:`mlxcel.families.qwen3_5.tiny_vision`); the
+reference is transformers' greedy ``generate`` on the same conversation, its images through transformers' own
+image processor and multi-axis positions. The module's server runs with ``--mtp``: every answer below is MTP's,
+and equal to transformers' greedy text is equal to classic decode's.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from mlxcel.families.qwen3_5.tiny_vision import build_vision_checkpoint
+from tests.server.conftest import server_on_a_thread
+
+QUESTION = "What is this?"
+TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_vision_checkpoint(tmp_path_factory.mktemp("qwen35-images") / "qwen35-vision", mtp=True)
+
+
+@pytest.fixture(scope="module")
+def url(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("qwen35-images-cache"))}
+    with server_on_a_thread(["--model", str(checkpoint), "--mtp", "--parallel", "4"], env) as served:
+        yield served
+
+
+def _image(seed: int, width: int = 200, height: int = 150) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, size=(height, width, 3), dtype=np.uint8))
+
+
+def _data_url(image: Image.Image) -> str:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(out.getvalue()).decode()
+
+
+@functools.cache
+def _reference(checkpoint: Path) -> tuple[Any, Any, Any]:
+    """transformers' model, tokenizer and image processor of *checkpoint*, loaded once a module."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer, Qwen2VLImageProcessorPil
+
+    return (AutoModelForImageTextToText.from_pretrained(checkpoint).eval(), AutoTokenizer.from_pretrained(checkpoint),
+            Qwen2VLImageProcessorPil.from_pretrained(checkpoint))
+
+
+def _expected(checkpoint: Path, messages: list[dict[str, Any]], images: list[Image.Image]) -> str:
+    """transformers' greedy continuation of *messages* (``{"type": "image"}`` parts take *images* in order)."""
+    import torch
+
+    model, tokenizer, processor = _reference(checkpoint)
+    pixels = processor(images=images, return_tensors="pt")
+    pieces = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False).split("<|image_pad|>")
+    counts = [int(g.prod()) // 4 for g in pixels["image_grid_thw"]]
+    text = pieces[0] + "".join("<|image_pad|>" * count + piece for count, piece in zip(counts, pieces[1:], strict=True))
+    ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, pixel_values=pixels["pixel_values"], max_new_tokens=TOKENS,
+                             image_grid_thw=pixels["image_grid_thw"], do_sample=False,
+                             mm_token_type_ids=(ids == model.config.image_token_id).int())
+    return str(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+
+def _asked(question: str = QUESTION) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+
+
+def _chat(*images: Image.Image, question: str = QUESTION) -> dict[str, Any]:
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": _data_url(image)}} for image in images]
+    return {"messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}],
+            "max_tokens": TOKENS, "temperature": 0}
+
+
+def _said(answer: dict[str, Any]) -> str:
+    return str(answer["choices"][0]["message"]["content"])
+
+
+def test_an_image_prompt_answers_as_transformers_on_each_api_with_mtp(url: str, checkpoint: Path) -> None:
+    expected = _expected(checkpoint, _asked(), [_image(0)])
+    answer = httpx.post(f"{url}/v1/chat/completions", json=_chat(_image(0)), timeout=60).json()
+    assert _said(answer) == expected
+    assert answer["timings"]["draft_rounds"] > 0  # the MTP burst ran after the image prefill
+    assert answer["usage"]["prompt_tokens"] > 30  # the image's 30 tokens are counted
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
+            model="default", stream=True, **_chat(_image(0))) if chunk.choices)
+    assert streamed == expected
+    source = {"type": "base64", "media_type": "image/png", "data": _data_url(_image(0)).split(",")[1]}
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+        message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}])
+    assert "".join(block.text for block in message.content if block.type == "text") == expected
+    responses = httpx.post(f"{url}/v1/responses", timeout=60, json={
+        "max_output_tokens": TOKENS, "temperature": 0, "input": [{"role": "user", "content": [
+            {"type": "input_image", "image_url": _data_url(_image(0))}, {"type": "input_text", "text": QUESTION}]}]})
+    assert responses.json()["output"][-1]["content"][0]["text"] == expected
+
+
+def test_two_images_of_other_sizes_in_one_prompt(url: str, checkpoint: Path) -> None:
+    pictures = [_image(1, 64, 130), _image(2, 180, 60)]
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "image"},
+                                             {"type": "text", "text": QUESTION}]}]
+    answer = httpx.post(f"{url}/v1/chat/completions", json=_chat(*pictures), timeout=60).json()
+    assert _said(answer) == _expected(checkpoint, messages, pictures)
+
+
+def test_image_and_text_requests_at_once_in_the_batch(url: str, checkpoint: Path) -> None:
+    """The hybrid model batches image prompts with text ones (the batch speculating), each its own answer."""
+    expected = {seed: _expected(checkpoint, _asked(), [_image(seed)]) for seed in (3, 4)}
+    text_only = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS, "temperature": 0}
+    alone = _said(httpx.post(f"{url}/v1/chat/completions", json=text_only, timeout=60).json())
+
+    def ask(index: int) -> tuple[int, str]:
+        body = text_only if index % 3 == 2 else _chat(_image(3 + index % 3))
+        return index, _said(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json())
+
+    with ThreadPoolExecutor(6) as pool:
+        answers = dict(pool.map(ask, range(6)))
+    assert answers == {index: alone if index % 3 == 2 else expected[3 + index % 3] for index in range(6)}
+
+
+def test_the_next_turns_resume_after_a_resent_image_and_not_across_a_new_one(url: str, checkpoint: Path) -> None:
+    """The next agent turn resends its screenshot: found in the prefix cache past the image. A turn that adds a
+    second image moves every position of the first (module docstring of :mod:`mlxcel.families.qwen3_5.vision`):
+    prefilled anew, and still transformers' answer."""
+    first = httpx.post(f"{url}/v1/chat/completions", json=_chat(_image(7)), timeout=60).json()
+    after = [{"role": "assistant", "content": _said(first)}, {"role": "user", "content": "And now?"}]
+    body = _chat(_image(7))
+    body["messages"] += after
+    second = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    assert _said(second) == _expected(checkpoint, [*_asked(), *after], [_image(7)])
+
+    more = _chat(_image(7))
+    more["messages"] += [after[0], {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _data_url(_image(8, 96, 96))}},
+        {"type": "text", "text": "And this?"}]}]
+    third = httpx.post(f"{url}/v1/chat/completions", json=more, timeout=60).json()
+    assert third["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert _said(third) == _expected(checkpoint, [*_asked(), after[0], {"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "And this?"}]}], [_image(7), _image(8, 96, 96)])
+
+
+def test_a_screenshot_a_tool_returned_is_seen(url: str, checkpoint: Path) -> None:
+    """Claude Code's Read tool returns an image inside a ``tool_result``, through the ``anthropic`` SDK."""
+    answers = []
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+        for seed in (5, 6):
+            source = {"type": "base64", "media_type": "image/png", "data": _data_url(_image(seed)).split(",")[1]}
+            message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0},
+                                             messages=[
+                {"role": "user", "content": "Look at the screenshot."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                                   "input": {"file_path": "shot.png"}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                    {"type": "image", "source": source}]}]}])
+            answers.append("".join(block.text for block in message.content if block.type == "text"))
+            assert message.usage.input_tokens > 30
+    assert answers[0] != answers[1]
+
+
+def test_a_sliver_the_processor_cannot_take_is_a_400(url: str) -> None:
+    answer = httpx.post(f"{url}/v1/chat/completions", json=_chat(_image(9, 1000, 4)), timeout=60)
+    assert answer.status_code == 400 and "aspect ratio" in answer.json()["error"]["message"]
