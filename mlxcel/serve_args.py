@@ -162,6 +162,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-image-pixels", type=_positive("--max-image-pixels"), default=33_554_432,
                         help="pixels of one image at most, read from its header before it is decoded "
                              "(default: %(default)s, 32 megapixels)")
+    parser.add_argument("--allow-image-urls", action="store_true",
+                        help="fetch images named by an http(s) URL (off: only data: URLs), from public addresses "
+                             "only, within --max-image-bytes and --image-fetch-timeout")
+    parser.add_argument("--allow-private-image-urls", action="store_true",
+                        help="with --allow-image-urls, fetch from loopback and private addresses too (a request "
+                             "could then reach this machine's and its network's services)")
+    parser.add_argument("--image-fetch-timeout", type=_seconds("--image-fetch-timeout"), default=10.0,
+                        metavar="SECONDS", help="one image's whole fetch at most (default: %(default)s)")
     parser.add_argument("--max-connections", type=_positive("--max-connections"), default=1024,
                         help="open HTTP connections at most; at the limit the longest-idle one is closed "
                              "(default: %(default)s, lowered to fit the open-file limit)")

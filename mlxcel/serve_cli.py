@@ -84,6 +84,8 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
         raise UsageError(str(exc)) from exc
     if args.kv_bits is not None and args.distributed:
         raise UsageError("--kv-bits is not supported with --distributed (the other ranks keep full-precision caches)")
+    if args.allow_private_image_urls and not args.allow_image_urls:
+        raise UsageError("--allow-private-image-urls widens --allow-image-urls: give both")
     # The checks above need no mlx-lm, so a start they refuse exits at once; what follows (drafters, the
     # group, the load) does: imported here, on this thread, before any other starts.
     import_mlx_lm()
@@ -243,7 +245,8 @@ def _model_serving(args: argparse.Namespace, env: EnvConfig, blas: str, keys: tu
         parallel=parallel, default_max_tokens=option["max_tokens"], api_keys=keys,
         max_body_bytes=args.max_body_bytes, props=args.props, slots=args.slots, metrics=args.metrics,
         extra_props={"blas": blas, "draft_block_size": block_size, "pid": os.getpid()}, memory_wait=args.memory_wait,
-        image_limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels), image_prompt=prompt)
+        image_limits=ImageLimits(args.max_images, args.max_image_bytes, args.max_image_pixels, args.allow_image_urls,
+                                 args.allow_private_image_urls, args.image_fetch_timeout), image_prompt=prompt)
     return worker, options
 
 def _image_prompt(checkpoint: CheckpointInfo, sharded: bool) -> Any:

@@ -2,11 +2,11 @@
 
 Every route hands its images over as chat ``image_url`` parts (Anthropic's ``image`` blocks and the Responses API's
 ``input_image`` parts are converted to them), so this is the one place an image is read. A source is a ``data:``
-URL (base64); an ``http(s)`` URL is not fetched (a server that fetches any URL a request names is a hole into
-the network it sits on). The checks, each a 400 naming the image and the problem, never its content: bytes,
-format (PNG, JPEG, WebP, GIF, BMP; SVG and everything else refused), pixels (read from the header, before
-anything is decoded: a decompression bomb costs nothing), a whole decode (truncated or corrupt data), and images
-per request. Decoding needs Pillow (the ``vision`` extra).
+URL (base64), or an ``http(s)`` URL where the server is told to fetch them (:mod:`.image_fetch`: a server that
+fetches any URL a request names is a hole into the network it sits on). The checks, each a 400 naming the image
+and the problem, never its content: bytes, format (PNG, JPEG, WebP, GIF, BMP; SVG and everything else refused),
+pixels (read from the header, before anything is decoded: a decompression bomb costs nothing), a whole decode
+(truncated or corrupt data), and images per request. Decoding needs Pillow (the ``vision`` extra).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import base64
 import binascii
 import hashlib
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..http.errors import ApiError, bad_request
@@ -34,6 +34,12 @@ class ImageLimits:
     """Anthropic's own bound on one image."""
     max_pixels: int = 33_554_432
     """32 megapixels: an 8K screenshot fits; a vision processor resizes far below it anyway."""
+    fetch_urls: bool = False
+    """``--allow-image-urls``: fetch ``http(s)`` URLs (:mod:`.image_fetch`)."""
+    private_urls: bool = False
+    """``--allow-private-image-urls``: from loopback and private addresses too."""
+    fetch_seconds: float = 10.0
+    """``--image-fetch-timeout``: one image's whole fetch, redirects included."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +48,8 @@ class ImageRef:
 
     where: str
     url: str
+    data: bytes | None = field(default=None, repr=False)
+    """An ``http(s)`` URL's bytes, once fetched (:func:`~mlxcel.server.image_fetch.fetch_all`)."""
 
 
 @dataclass(frozen=True)
@@ -99,9 +107,14 @@ def decode(ref: ImageRef, limits: ImageLimits) -> DecodedImage:
 
 def _bytes_of(ref: ImageRef, limits: ImageLimits) -> bytes:
     url = ref.url
+    if ref.data is not None:  # fetched, within the bounds
+        if not ref.data:
+            raise _invalid(ref, "is empty")
+        return ref.data
     if url.startswith(("http://", "https://")):
-        raise _invalid(ref, "is an http(s) URL; this server does not fetch images: send it inline, as a data: "
-                            "URL (base64)", code="image_url_not_fetched")
+        raise _invalid(ref, "is an http(s) URL; this server does not fetch images (it would need "
+                            "--allow-image-urls): send it inline, as a data: URL (base64)",
+                       code="image_url_not_fetched")
     if not url.startswith("data:"):
         raise _invalid(ref, "must be a data: URL (data:image/png;base64,...)")
     header, comma, payload = url[5:].partition(",")

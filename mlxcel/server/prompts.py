@@ -13,6 +13,7 @@ from ..models.images import PromptImage
 from ..observability import ModelLimits
 from .context import ServerContext
 from .fim import fim_format, fim_prompt
+from .image_fetch import fetch_all
 from .images import DecodedImage, decode_all
 from .schemas import ChatCompletionRequest, CompletionRequest
 from .tools import ToolSetup, template_messages
@@ -81,6 +82,7 @@ async def _images(ctx: ServerContext, params: ChatCompletionRequest) -> list[Dec
     refs = params.image_refs()
     if not refs:
         return []
+    refs = await fetch_all(refs, ctx.options.image_limits)
     images = await trio.to_thread.run_sync(decode_all, refs, ctx.options.image_limits)
     if ctx.options.image_prompt is None:
         raise bad_request(f"the model {ctx.options.model_name!r} reads text only: it takes no images",

@@ -12,8 +12,10 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +41,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def url(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("qwen35-images-cache"))}
-    with server_on_a_thread(["--model", str(checkpoint), "--mtp", "--parallel", "4"], env) as served:
+    flags = ["--mtp", "--parallel", "4", "--allow-image-urls", "--allow-private-image-urls"]  # the origin: loopback
+    with server_on_a_thread(["--model", str(checkpoint), *flags], env) as served:
         yield served
 
 
@@ -180,3 +183,42 @@ def test_a_screenshot_a_tool_returned_is_seen(url: str, checkpoint: Path) -> Non
 def test_a_sliver_the_processor_cannot_take_is_a_400(url: str) -> None:
     answer = httpx.post(f"{url}/v1/chat/completions", json=_chat(_image(9, 1000, 4)), timeout=60)
     assert answer.status_code == 400 and "aspect ratio" in answer.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def origin() -> Iterator[str]:
+    """A web server on this machine's loopback holding ``/shot.png`` (the standard library's, on a thread)."""
+    body = base64.b64decode(_data_url(_image(0)).split(",")[1])
+
+    class Shot(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/shot.png" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Shot)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_image_by_url_is_fetched_where_allowed(url: str, checkpoint: Path, origin: str) -> None:
+    """``--allow-image-urls``: chat's ``image_url`` and Anthropic's ``url`` source fetch the image (this server
+    also allows loopback, where the test's web server is); the answer is the inline image's."""
+    expected = _expected(checkpoint, _asked(), [_image(0)])
+    body = _chat(_image(0))
+    body["messages"][0]["content"][0]["image_url"]["url"] = f"{origin}/shot.png"
+    assert _said(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()) == expected
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+        message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": f"{origin}/shot.png"}},
+                                         {"type": "text", "text": QUESTION}]}])
+    assert "".join(block.text for block in message.content if block.type == "text") == expected
+    body["messages"][0]["content"][0]["image_url"]["url"] = f"{origin}/gone.png"
+    missing = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "image_fetch_failed"
