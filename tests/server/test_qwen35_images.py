@@ -40,7 +40,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def url(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("qwen35-images-cache"))}
+    # MTP pinned on: the burst and the batch speculate whatever the measured costs say of this tiny model.
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("qwen35-images-cache")), "MLXCEL_ENABLE_MTP_B1": "1"}
     flags = ["--mtp", "--parallel", "4", "--allow-image-urls", "--allow-private-image-urls"]  # the origin: loopback
     with server_on_a_thread(["--model", str(checkpoint), *flags], env) as served:
         yield served
@@ -126,18 +127,21 @@ def test_two_images_of_other_sizes_in_one_prompt(url: str, checkpoint: Path) -> 
 
 
 def test_image_and_text_requests_at_once_in_the_batch(url: str, checkpoint: Path) -> None:
-    """The hybrid model batches image prompts with text ones (the batch speculating), each its own answer."""
+    """The hybrid model batches image prompts with text ones, the batch speculating, each its own answer."""
     expected = {seed: _expected(checkpoint, _asked(), [_image(seed)]) for seed in (3, 4)}
     text_only = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": TOKENS, "temperature": 0}
     alone = _said(httpx.post(f"{url}/v1/chat/completions", json=text_only, timeout=60).json())
 
-    def ask(index: int) -> tuple[int, str]:
+    def ask(index: int) -> tuple[int, dict[str, Any]]:
         body = text_only if index % 3 == 2 else _chat(_image(3 + index % 3))
-        return index, _said(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json())
+        return index, httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120).json()
 
     with ThreadPoolExecutor(6) as pool:
         answers = dict(pool.map(ask, range(6)))
-    assert answers == {index: alone if index % 3 == 2 else expected[3 + index % 3] for index in range(6)}
+    assert {index: _said(answer) for index, answer in answers.items()} == {
+        index: alone if index % 3 == 2 else expected[3 + index % 3] for index in range(6)}
+    widths = [n for answer in answers.values() for n in answer["timings"]["draft_widths"]]
+    assert any(n >= 2 for n in widths)  # drafted beside others (which widths: arrival timing)
 
 
 def test_the_next_turns_resume_after_a_resent_image_and_not_across_a_new_one(url: str, checkpoint: Path) -> None:
@@ -222,3 +226,17 @@ def test_an_image_by_url_is_fetched_where_allowed(url: str, checkpoint: Path, or
     body["messages"][0]["content"][0]["image_url"]["url"] = f"{origin}/gone.png"
     missing = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert missing.status_code == 400 and missing.json()["error"]["code"] == "image_fetch_failed"
+
+
+def test_a_restarted_server_resumes_after_the_image_from_its_disk_tier(checkpoint: Path, tmp_path: Path) -> None:
+    """The hybrid model's snapshot after an image prompt goes to the disk tier when the server stops, keyed by the
+    image (and its positions' shift); the next server reads it back for the same image, and not for another."""
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+    with server_on_a_thread(["--model", str(checkpoint)], env) as served:
+        first = httpx.post(f"{served}/v1/chat/completions", json=_chat(_image(10)), timeout=60).json()
+    with server_on_a_thread(["--model", str(checkpoint)], env) as served:
+        again = httpx.post(f"{served}/v1/chat/completions", json=_chat(_image(10)), timeout=60).json()
+        other = httpx.post(f"{served}/v1/chat/completions", json=_chat(_image(11)), timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
+    assert _said(again) == _said(first) == _expected(checkpoint, _asked(), [_image(10)])
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
