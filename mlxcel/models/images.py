@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +29,28 @@ class ImagePrompt(Protocol):
     placeholder: str
 
     def expansion(self, width: int, height: int) -> str: ...
+
+
+class FeatureCache:
+    """Images' vision features by content hash (the next turn of an agent resends the same screenshot): least
+    recently used first out beyond *bound* bytes (the last one kept whatever its size). Worker thread only."""
+
+    def __init__(self, bound: int = FEATURE_CACHE_BYTES) -> None:
+        self.bound = bound
+        self._kept: OrderedDict[str, Any] = OrderedDict()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._kept)
+
+    def get(self, image: PromptImage, compute: Callable[[Any], Any]) -> Any:
+        """*image*'s features: kept ones, else ``compute(image.pixels)`` (evaluated: an array of ``nbytes``)."""
+        rows = self._kept.pop(image.digest, None)
+        if rows is None:
+            rows = compute(image.pixels)
+        self._kept[image.digest] = rows
+        while sum(kept.nbytes for kept in self._kept.values()) > self.bound and len(self._kept) > 1:
+            self._kept.popitem(last=False)
+        return rows
 
 
 def image_keys(tokens: list[int], images: tuple[PromptImage, ...], image_token_id: int) -> list[int]:

@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +24,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...models.images import FEATURE_CACHE_BYTES, PromptImage, image_keys
+from ...models.images import FeatureCache, PromptImage, image_keys
 from .image_size import ImageGeometry, resized
 
 
@@ -59,7 +58,7 @@ class Gemma4Vision:
                 weights[name] = value
         self.module.load_weights(list(weights.items()))
         mx.eval(self.module.parameters())
-        self.kept: OrderedDict[str, mx.array] = OrderedDict()
+        self.kept = FeatureCache()
         """Images' features by content hash (:meth:`cached_features`)."""
 
     def pixels(self, image: Any) -> mx.array:
@@ -77,15 +76,12 @@ class Gemma4Vision:
         return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
 
     def cached_features(self, image: PromptImage) -> mx.array:
-        """:meth:`features` of *image*, kept by its content's hash (the next turn of an agent resends the same
-        screenshot): least recently used first out beyond :data:`FEATURE_CACHE_BYTES`."""
-        rows = self.kept.pop(image.digest, None)
-        if rows is None:
-            rows = self.features(image.pixels)
-            mx.eval(rows)
-        self.kept[image.digest] = rows
-        while sum(kept.nbytes for kept in self.kept.values()) > FEATURE_CACHE_BYTES and len(self.kept) > 1:
-            self.kept.popitem(last=False)
+        """:meth:`features` of *image*, kept by its content's hash (:class:`~mlxcel.models.images.FeatureCache`)."""
+        return self.kept.get(image, self._evaluated_features)
+
+    def _evaluated_features(self, pixels: Any) -> mx.array:
+        rows = self.features(pixels)
+        mx.eval(rows)
         return rows
 
     def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:

@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ...models.images import FEATURE_CACHE_BYTES, PromptImage, image_keys
+from ...models.images import FeatureCache, PromptImage, image_keys
 from .image_size import ImageGeometry, resized
 
 #: Where a checkpoint keeps its vision tower: transformers' layout, then mlx-community's conversions.
@@ -60,7 +59,7 @@ class Qwen35Vision:
                     weights[key[len(prefix):]] = value
         self.tower.load_weights(list(self.tower.sanitize(weights).items()))
         mx.eval(self.tower.parameters())
-        self.kept: OrderedDict[str, mx.array] = OrderedDict()
+        self.kept = FeatureCache()
         """Images' features by content hash (:meth:`cached_features`)."""
 
     def patches(self, image: Any) -> tuple[mx.array, tuple[int, int, int]]:
@@ -85,15 +84,12 @@ class Qwen35Vision:
         return rows
 
     def cached_features(self, image: PromptImage) -> mx.array:
-        """:meth:`features` of *image*, kept by its content's hash (the next turn of an agent resends the same
-        screenshot): least recently used first out beyond :data:`FEATURE_CACHE_BYTES`."""
-        rows = self.kept.pop(image.digest, None)
-        if rows is None:
-            rows = self.features(image.pixels)
-            mx.eval(rows)
-        self.kept[image.digest] = rows
-        while sum(kept.nbytes for kept in self.kept.values()) > FEATURE_CACHE_BYTES and len(self.kept) > 1:
-            self.kept.popitem(last=False)
+        """:meth:`features` of *image*, kept by its content's hash (:class:`~mlxcel.models.images.FeatureCache`)."""
+        return self.kept.get(image, self._evaluated_features)
+
+    def _evaluated_features(self, pixels: Any) -> mx.array:
+        rows = self.features(pixels)
+        mx.eval(rows)
         return rows
 
     def grids(self, images: tuple[PromptImage, ...]) -> list[tuple[int, int, int]]:
