@@ -1,11 +1,15 @@
 """Images: time to first token for one screenshot and a short question, mlxcel against mlx-vlm's own call.
 
-    python -m benchmarks.image_ttft [--size tiny large] [--rounds 3]
+    python -m benchmarks.image_ttft [--family gemma4 qwen3_5] [--size tiny large] [--rounds 3]
     python -m benchmarks.image_ttft --size medium --throughput 4
 
-A random-weight Gemma 4 vision checkpoint built with transformers (:mod:`mlxcel.families.gemma4.tiny_vision`):
+A random-weight vision checkpoint built with transformers. Gemma 4 (:mod:`mlxcel.families.gemma4.tiny_vision`):
 ``tiny`` (the tests' own, patch 4, at most 70 image tokens) and ``large`` (text: 12 layers of 1024; vision: 12 of
-768, patch 16, at most 280 image tokens, Gemma 4's default budget; 1.1 GB in float32). One 1024 x 768 image
+768, patch 16, at most 280 image tokens, Gemma 4's default budget; 1.2 GB in float32). Qwen 3.5
+(:mod:`mlxcel.families.qwen3_5.tiny_vision`): ``tiny`` (the tests' own, at most 64 image tokens) and ``large``
+(text: 12 layers of 1024, 9 gated-delta and 3 full attention, heads of 256 with Qwen 3.5's multi-axis rotary
+dims; vision: 12 of 768, patch 16, Qwen's default pixel bounds, so 768 image tokens for the screenshot; 1.2 GB in
+float32). One 1024 x 768 image
 (a rendered gradient with text-like stripes) and "What is in this screenshot?". Time to first token is the time of
 a request for one token: mlxcel's through ``mlxcel serve`` in its own process (HTTP, the image's checks and
 decoding included), cold (an image it has not seen), again (its vision features kept by the image's hash, its
@@ -34,6 +38,19 @@ from benchmarks._common import BENCH_DIR, median  # noqa: E402
 from mlxcel.testing.serving import serve_subprocess  # noqa: E402
 
 QUESTION = "What is in this screenshot?"
+QWEN_SIZES = {
+    "tiny": {},
+    "large": {"text_sizes": {"hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
+                             "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+                             "linear_num_value_heads": 16, "linear_num_key_heads": 16, "linear_key_head_dim": 128,
+                             "linear_value_head_dim": 128,
+                             "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000.0,
+                                                 "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                 "mrope_interleaved": True}},
+              "vision_sizes": {"depth": 12, "hidden_size": 768, "intermediate_size": 3072, "num_heads": 12,
+                               "num_position_embeddings": 2304},
+              "pixels": (65_536, 16_777_216)},
+}
 SIZES = {
     "tiny": {},
     "medium": {"text_sizes": {"hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
@@ -57,7 +74,14 @@ SIZES = {
 }
 
 
-def checkpoint(size: str) -> Path:
+def checkpoint(size: str, family: str = "gemma4") -> Path:
+    if family == "qwen3_5":
+        from mlxcel.families.qwen3_5.tiny_vision import build_vision_checkpoint as build_qwen
+
+        directory = BENCH_DIR / f"qwen35-vision-{size}"
+        if not (directory / "model.safetensors").exists():
+            build_qwen(directory, **QWEN_SIZES[size])  # type: ignore[arg-type]
+        return directory
     from mlxcel.families.gemma4.tiny_vision import build_vision_checkpoint
 
     directory = BENCH_DIR / f"gemma4-vision-{size}"
@@ -163,25 +187,28 @@ def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", nargs="+", choices=["gemma4", "qwen3_5"], default=["gemma4"])
     parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["tiny", "large"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-mlx-vlm", action="store_true", help="measure mlxcel alone")
     parser.add_argument("--throughput", type=int, default=0, metavar="N",
                         help="instead: N image requests of 32 tokens, one after another and all at once")
     args = parser.parse_args()
+    runs = [(family, size) for family in args.family for size in args.size
+            if family == "gemma4" or size in QWEN_SIZES]
     if args.throughput:
-        for size in args.size:
-            alone, together = throughput(checkpoint(size), screenshot(), args.throughput, 32)
-            print(f"{size}: {args.throughput} image requests of 32 tokens, one after another {alone:.1f} tokens/s, "
-                  f"all at once {together:.1f} tokens/s ({together / alone:.2f}x)")
+        for family, size in runs:
+            alone, together = throughput(checkpoint(size, family), screenshot(), args.throughput, 32)
+            print(f"{family} {size}: {args.throughput} image requests of 32 tokens, one after another "
+                  f"{alone:.1f} tokens/s, all at once {together:.1f} tokens/s ({together / alone:.2f}x)")
         return
     image = screenshot()
-    for size in args.size:
-        path = checkpoint(size)
+    for family, size in runs:
+        path = checkpoint(size, family)
         cold, cached, turn = mlxcel_ttft(path, image, args.rounds)
         theirs = mlx_vlm_ttft(path, image, args.rounds) if not args.no_mlx_vlm else float("nan")
         weights = sum(f.stat().st_size for f in path.glob("model*.safetensors")) / 1e9
-        print(f"{size} ({weights:.2f} GB): mlxcel cold {cold * 1000:.0f} ms, the same image again "
+        print(f"{family} {size} ({weights:.2f} GB): mlxcel cold {cold * 1000:.0f} ms, the same image again "
               f"{cached * 1000:.0f} ms, the next turn resending it {turn * 1000:.0f} ms ({turn / cold:.1%} of "
               f"cold); mlx-vlm generate {theirs * 1000:.0f} ms; mlx-vlm / mlxcel: cold {theirs / cold:.2f}, "
               f"again {theirs / cached:.2f}")

@@ -262,9 +262,10 @@ class Worker:
                       ) -> tuple[Any, list[int], Any, int]:
         """(cache, tokens still to prefill, drafter state, tokens the prefix cache gave) of a prompt with
         *images*: from the prefix cache when an entry holds all of its images (keyed by them:
-        :meth:`~mlxcel.models.images.VisionPrefill.keys`), else a fresh cache holding all of it but the last token,
-        prefilled here in one forward (the other sequences wait for it, as for a prefill chunk), and offered to
-        the prefix cache as a snapshot."""
+        :meth:`~mlxcel.models.images.VisionPrefill.keys`), else a cache holding all of it but the last token,
+        prefilled here (from the prefix cache's entry for its start, where the family's prefill can go on from
+        one; the other sequences wait for it, as for a prefill chunk), and offered to the prefix cache as a
+        snapshot."""
         import mlx.core as mx
 
         if self.vision is None:
@@ -275,11 +276,13 @@ class Worker:
         last_image = max(i for i, key in enumerate(keys) if key < 0) if any(key < 0 for key in keys) else -1
         if found.cache is not None and cached > last_image:
             return found.cache, tokens[cached:], found.drafter, cached
-        cache = self.new_cache()
+        resumed = found.cache is not None and cached > 0 and self.vision.chunked
+        cache = found.cache if resumed else self.new_cache()
         with mx.stream(self.stream):
-            self.vision.prefill(self.model, tokens[:-1], images, cache)
+            self.vision.prefill(self.model, tokens[:-1], images, cache, cached if resumed else 0,
+                                self.settings.prefill_step_size)
         self.snapshot(keys[:-1], cache, None)
-        return cache, tokens[-1:], None, 0
+        return cache, tokens[-1:], None, cached if resumed else 0
 
     def cache_keys(self, sequence: Sequence, tokens: list[int]) -> list[int]:
         """What the prefix cache keeps a sequence's cache holding *tokens* (its prompt, then its output) under."""

@@ -71,11 +71,17 @@ def image_keys(tokens: list[int], images: tuple[PromptImage, ...], image_token_i
 
 class VisionPrefill(Protocol):
     """A vision model's image prefill (worker thread): its prompt but the last token, images included, into a
-    fresh cache, whole."""
+    cache."""
+
+    image_token_id: int
+    chunked: bool
+    """Whether :meth:`prefill` can start from a cache that holds some of the prompt (and goes *step* tokens a
+    forward); else it takes the whole prompt into an empty cache in one forward."""
 
     def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:
         """The prompt *ids* as the prefix cache keys it (:func:`image_keys`, and whatever else its cache depends
         on), as many keys as tokens."""
         ...
 
-    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None: ...
+    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
+                start: int = 0, step: int | None = None) -> None: ...

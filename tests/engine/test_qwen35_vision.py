@@ -100,6 +100,21 @@ def test_a_prompt_with_images_gives_transformers_logits_and_text(checkpoint: Pat
         said.append(int(mx.argmax(model(mx.array([said[-1:]]), cache=cache)[0, -1])))
     assert said == greedy
 
+    # In chunks of 7 tokens (the images' spans cut anywhere): the same.
+    chunked = make_prompt_cache(model)
+    vision.prefill(model, ids[:-1], images, chunked, step=7)
+    again = np.array(model(mx.array([ids[-1:]]), cache=chunked)[0, -1])
+    assert np.abs(again - logits).max() < 1e-4 * max(1.0, np.abs(logits).max())
+    # From a cache that holds the prompt's text before its first image, at the prompt's (shifted) positions.
+    first = ids.index(vision.image_token_id)
+    shift = len(ids) - 1 - rope_positions(ids[:-1], vision.image_token_id, vision.grids(images))[1]
+    resumed = make_prompt_cache(model)
+    with positioned(model.language_model.model, mx.array(np.tile(np.arange(first) + shift, (3, 1))), vision.sections):
+        model(mx.array([ids[:first]]), cache=resumed)
+    vision.prefill(model, ids[:-1], images, resumed, start=first, step=16)
+    again = np.array(model(mx.array([ids[-1:]]), cache=resumed)[0, -1])
+    assert np.abs(again - logits).max() < 1e-4 * max(1.0, np.abs(logits).max())
+
     # The positions matter: the same embeddings at plain positions answer otherwise.
     plain = make_prompt_cache(model)
     body = model.language_model.model

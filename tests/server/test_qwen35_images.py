@@ -42,7 +42,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def url(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # MTP pinned on: the burst and the batch speculate whatever the measured costs say of this tiny model.
     env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("qwen35-images-cache")), "MLXCEL_ENABLE_MTP_B1": "1"}
-    flags = ["--mtp", "--parallel", "4", "--allow-image-urls", "--allow-private-image-urls"]  # the origin: loopback
+    # Prefill chunks of 16 tokens: an image's 30 tokens always straddle one. The origin's web server: loopback.
+    flags = ["--mtp", "--parallel", "4", "--prefill-step-size", "16", "--allow-image-urls",
+             "--allow-private-image-urls"]
     with server_on_a_thread(["--model", str(checkpoint), *flags], env) as served:
         yield served
 

@@ -88,9 +88,16 @@ class Gemma4Vision:
         """:class:`~mlxcel.models.images.VisionPrefill`: keyed by its images (:func:`image_keys`)."""
         return image_keys(ids, images, self.image_token_id)
 
-    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None:
+    chunked = False
+    """:meth:`prefill` takes the whole prompt in one forward: an image's bidirectional masks are built for it."""
+
+    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
+                start: int = 0, step: int | None = None) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
-        features in place of their image tokens, through *model* into *cache* in one forward."""
+        features in place of their image tokens, through *model* into *cache* (empty: *start* 0) in one forward
+        (*step* unused)."""
+        if start:
+            raise ValueError("Gemma 4's image prefill starts from an empty cache")
         from .target import text_model
 
         inner = text_model(model).model

@@ -48,10 +48,11 @@ def _draw(name: str, parameter: Any) -> None:
 
 def build_vision_checkpoint(directory: Path, *, moe: bool = False, seed: int = 0,
                             text_sizes: dict[str, Any] | None = None, vision_sizes: dict[str, Any] | None = None,
-                            mtp: bool = False) -> Path:
+                            mtp: bool = False, pixels: tuple[int, int] = (MIN_PIXELS, MAX_PIXELS)) -> Path:
     """Write the tiny checkpoint into *directory*: four text layers (three linear-attention, one full), a two-block
     vision tower. *moe*: Qwen 3.6's mixture-of-experts MLPs. *mtp*: a one-layer MTP head beside (``--mtp``).
-    *text_sizes*, *vision_sizes*: a bigger model (a benchmark's)."""
+    *text_sizes*, *vision_sizes*, *pixels* (the image processor's least and most pixels): a bigger model (a
+    benchmark's)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
@@ -119,7 +120,7 @@ def build_vision_checkpoint(directory: Path, *, moe: bool = False, seed: int = 0
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer, indent=2, ensure_ascii=False))
     images = Qwen2VLImageProcessorPil(patch_size=PATCH, temporal_patch_size=TEMPORAL_PATCH, merge_size=MERGE,
                                       image_mean=[0.5] * 3, image_std=[0.5] * 3,
-                                      size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+                                      size={"shortest_edge": pixels[0], "longest_edge": pixels[1]})
     images.save_pretrained(directory)
     # What AutoProcessor reads (its chat template too; it needs torchvision, for Qwen3VLProcessor's video processor).
     (directory / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}, indent=2))

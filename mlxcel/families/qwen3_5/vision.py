@@ -111,10 +111,15 @@ class Qwen35Vision:
             keyed[0] = -((1 << 61) + ((shift % (1 << 20)) << 32) + ids[0])  # beyond image_keys' range
         return keyed
 
-    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any]) -> None:
-        """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
-        features in place of their image tokens, at their shifted positions (the next token's is its index),
-        through *model* into *cache* in one forward."""
+    chunked = True
+    """:meth:`prefill` goes in chunks, and from a cache holding some of the prompt: every layer is causal."""
+
+    def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
+                start: int = 0, step: int | None = None) -> None:
+        """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token) from *start* (what
+        *cache* holds already), their images' features in place of their image tokens, at their shifted positions
+        (the next token's is its index), through *model* into *cache*, *step* tokens a forward (a long prompt's
+        attention stays bounded, as a text prefill's)."""
         positions, following = rope_positions(ids, self.image_token_id, self.grids(images))
         shift = len(ids) - following
         body = model.language_model.model if hasattr(model, "language_model") else model.model
@@ -124,13 +129,18 @@ class Qwen35Vision:
         features = mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 1))
         if len(where) != features.shape[0]:
             raise ValueError(f"the prompt holds {len(where)} image tokens for {features.shape[0]} image features")
-        plain = mx.array(tokens[None])
-        embedded = body.embed_tokens(plain)
-        if len(where):
-            embedded[0, mx.array(where)] = features.astype(embedded.dtype)
-        with positioned(body, mx.array(positions + shift), self.sections):
-            model(plain, cache=cache, input_embeddings=embedded)
-        mx.eval([c.state for c in cache])
+        step = step or len(ids)
+        for begin in range(start, len(ids), step):
+            end = min(begin + step, len(ids))
+            chunk = mx.array(tokens[None, begin:end])
+            embedded = body.embed_tokens(chunk)
+            inside = where[(where >= begin) & (where < end)]
+            if len(inside):  # an image token's row: its rank among the prompt's image tokens
+                embedded[0, mx.array(inside - begin)] = features[mx.array(np.searchsorted(where, inside))].astype(
+                    embedded.dtype)
+            with positioned(body, mx.array(positions[:, begin:end] + shift), self.sections):
+                model(chunk, cache=cache, input_embeddings=embedded)
+            mx.eval([c.state for c in cache])
 
 
 def rope_positions(ids: list[int], image_token_id: int, grids: list[tuple[int, int, int]]) -> tuple[np.ndarray, int]:
