@@ -135,14 +135,15 @@ def server(model: Path, *args: str, env: dict[str, str] | None = None, tree: Pat
 
 
 @contextmanager
-def mlx_lm_server(path: Path, *args: str) -> Iterator[str]:
-    """``mlx_lm.server`` on *path*, with this process's BLAS choice (``MLXCEL_BLAS``) loaded before mlx."""
+def mlx_lm_server(path: Path, *args: str, module: str = "mlx_lm.server") -> Iterator[str]:
+    """``mlx_lm.server`` (or another such *module*: ``mlx_vlm.server``) on *path*, with this process's BLAS choice
+    (``MLXCEL_BLAS``) loaded before mlx."""
     from mlxcel.testing.serving import free_port, wait_healthy
 
     port = free_port()
     code = ("import runpy, sys; from mlxcel.blas import load_fast_blas; load_fast_blas(); "
-            "sys.argv = ['mlx_lm.server', *sys.argv[1:]]; runpy.run_module('mlx_lm.server', run_name='__main__')")
-    log = BENCH_DIR / f"mlx-lm-server-{time.time_ns()}.log"
+            f"sys.argv = ['{module}', *sys.argv[1:]]; runpy.run_module('{module}', run_name='__main__')")
+    log = BENCH_DIR / f"{module.replace('.', '-')}-{time.time_ns()}.log"
     with log.open("w") as out, subprocess.Popen([sys.executable, "-c", code, "--model", str(path), "--port",
                                                  str(port), *args], stdout=out, stderr=subprocess.STDOUT) as process:
         url = f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """Images: time to first token for one screenshot and a short question, mlxcel against mlx-vlm's own call.
 
-    python -m benchmarks.image_ttft [--family gemma4 qwen3_5] [--size tiny large] [--rounds 3]
+    python -m benchmarks.image_ttft [--family gemma4 qwen3_5] [--size tiny large] [--rounds 3] [--mlx-vlm-server]
     python -m benchmarks.image_ttft --size medium --throughput 4
 
 A random-weight vision checkpoint built with transformers. Gemma 4 (:mod:`mlxcel.families.gemma4.tiny_vision`):
@@ -119,7 +119,7 @@ def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, flo
         cold, cached, turn = [], [], []
         for round_ in range(rounds):
             pixels = np.array(image)
-            pixels[0, 0] = (round_ * 37) % 256  # another image: another hash, its features computed
+            pixels[0, 0] = (round_ * 37 + 1) % 256  # another image (the warm one's pixel is 0): its features computed
             picture = Image.fromarray(pixels)
             start = time.perf_counter()
             client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
@@ -166,6 +166,28 @@ def throughput(path: Path, image: Image.Image, requests: int, tokens: int) -> tu
     return alone, together
 
 
+def mlx_vlm_server_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, float]:
+    """(cold, the same image again) medians through ``mlx_vlm.server``'s chat completions, as for mlxcel."""
+    from benchmarks._common import mlx_lm_server
+
+    def body(picture: Image.Image) -> dict[str, object]:
+        return {"model": str(path), "max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(picture)}}, {"type": "text", "text": QUESTION}]}]}
+
+    with mlx_lm_server(path, module="mlx_vlm.server") as served, httpx.Client(base_url=served, timeout=600) as client:
+        client.post("/v1/chat/completions", json=body(image)).raise_for_status()  # warm (it loads here)
+        cold, cached = [], []
+        for round_ in range(rounds):
+            pixels = np.array(image)
+            pixels[0, 0] = (round_ * 37 + 11) % 256
+            picture = Image.fromarray(pixels)
+            for seconds in (cold, cached):
+                start = time.perf_counter()
+                client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
+                seconds.append(time.perf_counter() - start)
+    return median(cold), median(cached)
+
+
 def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
     import mlx.core as mx
     from mlx_vlm import generate, load
@@ -191,6 +213,7 @@ def main() -> None:
     parser.add_argument("--size", nargs="+", choices=sorted(SIZES), default=["tiny", "large"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-mlx-vlm", action="store_true", help="measure mlxcel alone")
+    parser.add_argument("--mlx-vlm-server", action="store_true", help="also through mlx_vlm.server, over HTTP")
     parser.add_argument("--throughput", type=int, default=0, metavar="N",
                         help="instead: N image requests of 32 tokens, one after another and all at once")
     args = parser.parse_args()
@@ -212,6 +235,11 @@ def main() -> None:
               f"{cached * 1000:.0f} ms, the next turn resending it {turn * 1000:.0f} ms ({turn / cold:.1%} of "
               f"cold); mlx-vlm generate {theirs * 1000:.0f} ms; mlx-vlm / mlxcel: cold {theirs / cold:.2f}, "
               f"again {theirs / cached:.2f}")
+        if args.mlx_vlm_server:
+            server_cold, server_again = mlx_vlm_server_ttft(path, image, args.rounds)
+            print(f"{family} {size}: mlx_vlm.server cold {server_cold * 1000:.0f} ms, the same image again "
+                  f"{server_again * 1000:.0f} ms; mlx_vlm.server / mlxcel: cold {server_cold / cold:.2f}, "
+                  f"again {server_again / cached:.2f}")
 
 
 if __name__ == "__main__":

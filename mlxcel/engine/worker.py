@@ -277,10 +277,17 @@ class Worker:
         if found.cache is not None and cached > last_image:
             return found.cache, tokens[cached:], found.drafter, cached
         resumed = found.cache is not None and cached > 0 and self.vision.chunked
-        cache = found.cache if resumed else self.new_cache()
+        cache, start = (found.cache, cached) if resumed else (self.new_cache(), 0)
+        step = self.settings.prefill_step_size
         with mx.stream(self.stream):
-            self.vision.prefill(self.model, tokens[:-1], images, cache, cached if resumed else 0,
-                                self.settings.prefill_step_size)
+            first = tokens.index(self.vision.image_token_id) if self.vision.image_token_id in tokens else 0
+            if self.vision.chunked and start < first:
+                # A snapshot where the images begin: an agent's next prompt, another screenshot after the same
+                # long system prompt and tools, resumes there (a hybrid model's cache cannot be rewound to it).
+                self.vision.prefill(self.model, tokens[:-1], images, cache, start, step, stop=first)
+                self.snapshot(keys[:first], cache, None)
+                start = first
+            self.vision.prefill(self.model, tokens[:-1], images, cache, start, step)
         self.snapshot(keys[:-1], cache, None)
         return cache, tokens[-1:], None, cached if resumed else 0
 

@@ -17,13 +17,13 @@ CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_TOOLS_TURN = (
+TOOLS_TURN = (
     # The tools as JSON in a system turn, in the Hermes / Qwen 2.5 manner.
     "{%- if tools %}<|im_start|>system\n# Tools\n<tools>\n{%- for tool in tools %}{{ tool | tojson }}\n"
     "{%- endfor %}</tools>\nCall a function as <tool_call>{\"name\": <name>, \"arguments\": <object>}"
     "</tool_call><|im_end|>\n{% endif %}"
 )
-_CALLS = (
+TOOL_CALLS = (
     # An assistant's calls as <tool_call>{json}</tool_call>: mlx-lm reads "<tool_call>" and "tool_call.name"
     # in a template as its json_tools format.
     "{%- for tool_call in message.tool_calls or [] %}{%- if tool_call.function %}"
@@ -34,10 +34,10 @@ _CALLS = (
 _TOOL_RESULT = "<|im_start|>user\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
 TOOLS_CHATML = (
     # ChatML with tools, in the Hermes / Qwen 2.5 manner: tool results in <tool_response>.
-    _TOOLS_TURN +
+    TOOLS_TURN +
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n{{ message.content }}"
-    + _CALLS + "<|im_end|>\n"
+    + TOOL_CALLS + "<|im_end|>\n"
     "{%- elif message.role == 'tool' %}" + _TOOL_RESULT +
     "{%- else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{%- endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -46,11 +46,11 @@ THINKING_CHATML = (
     # ChatML with tools as Qwen 3.5 thinks: the generation prompt opens a <think> block unless
     # enable_thinking is false (mlx-lm passes true for a vocabulary with the markers); an assistant's
     # earlier reasoning_content is rendered back in its own block.
-    _TOOLS_TURN +
+    TOOLS_TURN +
     "{% for message in messages %}"
     "{% if message.role == 'tool' %}" + _TOOL_RESULT + "{% else %}<|im_start|>{{ message.role }}\n"
     "{% if message.role == 'assistant' and message.reasoning_content %}<think>\n{{ message.reasoning_content }}"
-    "\n</think>\n\n{% endif %}{{ message.content }}" + _CALLS + "<|im_end|>\n{% endif %}{% endfor %}"
+    "\n</think>\n\n{% endif %}{{ message.content }}" + TOOL_CALLS + "<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is not defined or enable_thinking %}<think>\n{% endif %}{% endif %}"
 )

@@ -92,11 +92,11 @@ class Gemma4Vision:
     """:meth:`prefill` takes the whole prompt in one forward: an image's bidirectional masks are built for it."""
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
-                start: int = 0, step: int | None = None) -> None:
+                start: int = 0, step: int | None = None, stop: int | None = None) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
         features in place of their image tokens, through *model* into *cache* (empty: *start* 0) in one forward
-        (*step* unused)."""
-        if start:
+        (*step* unused, *stop* None)."""
+        if start or stop is not None:
             raise ValueError("Gemma 4's image prefill starts from an empty cache")
         from .target import text_model
 

@@ -17,20 +17,25 @@ import json
 from pathlib import Path
 from typing import Any
 
-from mlxcel.testing.base import VOCAB_SIZE, write_tokenizer
+from mlxcel.testing.base import TOOL_CALLS, TOOLS_TURN, VOCAB_SIZE, write_tokenizer
 
 #: Qwen's vision markers, added after the tiny vocabulary (ids 512 on).
 MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 PATCH, MERGE, TEMPORAL_PATCH = 16, 2, 2
 MIN_PIXELS, MAX_PIXELS = 4 * (PATCH * MERGE) ** 2, 64 * (PATCH * MERGE) ** 2  # 4 to 64 image tokens
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+_CONTENT = (  # a message's text, or its parts in order: an image part becomes the vision markers
+    "{% if message['content'] is string %}{{ message['content'] }}{% elif message['content'] %}"
+    "{% for part in message['content'] %}"
     "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'video' or 'video' in part %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{% elif 'text' in part %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+)
+CHAT_TEMPLATE = (  # ChatML with tools as Qwen 3.5's: a tool's result (a screenshot too) in a user turn
+    TOOLS_TURN + "{% for message in messages %}{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>"
+    + _CONTENT + "</tool_response><|im_end|>\n{% else %}<|im_start|>{{ message['role'] }}\n" + _CONTENT
+    + TOOL_CALLS + "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}"
 )
 
 

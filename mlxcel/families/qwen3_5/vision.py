@@ -115,11 +115,11 @@ class Qwen35Vision:
     """:meth:`prefill` goes in chunks, and from a cache holding some of the prompt: every layer is causal."""
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
-                start: int = 0, step: int | None = None) -> None:
+                start: int = 0, step: int | None = None, stop: int | None = None) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token) from *start* (what
-        *cache* holds already), their images' features in place of their image tokens, at their shifted positions
-        (the next token's is its index), through *model* into *cache*, *step* tokens a forward (a long prompt's
-        attention stays bounded, as a text prefill's)."""
+        *cache* holds already) to *stop* (its end), their images' features in place of their image tokens, at
+        their shifted positions (the next token's is its index), through *model* into *cache*, *step* tokens a
+        forward (a long prompt's attention stays bounded, as a text prefill's)."""
         positions, following = rope_positions(ids, self.image_token_id, self.grids(images))
         shift = len(ids) - following
         body = model.language_model.model if hasattr(model, "language_model") else model.model
@@ -129,9 +129,9 @@ class Qwen35Vision:
         features = mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 1))
         if len(where) != features.shape[0]:
             raise ValueError(f"the prompt holds {len(where)} image tokens for {features.shape[0]} image features")
-        step = step or len(ids)
-        for begin in range(start, len(ids), step):
-            end = min(begin + step, len(ids))
+        step, stop = step or len(ids), len(ids) if stop is None else stop
+        for begin in range(start, stop, step):
+            end = min(begin + step, stop)
             chunk = mx.array(tokens[None, begin:end])
             embedded = body.embed_tokens(chunk)
             inside = where[(where >= begin) & (where < end)]
