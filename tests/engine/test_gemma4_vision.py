@@ -113,3 +113,27 @@ def test_an_images_features_are_kept_by_its_hash(tmp_path: Path) -> None:
     assert again is first and list(vision.kept) == ["a"]
     vision.cached_features(PromptImage("b", _image(1)))
     assert list(vision.kept) == ["a", "b"]
+
+
+def test_the_prefill_goes_on_from_the_text_before_the_image_in_steps(checkpoint: Path) -> None:
+    """As the worker runs it: the text before the image already in the cache (a text prefill's, or the prefix
+    cache's snapshot of an agent's long system prompt), the rest in steps of 8 (in one forward where the image's
+    bidirectional masks apply, built for the positions the cache holds): transformers' next logits."""
+    from mlxcel.models.images import PromptImage
+
+    config = json.loads((checkpoint / "config.json").read_text())
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    geometry = ImageGeometry(processor["patch_size"], processor["pooling_kernel_size"], processor["max_soft_tokens"])
+    model, tokenizer = load_checkpoint(inspect_checkpoint(checkpoint))
+    vision = Gemma4Vision(checkpoint, config, geometry)
+    image = _image(2)
+    ids = _prompt(tokenizer, soft_tokens(image.width, image.height, geometry))
+    ids = ids[:3] + list(tokenizer.encode(" a long system prompt" * 6, add_special_tokens=False)) + ids[3:]
+    reference = _reference(checkpoint, [*ids, 50], image, vision.image_token_id)
+    first = ids.index(vision.image_token_id)
+    cache = model.make_cache()
+    model(mx.array([ids[:first]]), cache=cache)
+    assert first > text_model(model).model.window_size  # the ring has wrapped before the image
+    vision.prefill(model, ids, (PromptImage("a", image),), cache, start=first, step=8)
+    step = np.array(model(mx.array([[50]]), cache=cache)[0, -1].astype(mx.float32))
+    assert np.abs(step - reference[-1]).max() < 1e-3 * max(1.0, np.abs(reference).max())

@@ -119,7 +119,7 @@ def test_another_image_another_answer_and_no_cache_shared_between_them(url: str,
     assert first["choices"][0]["message"]["content"] == _expected(checkpoint, _image(1))
     assert second["choices"][0]["message"]["content"] == _expected(checkpoint, _image(2))
     assert first["choices"][0]["message"]["content"] != second["choices"][0]["message"]["content"]
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # same tokens, another image
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] < 10  # the text before the image only
 
 
 def test_image_and_text_requests_at_once_each_get_their_own_answer(url: str, checkpoint: Path) -> None:
@@ -172,7 +172,7 @@ def test_the_next_turn_resending_the_screenshot_resumes_after_it(url: str, check
     other = _chat(_image(8))
     other["messages"] += list(after)
     changed = httpx.post(f"{url}/v1/chat/completions", json=other, timeout=60).json()
-    assert changed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the same tokens, another image
+    assert changed["usage"]["prompt_tokens_details"]["cached_tokens"] < 10  # the text before the image only
 
 
 def test_the_mtp_burst_after_an_image_gives_classic_decodes_text(url: str, checkpoint: Path, tmp_path: Path) -> None:

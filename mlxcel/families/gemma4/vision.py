@@ -9,12 +9,14 @@
   the image tokens set to padding, as transformers does.
 - **Masks**: where the checkpoint says ``use_bidirectional_attention: "vision"`` (Gemma 4 12B and larger), the
   sliding-window layers let an image's soft tokens see each other whole (window and (causal or the same image));
-  the full-attention layers stay causal, as transformers builds them. A prompt with images is therefore
-  prefilled whole; decoding after it is the text model's own.
+  the full-attention layers stay causal, as transformers builds them. So the text before a prompt's first image
+  is prefilled in steps as any prompt's, and the rest in one forward, with masks built for the positions the
+  cache holds; decoding after it is the text model's own.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -88,26 +90,57 @@ class Gemma4Vision:
         """:class:`~mlxcel.models.images.VisionPrefill`: keyed by its images (:func:`image_keys`)."""
         return image_keys(ids, images, self.image_token_id)
 
-    chunked = False
-    """:meth:`prefill` takes the whole prompt in one forward: an image's bidirectional masks are built for it."""
+    chunked = True
+    """:meth:`prefill` goes on from a cache that holds the prompt's start, and stops where asked."""
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
                 start: int = 0, step: int | None = None, stop: int | None = None) -> None:
-        """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token), their images'
-        features in place of their image tokens, through *model* into *cache* (empty: *start* 0) in one forward
-        (*step* unused, *stop* None)."""
-        if start or stop is not None:
-            raise ValueError("Gemma 4's image prefill starts from an empty cache")
+        """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token) from *start* (what
+        *cache* holds already) to *stop* (its end), their images' features in place of their image tokens,
+        through *model* into *cache*. Text before the first image goes *step* tokens a forward, as any prompt's;
+        the rest in one forward where the images' bidirectional masks apply (they are built for the positions the
+        cache holds), else in steps too."""
         from .target import text_model
 
         inner = text_model(model).model
-        plain, embedded = prompt_embeddings(inner, ids, [self.cached_features(image) for image in images],
-                                            self.image_token_id)
-        masks = image_masks([layer.layer_type for layer in inner.layers], inner.window_size, ids,
-                            self.image_token_id) if self.bidirectional else None
-        with masked(inner, masks):
-            model(plain, cache=cache, input_embeddings=embedded)
-        mx.eval([c.state for c in cache])
+        stop = len(ids) if stop is None else stop
+        step = step or len(ids)
+        tokens = np.asarray(ids)
+        where = np.nonzero(tokens == self.image_token_id)[0]
+        rows = mx.concatenate([self.cached_features(image) for image in images]) if images else mx.zeros((0, 1))
+        if len(where) != rows.shape[0]:
+            raise ValueError(f"the prompt holds {len(where)} image tokens for {rows.shape[0]} image features")
+        split = min(int(where[0]) if len(where) else stop, stop) if self.bidirectional else stop
+        bounds = [*range(start, split, step), split]
+        if split < stop:
+            bounds.append(stop)  # the images and the text after them, in one forward
+        types = [layer.layer_type for layer in inner.layers]
+        for begin, end in itertools.pairwise(bounds):
+            if begin >= end:
+                continue
+            inside = (where >= begin) & (where < end)
+            plain, embedded = prompt_embeddings(inner, ids[begin:end], [rows[mx.array(np.nonzero(inside)[0])]]
+                                                if inside.any() else [], self.image_token_id)
+            masks = None
+            if self.bidirectional and inside.any():
+                keys = {kind: key_positions(cache[types.index(kind)], end - begin) for kind in set(types)}
+                masks = image_masks(types, inner.window_size, ids[:end], self.image_token_id, begin, keys)
+            with masked(inner, masks):
+                model(plain, cache=cache, input_embeddings=embedded)
+            mx.eval([c.state for c in cache])
+
+
+def key_positions(cache: Any, count: int) -> np.ndarray:
+    """The prompt position of each key *cache* (a layer's) returns when *count* more tokens are written to it."""
+    from .target import SLACK, SlidingWindowCache
+
+    if isinstance(cache, SlidingWindowCache):
+        if count <= SLACK:  # written in place: the ring's slots, in slot order
+            return np.array(cache.positions(extra=count))
+        kept = min(cache.max_size - 1, cache.offset)  # mlx-lm's concatenating path keeps this much before
+    else:
+        kept = cache.offset
+    return cache.offset - kept + np.arange(kept + count)
 
 
 def prompt_embeddings(text_model: Any, ids: list[int], features: list[mx.array], image_token_id: int,
@@ -126,18 +159,25 @@ def prompt_embeddings(text_model: Any, ids: list[int], features: list[mx.array],
     return plain, embedded
 
 
-def image_masks(layer_types: list[str], window: int, ids: list[int], image_token_id: int) -> list[mx.array]:
-    """Each layer's boolean mask (True: attends) for a whole prompt, as transformers builds Gemma 4's with
-    ``mm_token_type_ids``: causal on full layers; on sliding ones, window and (causal or the same image)."""
+def image_masks(layer_types: list[str], window: int, ids: list[int], image_token_id: int, start: int = 0,
+                keys: dict[str, np.ndarray] | None = None) -> list[mx.array]:
+    """Each layer's boolean mask (True: attends) for the queries *ids[start:]*, as transformers builds Gemma 4's
+    with ``mm_token_type_ids``: causal on full layers; on sliding ones, window and (causal or the same image).
+    *keys*: each layer type's key positions, as its cache returns them (default: the prompt's, from 0); a slot
+    that holds no position (-1) is never attended."""
     tokens = np.asarray(ids)
     image = tokens == image_token_id
     starts = image & ~np.r_[False, image[:-1]]
-    block = np.where(image, np.cumsum(starts) - 1, -1)
-    query, key = np.arange(len(tokens))[:, None], np.arange(len(tokens))[None, :]
-    causal = key <= query
-    same = (block[:, None] == block[None, :]) & (block[:, None] >= 0)
-    by_type = {"full_attention": mx.array(causal)[None, None],
-               "sliding_attention": mx.array((key > query - window) & (causal | same))[None, None]}
+    block = np.append(np.where(image, np.cumsum(starts) - 1, -1), -1)  # [-1]: an empty slot's, no image
+    query = np.arange(start, len(tokens))[:, None]
+    by_type = {}
+    for kind in set(layer_types):
+        key = (keys or {}).get(kind, np.arange(len(tokens)))[None, :]
+        attends = (key <= query) & (key >= 0)
+        if kind == "sliding_attention":
+            same = (block[query] == block[key]) & (block[query] >= 0)
+            attends = (key > query - window) & (key >= 0) & (attends | same)
+        by_type[kind] = mx.array(attends)[None, None]
     return [by_type[kind] for kind in layer_types]
 
 
