@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 #: Bytes of image features a vision model keeps for images sent again (by content hash); charged against a memory
@@ -35,7 +37,9 @@ class FeatureCache:
     """Images' vision features by content hash (the next turn of an agent resends the same screenshot): least
     recently used first out beyond *bound* bytes (the last one kept whatever its size). Worker thread only."""
 
-    def __init__(self, bound: int = FEATURE_CACHE_BYTES) -> None:
+    def __init__(self, evaluate: Callable[[Any], Any], bound: int = FEATURE_CACHE_BYTES) -> None:
+        self.evaluate = evaluate
+        """Computes a lazy array now (``mx.eval``): what is kept is computed, not a graph."""
         self.bound = bound
         self._kept: OrderedDict[str, Any] = OrderedDict()
 
@@ -43,14 +47,28 @@ class FeatureCache:
         return iter(self._kept)
 
     def get(self, image: PromptImage, compute: Callable[[Any], Any]) -> Any:
-        """*image*'s features: kept ones, else ``compute(image.pixels)`` (evaluated: an array of ``nbytes``)."""
+        """*image*'s features: kept ones, else ``compute(image.pixels)``, evaluated (an array of ``nbytes``)."""
         rows = self._kept.pop(image.digest, None)
         if rows is None:
             rows = compute(image.pixels)
+            self.evaluate(rows)
         self._kept[image.digest] = rows
         while sum(kept.nbytes for kept in self._kept.values()) > self.bound and len(self._kept) > 1:
             self._kept.popitem(last=False)
         return rows
+
+
+def processor_settings(config: dict[str, Any], directory: Path) -> dict[str, Any] | None:
+    """A vision checkpoint's image processor settings (its ``preprocessor_config.json``), or None: its config has
+    no ``vision_config`` and ``image_token_id``, or the file is missing or unreadable (it is served as text)."""
+    processor = directory / "preprocessor_config.json"
+    if not isinstance(config.get("vision_config"), dict) or "image_token_id" not in config or not processor.is_file():
+        return None
+    try:
+        settings = json.loads(processor.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return settings if isinstance(settings, dict) else None
 
 
 def image_keys(tokens: list[int], images: tuple[PromptImage, ...], image_token_id: int) -> list[int]:

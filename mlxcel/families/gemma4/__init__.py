@@ -40,18 +40,16 @@ class Gemma4(Family):
 
     def image_prompt(self, checkpoint: CheckpointInfo) -> Any:
         """A Gemma 4 checkpoint with a ``vision_config``, its image processor's settings and its image token id."""
+        from ...models.images import processor_settings
         from .image_size import Gemma4ImagePrompt, ImageGeometry
 
-        config = checkpoint.config
-        processor = checkpoint.path / "preprocessor_config.json"
-        if not isinstance(config.get("vision_config"), dict) or "image_token_id" not in config \
-                or not processor.is_file():
+        settings = processor_settings(checkpoint.config, checkpoint.path)
+        if settings is None:
             return None
         try:
-            settings = json.loads(processor.read_text(encoding="utf-8"))
             geometry = ImageGeometry(int(settings.get("patch_size", 16)), int(settings.get("pooling_kernel_size", 3)),
                                      int(settings.get("max_soft_tokens", 280)))
-        except (OSError, ValueError, TypeError):
+        except (ValueError, TypeError):
             return None
         return Gemma4ImagePrompt(geometry)
 

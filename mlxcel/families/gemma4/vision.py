@@ -60,7 +60,7 @@ class Gemma4Vision:
                 weights[name] = value
         self.module.load_weights(list(weights.items()))
         mx.eval(self.module.parameters())
-        self.kept = FeatureCache()
+        self.kept = FeatureCache(mx.eval)
         """Images' features by content hash (:meth:`cached_features`)."""
 
     def pixels(self, image: Any) -> mx.array:
@@ -79,12 +79,7 @@ class Gemma4Vision:
 
     def cached_features(self, image: PromptImage) -> mx.array:
         """:meth:`features` of *image*, kept by its content's hash (:class:`~mlxcel.models.images.FeatureCache`)."""
-        return self.kept.get(image, self._evaluated_features)
-
-    def _evaluated_features(self, pixels: Any) -> mx.array:
-        rows = self.features(pixels)
-        mx.eval(rows)
-        return rows
+        return self.kept.get(image, self.features)
 
     def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:
         """:class:`~mlxcel.models.images.VisionPrefill`: keyed by its images (:func:`image_keys`)."""

@@ -9,7 +9,6 @@ images), ``bundled/`` (the default pairing ``mlxcel serve`` serves with no
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,22 +31,20 @@ class Qwen35(Family):
     def image_prompt(self, checkpoint: CheckpointInfo) -> Any:
         """A Qwen 3.5 checkpoint with a ``vision_config`` (``Qwen3_5ForConditionalGeneration``): its image
         processor's settings."""
+        from ...models.images import processor_settings
         from .image_size import ImageGeometry, Qwen35ImagePrompt
 
-        config = checkpoint.config
-        processor = checkpoint.path / "preprocessor_config.json"
-        if not isinstance(config.get("vision_config"), dict) or "image_token_id" not in config \
-                or not processor.is_file():
+        settings = processor_settings(checkpoint.config, checkpoint.path)
+        if settings is None:
             return None
         try:
-            settings = json.loads(processor.read_text(encoding="utf-8"))
             size = settings.get("size") or {}
             geometry = ImageGeometry(
                 patch=int(settings.get("patch_size", 16)), merge=int(settings.get("merge_size", 2)),
                 temporal_patch=int(settings.get("temporal_patch_size", 2)),
                 min_pixels=int(settings.get("min_pixels") or size.get("shortest_edge", 65_536)),
                 max_pixels=int(settings.get("max_pixels") or size.get("longest_edge", 16_777_216)))
-        except (OSError, ValueError, TypeError, AttributeError):
+        except (ValueError, TypeError, AttributeError):
             return None
         return Qwen35ImagePrompt(geometry)
 

@@ -59,7 +59,7 @@ class Qwen35Vision:
                     weights[key[len(prefix):]] = value
         self.tower.load_weights(list(self.tower.sanitize(weights).items()))
         mx.eval(self.tower.parameters())
-        self.kept = FeatureCache()
+        self.kept = FeatureCache(mx.eval)
         """Images' features by content hash (:meth:`cached_features`)."""
 
     def patches(self, image: Any) -> tuple[mx.array, tuple[int, int, int]]:
@@ -85,12 +85,7 @@ class Qwen35Vision:
 
     def cached_features(self, image: PromptImage) -> mx.array:
         """:meth:`features` of *image*, kept by its content's hash (:class:`~mlxcel.models.images.FeatureCache`)."""
-        return self.kept.get(image, self._evaluated_features)
-
-    def _evaluated_features(self, pixels: Any) -> mx.array:
-        rows = self.features(pixels)
-        mx.eval(rows)
-        return rows
+        return self.kept.get(image, self.features)
 
     def grids(self, images: tuple[PromptImage, ...]) -> list[tuple[int, int, int]]:
         """Each image's (frames, rows, columns) of image tokens."""
