@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import json
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -268,3 +269,14 @@ def test_a_restarted_server_resumes_after_the_image_from_its_disk_tier(checkpoin
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
     assert _said(again) == _said(first) == _expected(checkpoint, _asked(), [_image(10)])
     assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < 10  # before its image, not past it
+
+
+def test_a_grammar_holds_with_an_image_in_the_prompt(url: str) -> None:
+    """``response_format`` constrains the answer about an image as about text (MTP on, the grammar's row drafts
+    nothing), and the answer parses."""
+    body = _chat(_image(14))
+    body.update(max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "seen", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}}})
+    answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert isinstance(json.loads(_said(answer))["n"], int)
