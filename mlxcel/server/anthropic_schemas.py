@@ -220,10 +220,13 @@ def _result_parts(block: ToolResultBlock, where: str) -> list[dict[str, Any]]:
     if isinstance(block.content, str) or not any(isinstance(part, ImageBlock) for part in block.content):
         text = block.text()
         return [{"type": "text", "text": f"Error: {text}" if block.is_error else text}]
-    parts = [{"type": "text", "text": "Error:"}] if block.is_error else []
+    # Its texts joined as a result without images joins them (``text()``): a line apart, after "Error: ".
+    parts = [{"type": "text", "text": "Error: "}] if block.is_error else []
+    wrote_text = False
     for part in block.content:
         if isinstance(part, TextBlock):
-            parts.append({"type": "text", "text": part.text})
+            parts.append({"type": "text", "text": "\n" + part.text if wrote_text else part.text})
+            wrote_text = True
         elif isinstance(part, ImageBlock):
             parts.append(_image_part(part, where))
     return parts

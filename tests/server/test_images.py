@@ -124,3 +124,26 @@ def test_the_checks_with_bounds_small_enough_to_reach() -> None:
         decode_all([ImageRef("m", PNG_URL)] * 3, roomy)
     jpeg = decode_all([ImageRef("m", _url(_encoded(Image.new("RGB", (8, 8)), "JPEG"), "image/jpeg"))], roomy)[0]
     assert jpeg.format == "JPEG"
+
+
+@pytest.mark.parametrize("is_error", [False, True])
+def test_a_tool_results_texts_around_an_image_read_as_they_would_without_it(is_error: bool) -> None:
+    """Claude Code's Read tool: a ``tool_result`` of texts and a screenshot. Its texts are joined as those of a
+    result without an image are (a line apart, after ``Error: ``), the image in its place between them."""
+    from mlxcel.server.anthropic_schemas import MessagesRequest, to_chat
+
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
+    content = [{"type": "text", "text": "shot.png"}, image, {"type": "text", "text": "1024 x 768"}]
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": is_error,
+                                      "content": content}]}]})
+    parts = to_chat(request)["messages"][-1]["content"]
+    texts = "".join(part["text"] if part["type"] == "text" else "<image>" for part in parts)
+    assert texts == ("Error: " if is_error else "") + "shot.png<image>\n1024 x 768"
+    without = content[:1] + content[2:]
+    request = MessagesRequest.model_validate({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "is_error": is_error,
+                                      "content": without}]}]})
+    assert to_chat(request)["messages"][-1]["content"] == texts.replace("<image>", "")
