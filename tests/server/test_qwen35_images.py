@@ -280,3 +280,12 @@ def test_a_grammar_holds_with_an_image_in_the_prompt(url: str) -> None:
     answer = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
     assert answer["choices"][0]["finish_reason"] == "stop"
     assert isinstance(json.loads(_said(answer))["n"], int)
+
+
+def test_qwen36_moe_answers_an_image_as_transformers(tmp_path: Path) -> None:
+    """Qwen 3.6's mixture-of-experts vision checkpoint, served: transformers' greedy text. (Its MTP head is
+    vetoed by the exactness probe on this BLAS, the MoE verify not being byte-exact here: served without.)"""
+    moe = build_vision_checkpoint(tmp_path / "qwen36-moe-vision", moe=True)
+    with server_on_a_thread(["--model", str(moe)], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}) as served:
+        answer = httpx.post(f"{served}/v1/chat/completions", json=_chat(_image(15)), timeout=60).json()
+    assert _said(answer) == _expected(moe, _asked(), [_image(15)])
