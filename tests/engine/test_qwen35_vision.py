@@ -144,3 +144,27 @@ def test_the_prefix_cache_keys_the_images_and_their_positions(checkpoint: Path) 
     assert vision.keys([*ids[:split], *ids[-3:]], (first,))[0] != keys[0]  # one image fewer: another shift
     text = list(tokenizer.encode("plain text", add_special_tokens=False))
     assert vision.keys(text, ()) == text
+
+
+def test_the_chunked_recurrence_is_mlx_lms_token_by_token_one() -> None:
+    """:func:`~mlxcel.families.qwen3_5.chunked_delta.chunked_delta` against mlx-lm's per-token step, from a
+    state, over 150 tokens (two chunks and a padded third): the same outputs and state to float rounding."""
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops
+
+    from mlxcel.families.qwen3_5.chunked_delta import chunked_delta
+
+    rng = np.random.default_rng(0)
+
+    def drawn(*shape: int) -> mx.array:
+        return mx.array(rng.standard_normal(shape).astype(np.float32))
+
+    q, k, v = drawn(2, 150, 3, 8), drawn(2, 150, 3, 8), drawn(2, 150, 3, 6)
+    k = k / mx.sqrt((k * k).sum(-1, keepdims=True))
+    log_decay, beta, state = -mx.abs(drawn(2, 150, 3)) * 0.3, mx.sigmoid(drawn(2, 150, 3)), drawn(2, 3, 6, 8) * 0.1
+    y, after = chunked_delta(q, k, v, log_decay, beta, state)
+    steps = []
+    for t in range(150):
+        out, state = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], mx.exp(log_decay[:, t]), beta[:, t], state, None)
+        steps.append(out)
+    assert np.abs(np.array(y) - np.array(mx.stack(steps, axis=1))).max() < 1e-5
+    assert np.abs(np.array(after) - np.array(state)).max() < 1e-5

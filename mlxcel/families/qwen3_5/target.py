@@ -43,22 +43,10 @@ class _MixerState:
         return [mx.contiguous(self.conv_input[:, self.start:self.end, :]), self.recurrent]
 
 
-def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
-                       per_token: bool | None = None) -> tuple[mx.array, list[_MixerState]]:
-    """mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence, keeping every token's state.
-
-    On the CPU, the same ops in the same order as mlx-lm's CPU path (its
-    recurrence is a per-token loop there too). Elsewhere (*per_token*, by default
-    when the device is not the CPU), mlx-lm's own ``gated_delta_update`` once per
-    token, so that whatever kernel it picks for a single-token step (Metal's on
-    Apple GPUs) runs here too. Either way the bytes are the chain's; the
-    exactness probe checks that at boot. Returns the output and the state after
-    each token.
-    """
-    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update, normalize_qk
-
-    if per_token is None:
-        per_token = mx.default_device() != mx.cpu
+def mixer_inputs(mixer: Any, inputs: mx.array, cache: Any) -> tuple[mx.array, ...]:
+    """(q, k, v, a, b, z, conv input) of mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence: its
+    projections, its convolution over the cache's conv state and the block, q and k normalized (q scaled)."""
+    from mlx_lm.models.gated_delta import normalize_qk
 
     batch, length, _ = inputs.shape
     qkv = mixer.in_proj_qkv(inputs)
@@ -74,6 +62,29 @@ def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
         [mixer.num_k_heads, mixer.num_k_heads, mixer.num_v_heads],
         [mixer.head_k_dim, mixer.head_k_dim, mixer.head_v_dim], strict=True))
     q, k = normalize_qk(q, k, inv_scale=mixer.head_k_dim ** -0.5, eps=1e-6)
+    return q, k, v, a, b, z, conv_input
+
+
+def _gated_delta_block(mixer: Any, inputs: mx.array, cache: Any,
+                       per_token: bool | None = None) -> tuple[mx.array, list[_MixerState]]:
+    """mlx-lm's ``GatedDeltaNet.__call__`` for one unpadded sequence, keeping every token's state.
+
+    On the CPU, the same ops in the same order as mlx-lm's CPU path (its
+    recurrence is a per-token loop there too). Elsewhere (*per_token*, by default
+    when the device is not the CPU), mlx-lm's own ``gated_delta_update`` once per
+    token, so that whatever kernel it picks for a single-token step (Metal's on
+    Apple GPUs) runs here too. Either way the bytes are the chain's; the
+    exactness probe checks that at boot. Returns the output and the state after
+    each token.
+    """
+    from mlx_lm.models.gated_delta import _gated_delta_step_ops, compute_g, gated_delta_update
+
+    if per_token is None:
+        per_token = mx.default_device() != mx.cpu
+
+    batch, length, _ = inputs.shape
+    q, k, v, a, b, z, conv_input = mixer_inputs(mixer, inputs, cache)
+    keep = mixer.conv_kernel_size - 1
     state = cache[1]
     ys, states = [], []
     if per_token:

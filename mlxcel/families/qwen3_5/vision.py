@@ -12,7 +12,8 @@
   positions after an image lag the tokens' count. mlxcel shifts every position of the prompt by one constant so
   that its last token sits at its own index: rotary attention sees only differences of positions, so the shift
   changes no score, and every step after the prompt (decode, the batch, MTP's verify and drafts, rollback) runs at
-  the cache's own offset, as for text. The shift depends on all of the prompt's images, so the prefix cache keys
+  the cache's own offset, as for text. The linear-attention layers' recurrence goes in chunks on the CPU
+  (:mod:`.chunked_delta`). The shift depends on all of the prompt's images, so the prefix cache keys
   it (:meth:`Qwen35Vision.keys`): a later turn that adds an image prefills its conversation again (its earlier
   images' features come from the feature cache), one that resends the same images resumes after them.
 """
@@ -29,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...models.images import FeatureCache, PromptImage, image_keys
+from .chunked_delta import chunked_recurrence
 from .image_size import ImageGeometry, resized
 
 #: Where a checkpoint keeps its vision tower: transformers' layout, then mlx-community's conversions.
@@ -133,7 +135,7 @@ class Qwen35Vision:
             if len(inside):  # an image token's row: its rank among the prompt's image tokens
                 embedded[0, mx.array(inside - begin)] = features[mx.array(np.searchsorted(where, inside))].astype(
                     embedded.dtype)
-            with positioned(body, mx.array(positions[:, begin:end] + shift), self.sections):
+            with positioned(body, mx.array(positions[:, begin:end] + shift), self.sections), chunked_recurrence(body):
                 model(chunk, cache=cache, input_embeddings=embedded)
             mx.eval([c.state for c in cache])
 
