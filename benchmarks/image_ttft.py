@@ -121,17 +121,13 @@ def mlxcel_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, flo
             pixels = np.array(image)
             pixels[0, 0] = (round_ * 37 + 1) % 256  # another image (the warm one's pixel is 0): its features computed
             picture = Image.fromarray(pixels)
-            start = time.perf_counter()
-            client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
-            cold.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
-            cached.append(time.perf_counter() - start)
             after = ({"role": "assistant", "content": "A window with lines of text."},
                      {"role": "user", "content": "What does the second line say?"})
-            start = time.perf_counter()
-            client.post("/v1/chat/completions", json=body(picture, *after)).raise_for_status()
-            turn.append(time.perf_counter() - start)
+            # Encoded before the clock starts: a client holds its screenshot's PNG (mlx-vlm is given a file).
+            for seconds, payload in ((cold, body(picture)), (cached, body(picture)), (turn, body(picture, *after))):
+                start = time.perf_counter()
+                client.post("/v1/chat/completions", json=payload).raise_for_status()
+                seconds.append(time.perf_counter() - start)
     return median(cold), median(cached), median(turn)
 
 
@@ -180,10 +176,10 @@ def mlx_vlm_server_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[fl
         for round_ in range(rounds):
             pixels = np.array(image)
             pixels[0, 0] = (round_ * 37 + 11) % 256
-            picture = Image.fromarray(pixels)
+            payload = body(Image.fromarray(pixels))
             for seconds in (cold, cached):
                 start = time.perf_counter()
-                client.post("/v1/chat/completions", json=body(picture)).raise_for_status()
+                client.post("/v1/chat/completions", json=payload).raise_for_status()
                 seconds.append(time.perf_counter() - start)
     return median(cold), median(cached)
 

@@ -263,9 +263,8 @@ class Worker:
         """(cache, tokens still to prefill, drafter state, tokens the prefix cache gave) of a prompt with
         *images*: from the prefix cache when an entry holds all of its images (keyed by them:
         :meth:`~mlxcel.models.images.VisionPrefill.keys`), else a cache holding all of it but the last token,
-        prefilled here (from the prefix cache's entry for its text before the images, where the family's prefill
-        can go on from one; the other sequences wait for it, as for a prefill chunk), and offered to the prefix
-        cache as a snapshot."""
+        prefilled here (from the prefix cache's entry for its text before the images, where it holds one; the
+        other sequences wait for it, as for a prefill chunk), and offered to the prefix cache as a snapshot."""
         import mlx.core as mx
 
         if self.vision is None:
@@ -277,11 +276,11 @@ class Worker:
         if found.cache is not None and cached > last_image:
             return found.cache, tokens[cached:], found.drafter, cached
         first = tokens.index(self.vision.image_token_id) if self.vision.image_token_id in tokens else 0
-        resumed = found.cache is not None and 0 < cached <= first and self.vision.chunked
+        resumed = found.cache is not None and 0 < cached <= first
         cache, start = (found.cache, cached) if resumed else (self.new_cache(), 0)
         step = self.settings.prefill_step_size
         with mx.stream(self.stream):
-            if self.vision.chunked and start < first:
+            if start < first:
                 # A snapshot where the images begin: an agent's next prompt, another screenshot after the same
                 # long system prompt and tools, resumes there (a hybrid model's cache cannot be rewound to it).
                 self.vision.prefill(self.model, tokens[:-1], images, cache, start, step, stop=first)

@@ -92,9 +92,6 @@ class VisionPrefill(Protocol):
     cache."""
 
     image_token_id: int
-    chunked: bool
-    """Whether :meth:`prefill` can start from a cache that holds some of the prompt and stop before its end
-    (and goes *step* tokens a forward); else it takes the whole prompt into an empty cache in one forward."""
 
     def keys(self, ids: list[int], images: tuple[PromptImage, ...]) -> list[int]:
         """The prompt *ids* as the prefix cache keys it (:func:`image_keys`, and whatever else its cache depends
@@ -102,4 +99,8 @@ class VisionPrefill(Protocol):
         ...
 
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
-                start: int = 0, step: int | None = None, stop: int | None = None) -> None: ...
+                start: int = 0, step: int | None = None, stop: int | None = None) -> None:
+        """*ids* (the prompt but its last token) from *start* (what *cache* holds already) to *stop* (its end),
+        its images' features in place of their tokens, into *cache*, at most *step* tokens a forward where the
+        model allows (an image's bidirectional masks may ask for more)."""
+        ...

@@ -85,9 +85,6 @@ class Gemma4Vision:
         """:class:`~mlxcel.models.images.VisionPrefill`: keyed by its images (:func:`image_keys`)."""
         return image_keys(ids, images, self.image_token_id)
 
-    chunked = True
-    """:meth:`prefill` goes on from a cache that holds the prompt's start, and stops where asked."""
-
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
                 start: int = 0, step: int | None = None, stop: int | None = None) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token) from *start* (what

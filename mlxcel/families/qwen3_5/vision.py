@@ -108,9 +108,6 @@ class Qwen35Vision:
             keyed[0] = -((1 << 61) + ((shift % (1 << 20)) << 32) + ids[0])  # beyond image_keys' range
         return keyed
 
-    chunked = True
-    """:meth:`prefill` goes in chunks, and from a cache holding some of the prompt: every layer is causal."""
-
     def prefill(self, model: Any, ids: list[int], images: tuple[PromptImage, ...], cache: list[Any],
                 start: int = 0, step: int | None = None, stop: int | None = None) -> None:
         """:class:`~mlxcel.models.images.VisionPrefill`: *ids* (the prompt but its last token) from *start* (what
