@@ -1,6 +1,7 @@
 """Images: time to first token for one screenshot and a short question, mlxcel against mlx-vlm's own call.
 
     python -m benchmarks.image_ttft [--family gemma4 qwen3_5] [--size tiny large] [--rounds 3] [--mlx-vlm-server]
+    python -m benchmarks.image_ttft --family gemma4 qwen3_5 --size large --rounds 3 --interleave
     python -m benchmarks.image_ttft --size medium --throughput 4
 
 A random-weight vision checkpoint built with transformers. Gemma 4 (:mod:`mlxcel.families.gemma4.tiny_vision`):
@@ -184,6 +185,36 @@ def mlx_vlm_server_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[fl
     return median(cold), median(cached)
 
 
+def interleaved_ttft(path: Path, image: Image.Image, rounds: int) -> tuple[float, float]:
+    """(mlxcel cold, mlx-vlm ``generate``) medians, the two sides' rounds taking turns (each round another image
+    for both), so that a machine's drift between them falls on both alike."""
+    import mlx.core as mx
+    from mlx_vlm import generate, load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(str(path))
+    prompt = apply_chat_template(processor, model.config, QUESTION, num_images=1)
+    ours, theirs = [], []
+    with serve_subprocess(["--model", str(path)], {}, BENCH_DIR / f"{path.name}-interleaved.log") as served, \
+            httpx.Client(base_url=served, timeout=600) as client:
+        for round_ in range(rounds + 1):  # the first warms both
+            pixels = np.array(image)
+            pixels[2, 2] = (round_ * 53 + 1) % 256
+            picture = Image.fromarray(pixels)
+            file = BENCH_DIR / f"screenshot-{round_}.png"
+            picture.save(file)
+            payload = {"max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": _data_url(picture)}}, {"type": "text", "text": QUESTION}]}]}
+            start = time.perf_counter()
+            client.post("/v1/chat/completions", json=payload).raise_for_status()
+            ours.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            generate(model, processor, prompt, image=[str(file)], max_tokens=1, verbose=False)
+            mx.synchronize()
+            theirs.append(time.perf_counter() - start)
+    return median(ours[1:]), median(theirs[1:])
+
+
 def mlx_vlm_ttft(path: Path, image: Image.Image, rounds: int) -> float:
     import mlx.core as mx
     from mlx_vlm import generate, load
@@ -210,6 +241,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-mlx-vlm", action="store_true", help="measure mlxcel alone")
     parser.add_argument("--mlx-vlm-server", action="store_true", help="also through mlx_vlm.server, over HTTP")
+    parser.add_argument("--interleave", action="store_true",
+                        help="instead: mlxcel's cold request and mlx-vlm's generate, round by round in turn")
     parser.add_argument("--throughput", type=int, default=0, metavar="N",
                         help="instead: N image requests of 32 tokens, one after another and all at once")
     args = parser.parse_args()
@@ -222,6 +255,12 @@ def main() -> None:
                   f"{alone:.1f} tokens/s, all at once {together:.1f} tokens/s ({together / alone:.2f}x)")
         return
     image = screenshot()
+    if args.interleave:
+        for family, size in runs:
+            ours, theirs = interleaved_ttft(checkpoint(size, family), image, args.rounds)
+            print(f"{family} {size}: in turn, mlxcel cold {ours * 1000:.0f} ms, mlx-vlm generate "
+                  f"{theirs * 1000:.0f} ms; mlx-vlm / mlxcel {theirs / ours:.3f}")
+        return
     for family, size in runs:
         path = checkpoint(size, family)
         cold, cached, turn = mlxcel_ttft(path, image, args.rounds)
