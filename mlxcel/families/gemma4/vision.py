@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...models.images import FeatureCache, PromptImage, image_keys
+from ...models.tower_attention import numpy_softmax
 from .image_size import ImageGeometry, resized
 
 
@@ -75,7 +76,8 @@ class Gemma4Vision:
 
     def features(self, image: Any) -> mx.array:
         """One row per soft token of *image* (Pillow RGB), in the text model's width."""
-        return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
+        with numpy_softmax():
+            return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
 
     def cached_features(self, image: PromptImage) -> mx.array:
         """:meth:`features` of *image*, kept by its content's hash (:class:`~mlxcel.models.images.FeatureCache`)."""

@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...models.images import FeatureCache, PromptImage, image_keys
+from ...models.tower_attention import numpy_softmax
 from .chunked_delta import chunked_recurrence
 from .image_size import ImageGeometry, resized
 
@@ -82,7 +83,8 @@ class Qwen35Vision:
     def features(self, image: Any) -> mx.array:
         """One row per image token of *image* (Pillow RGB), in the text model's width."""
         patches, grid = self.patches(image)
-        rows, _ = self.tower(patches, mx.array([grid]))
+        with numpy_softmax():
+            rows, _ = self.tower(patches, mx.array([grid]))
         return rows
 
     def cached_features(self, image: PromptImage) -> mx.array:

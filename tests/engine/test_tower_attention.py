@@ -1,0 +1,80 @@
+"""The vision towers' attention with numpy's softmax (mlxcel.models.tower_attention), against mlx's own.
+
+Its effect on whole towers is checked where they are compared with transformers (test_gemma4_vision.py,
+test_qwen35_vision.py); here, the function against ``mx.fast.scaled_dot_product_attention`` on the same inputs,
+and the dispatcher: which thread gets which attention, and that mlx-vlm's towers still call it by the name it
+replaces.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlxcel.models.tower_attention import CALLERS, attention, numpy_softmax
+
+
+def _inputs(heads: int, kv_heads: int, length: int, keys: int, dim: int) -> tuple[mx.array, mx.array, mx.array]:
+    mx.random.seed(heads * 100 + length)
+    return (mx.random.normal((2, heads, length, dim)), mx.random.normal((2, kv_heads, keys, dim)),
+            mx.random.normal((2, kv_heads, keys, dim)))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "additive per head", "boolean"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1)])
+def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads: int, kv_heads: int) -> None:
+    q, k, v = _inputs(heads, kv_heads, 37, 45, 16)
+    mask = {"none": None, "additive": mx.random.normal((2, 1, 37, 45)),
+            "additive per head": mx.random.normal((2, heads, 37, 45)),
+            "boolean": mx.random.uniform(shape=(2, 1, 37, 45)) > 0.3}[mask_kind]
+    ours = attention(q, k, v, 0.25, mask)
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    assert ours.shape == theirs.shape == (2, heads, 37, 16)
+    np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-5)
+
+
+def test_a_padding_mask_of_minus_ten_thousand_keeps_padded_keys_out() -> None:
+    """Gemma 4's tower masks padded patches with -1e4 (not -inf): their keys get no weight either way."""
+    q, k, v = _inputs(2, 2, 8, 8, 16)
+    keep = mx.array([True] * 5 + [False] * 3)
+    mask = mx.where(keep[None, None, None, :], 0.0, -1e4)
+    ours = attention(q, k, v, 1.0, mask)
+    alone = attention(q, k[:, :, :5], v[:, :, :5], 1.0)
+    np.testing.assert_allclose(np.array(ours), np.array(alone), rtol=1e-5, atol=1e-6)
+
+
+def test_only_this_thread_inside_the_block_gets_numpys_softmax() -> None:
+    q, k, v = _inputs(2, 2, 300, 300, 64)
+    base = importlib.import_module("mlx_vlm.models.base")
+    ours = np.array(attention(q, k, v, 0.125))
+    with numpy_softmax():
+        inside = np.array(base.ensure_fused_sdpa(q, k, v, 0.125))
+        elsewhere: list[np.ndarray] = []
+        thread = threading.Thread(target=lambda: elsewhere.append(np.array(base.ensure_fused_sdpa(q, k, v, 0.125))))
+        thread.start()
+        thread.join()
+    after = np.array(base.ensure_fused_sdpa(q, k, v, 0.125))
+    mlx_own = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
+    assert not np.array_equal(ours, mlx_own), "the two softmaxes round alike here: the test cannot tell them apart"
+    assert np.array_equal(inside, ours)
+    assert np.array_equal(elsewhere[0], mlx_own) and np.array_equal(after, mlx_own)
+
+
+def test_mlx_vlms_towers_call_the_name_that_is_replaced() -> None:
+    """mlx-vlm internals: Gemma 4's vision attention imports ``ensure_fused_sdpa`` from ``..base`` at each call,
+    Qwen 3-VL's (Qwen 3.5's tower) through its module's global; both take (q, k, v, scale, mask=)."""
+    from mlx_vlm.models.gemma4.vision import VisionAttention
+    from mlx_vlm.models.qwen3_vl.vision import Attention
+
+    assert "from ..base import ensure_fused_sdpa" in inspect.getsource(VisionAttention.__call__)
+    assert "ensure_fused_sdpa(" in inspect.getsource(Attention.__call__)
+    for name in CALLERS:
+        function = importlib.import_module(name).ensure_fused_sdpa
+        original = getattr(function, "__wrapped__", function)
+        parameters = list(inspect.signature(original, follow_wrapped=False).parameters)
+        assert parameters[:5] == ["q", "k", "v", "scale", "mask"], f"mlx-vlm's {name}.ensure_fused_sdpa{parameters}"
