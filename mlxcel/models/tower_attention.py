@@ -5,8 +5,8 @@ element, against under 1 ns for numpy's vectorised ``exp`` (measured: ``mx.exp``
 0.42 ms). A vision tower's attention is little else: every layer attends over all of an image's patches in both
 directions, so Gemma 4's tower over a 1024 x 768 screenshot (2,520 patches, 12 heads, 12 layers) spends about 14 s
 of a 26 s request in softmax's ``exp``. Here the scores are multiplied by MLX, as before, and only the softmax
-goes through numpy, a head at a time (one head's (patches x patches) block of float32 at a time, not all of
-them): 1,184 ms -> 391 ms a layer at that size (docs/benchmarks.md).
+goes through numpy, a head and a block of query rows at a time (about a million scores, so that the softmax's
+passes stay in the CPU's cache): 1,327 ms -> 476 ms a layer at that size before the blocks (docs/benchmarks.md).
 
 The towers are mlx-vlm's, and both (Gemma 4's, and Qwen 3-VL's that Qwen 3.5 uses) call mlx-vlm's
 ``ensure_fused_sdpa``, Gemma's through ``mlx_vlm.models.base`` at each call, Qwen's through the name its module
@@ -64,21 +64,32 @@ def _dispatching(original: Any) -> Any:
     return ensure_fused_sdpa
 
 
+#: Scores a block holds: a block of query rows at a time keeps its softmax's passes in the CPU's cache (Qwen's
+#: tower over a screenshot, 3,072 patches: 883 ms a layer by whole heads, 557 ms by blocks of 256 rows).
+BLOCK_SCORES = 1 << 20
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array | None = None) -> mx.array:
     """``mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)`` for q (B, H, L, D) and k, v
     (B, H_kv, S, D) (H a multiple of H_kv), *mask* None, boolean (True attends) or added to the scores and
-    broadcast to (B, H, L, S); the softmax in float32 by numpy, a head at a time. Evaluates as it goes."""
-    heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+    broadcast to (B, H, L, S); the softmax in float32 by numpy, a head and a block of query rows at a time.
+    Evaluates as it goes."""
+    heads, groups, length, keys = q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2]
+    rows = max(1, BLOCK_SCORES // max(1, q.shape[0] * keys))
     mx.eval(q, k, v, *([] if mask is None else [mask]))
     outputs = []
     for head in range(heads):
-        scores = (q[:, head] * scale) @ k[:, head // groups].swapaxes(-1, -2)
-        if mask is not None:
-            rows = mask[:, head if mask.shape[1] > 1 else 0] if mask.ndim == 4 else mask
-            scores = mx.where(rows, scores, -np.inf) if rows.dtype == mx.bool_ else scores + rows
-        probabilities = softmax(scores).astype(v.dtype)
-        outputs.append(probabilities @ v[:, head // groups])
-        mx.eval(outputs[-1])
+        turned, values = k[:, head // groups].swapaxes(-1, -2), v[:, head // groups]
+        blocks = []
+        for start in range(0, length, rows):
+            scores = (q[:, head, start:start + rows] * scale) @ turned
+            if mask is not None:
+                masked = mask[:, head if mask.shape[1] > 1 else 0] if mask.ndim == 4 else mask
+                masked = masked[..., start:start + rows, :] if masked.shape[-2] > 1 else masked
+                scores = mx.where(masked, scores, -np.inf) if masked.dtype == mx.bool_ else scores + masked
+            blocks.append(softmax(scores).astype(v.dtype) @ values)
+            mx.eval(blocks[-1])
+        outputs.append(mx.concatenate(blocks, axis=1) if len(blocks) > 1 else blocks[0])
     return mx.stack(outputs, axis=1)
 
 

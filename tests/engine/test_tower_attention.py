@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxcel.models import tower_attention
 from mlxcel.models.tower_attention import CALLERS, attention, numpy_softmax
 
 
@@ -25,9 +26,13 @@ def _inputs(heads: int, kv_heads: int, length: int, keys: int, dim: int) -> tupl
             mx.random.normal((2, kv_heads, keys, dim)))
 
 
+@pytest.mark.parametrize("blocks", [False, True])
 @pytest.mark.parametrize("mask_kind", ["none", "additive", "additive per head", "boolean"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1)])
-def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads: int, kv_heads: int) -> None:
+def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads: int, kv_heads: int, blocks: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    if blocks:  # query rows 5 at a time (the last block shorter), as a screenshot's patches go
+        monkeypatch.setattr(tower_attention, "BLOCK_SCORES", 2 * 45 * 5)
     q, k, v = _inputs(heads, kv_heads, 37, 45, 16)
     mask = {"none": None, "additive": mx.random.normal((2, 1, 37, 45)),
             "additive per head": mx.random.normal((2, heads, 37, 45)),
