@@ -38,3 +38,7 @@ docs:
 # Serve the bundled default model on 127.0.0.1:8080
 serve *args:
     {{venv}}mlxcel serve {{args}}
+
+# Screenshots of the page in each policy state, into docs/page (needs chromium and chromium-driver)
+page-shots:
+    {{venv}}python -m mlxcel.testing.page_shots docs/page

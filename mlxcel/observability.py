@@ -11,6 +11,8 @@ thread-safe.
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -189,6 +191,11 @@ class _PrefixCacheCollector(Collector):
             yield gauge
 
 
+#: The generation rate the page plots: tokens per second over spans of this many seconds, this many spans.
+RATE_SECONDS = 5
+RATE_BUCKETS = 60
+
+
 class Observability:
     """The last published state of the engine, and the server's metrics."""
 
@@ -204,6 +211,10 @@ class Observability:
         self.limits: ModelLimits | None = None
         """None until the model has loaded."""
         self.blas: str | None = None
+        self.started = time.time()
+        self.errors: deque[tuple[float, str, int]] = deque(maxlen=20)
+        """The last error answers: (unix time, route rule, status), never what the request held."""
+        self._made: deque[list[int]] = deque(maxlen=RATE_BUCKETS)  # [bucket (monotonic // RATE_SECONDS), tokens]
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("mlxcel_requests", "HTTP requests answered", ["route", "status"], registry=r)
@@ -236,6 +247,38 @@ class Observability:
         self.waiting = len(sequences) - len(serving)
         self.batch_size.set(len(serving))
         self.queue_depth.set(self.waiting)
+
+    def count_generated(self) -> None:
+        """One token generated (on the engine's thread): the counter, and the rate over the last minutes."""
+        self.generated_tokens.inc()
+        bucket = int(time.monotonic() // RATE_SECONDS)
+        if self._made and self._made[-1][0] == bucket:
+            self._made[-1][1] += 1
+        else:
+            self._made.append([bucket, 1])
+
+    def generated_per_second(self) -> list[float]:
+        """Tokens generated per second in each of the last :data:`RATE_BUCKETS` spans of :data:`RATE_SECONDS`,
+        oldest first, the current (partial) span last."""
+        now = int(time.monotonic() // RATE_SECONDS)
+        made = {bucket: count for bucket, count in list(self._made)}
+        return [round(made.get(bucket, 0) / RATE_SECONDS, 2) for bucket in range(now - RATE_BUCKETS + 1, now + 1)]
+
+    def status_json(self) -> dict[str, Any]:
+        """What the page at ``GET /`` shows of the server (``/v1/internal/server-status``): the engine's state,
+        requests running and queued, the token counters, the generation rate over the last five minutes and the
+        last errors."""
+        def total(name: str) -> int:
+            return int(self.registry.get_sample_value(f"{name}_total") or 0)
+
+        return {"model": self.model, "state": self.state, "uptime_seconds": round(time.time() - self.started, 1),
+                "requests": {"running": sum(slot.is_processing for slot in self.slots), "queued": self.waiting,
+                             "slots": len(self.slots)},
+                "tokens": {"prompt": total("mlxcel_prompt_tokens"), "generated": total("mlxcel_generated_tokens"),
+                           "drafted": total("mlxcel_draft_tokens"), "accepted": total("mlxcel_draft_tokens_accepted")},
+                "generated_per_second": {"span_seconds": RATE_SECONDS, "values": self.generated_per_second()},
+                "errors": [{"at": round(at, 3), "route": route, "status": status}
+                           for at, route, status in reversed(self.errors)]}
 
     def publish_policy(self, snapshot: MtpPolicySnapshot) -> None:
         """Swap in a new policy snapshot and its wire body, in one assignment."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from . import page
 from .engine import WorkerSettings
 from .engine.instrument import Instrument
 from .fleet.serve import FleetConfig, run_fleet
@@ -89,6 +90,7 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
         urls = await nursery.start(lambda task_status: serve_http(
             app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
         logger.info("listening on %s", ", ".join(urls))
+        logger.info("%s", page.announce(urls))
         task_status.started(urls)
         # The engine ends when the worker returns (after a stop) or fails; the
         # HTTP server ends after its graceful shutdown. Either ends the other.

@@ -125,7 +125,7 @@ class BatchTurns:
             except Exception as exc:
                 failed.append((sequence, exc))
                 continue
-            worker.observability.generated_tokens.inc()
+            worker.observability.count_generated()
             if delta is not None:
                 events.append((sequence.request.id, delta))
             if sequence.output.finish_reason is not None:

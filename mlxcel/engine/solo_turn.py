@@ -160,7 +160,7 @@ class SoloTurns:
         output = sequence.output
         for token in tokens:
             delta = output.on_token(token, logprobs, output.natural_finish(token))
-            worker.observability.generated_tokens.inc()
+            worker.observability.count_generated()
             if delta is not None:
                 events.append((sequence.request.id, delta))
             if output.finish_reason is not None:

@@ -39,7 +39,7 @@ MODEL_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/messag
                           "/v1/responses", "/v1/embeddings"})
 #: The policy endpoint, and every status route: ``?model=NAME`` asks for that model's (else the default's).
 POLICY = "/v1/internal/mtp-policy"
-PER_MODEL = frozenset({POLICY, "/metrics", "/v1/cache/stats", "/props", "/slots"})
+PER_MODEL = frozenset({POLICY, "/metrics", "/v1/cache/stats", "/v1/internal/server-status", "/props", "/slots"})
 #: How long a request waits for its model to load, and for room to load it in, before a 503.
 LOAD_WAIT = 600.0
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .. import page
 from ..http.listener import ConnectionLimits
 from ..http.listener import serve as serve_http
 from ..http.transport import guard_transport
@@ -79,6 +80,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
         count = len(config.catalog.entries)
         logger.info("listening on %s, serving %d model%s: %s", ", ".join(urls), count, "s" if count > 1 else "",
                     ", ".join(config.catalog.ids()))
+        logger.info("%s", page.announce(urls))
         task_status.started(urls)
         await shutdown.wait()
         nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1

@@ -13,7 +13,7 @@ from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from .auth import PUBLIC_PATHS, credential, key_matches
+from .auth import credential, is_public, key_matches
 from .errors import HTTP_ERROR_TYPES, ApiError, error_response
 from .scope import RequestScope
 
@@ -43,7 +43,7 @@ def create_app(name: str, *, api_keys: tuple[str, ...], max_body_bytes: int,
 
     @app.before_request
     async def require_key() -> Response | None:
-        if not api_keys or request.path in PUBLIC_PATHS:
+        if not api_keys or is_public(request.path):
             return None
         presented = credential(request.headers.get("Authorization"), request.headers.get("X-Api-Key"))
         if key_matches(presented, api_keys):

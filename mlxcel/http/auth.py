@@ -8,8 +8,15 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-#: The only paths answered without a key.
+#: The only paths answered without a key: these, and those under the prefixes (the page's files, which hold no
+#: data: the page asks for its data with the key, :mod:`mlxcel.page`).
 PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
+PUBLIC_PREFIXES = ("/page/",)
+
+
+def is_public(path: str) -> bool:
+    """Whether *path* is answered without a key."""
+    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
 
 
 class KeyFileError(ValueError):

@@ -1,4 +1,5 @@
-"""The router's quart-trio app: exactly ``/health``, ``/router/stats``, ``/v1/models`` (the union of its nodes')
+"""The router's quart-trio app: exactly ``/`` (the page, :mod:`mlxcel.page`, showing its nodes), ``/health``,
+``/router/stats``, ``/v1/models`` (the union of its nodes')
 and the two generation routes, each sent to a node that serves the model the request names.
 
 Every other path is 404 with an OpenAI-shaped body (``/metrics`` and the policy endpoint included: the
@@ -16,6 +17,7 @@ import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 
+from .. import __version__, page
 from ..fleet.asgi import model_named
 from ..http.app import create_app
 from ..http.errors import ApiError
@@ -26,7 +28,7 @@ from .nodes import Node, models_body, stats_body
 logger = logging.getLogger(__name__)
 
 #: The only paths a router mounts.
-ROUTER_PATHS = ("/health", "/router/stats", "/v1/models", "/v1/chat/completions", "/v1/completions",
+ROUTER_PATHS = ("/", "/health", "/router/stats", "/v1/models", "/v1/chat/completions", "/v1/completions",
                 "/v1/embeddings")
 
 
@@ -53,6 +55,8 @@ def create_router_app(state: RouterState, options: RouterOptions) -> QuartTrio:
     app = create_app("mlxcel-router", api_keys=options.api_keys, max_body_bytes=options.max_body_bytes,
                      no_route=lambda method, path: f"no route {method} {path} on a router (it serves "
                                                    f"{', '.join(ROUTER_PATHS)})")
+
+    page.register(app, lambda: {"name": "mlxcel-router", "version": __version__, "endpoints": list(ROUTER_PATHS)})
 
     @app.get("/health")
     async def health() -> Any:

@@ -20,6 +20,7 @@ import httpx
 import trio
 from hypercorn.config import Config as HypercornConfig
 
+from .. import page
 from ..http.listener import serve as serve_http
 from ..http.signals import until_signalled
 from ..http.transport import guard_transport
@@ -84,6 +85,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
                 app, hypercorn, limits, shutdown_trigger=stopped, task_status=task_status))
             logger.info("router listening on %s; %d backend(s), placement %s", ", ".join(urls), len(nodes),
                         config.placement)
+            logger.info("%s", page.announce(urls))
             task_status.started(urls)
         # The listener has finished its graceful shutdown (open answers ended): stop the probes.
         nursery.cancel_scope.cancel()

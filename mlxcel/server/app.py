@@ -3,6 +3,8 @@ generation model's (:func:`create_app`) or an embedding model's (:func:`create_e
 
 from __future__ import annotations
 
+import time
+
 from quart import Response, request
 from quart_trio import QuartTrio
 
@@ -43,9 +45,14 @@ def create_embedding_app(embedder: EmbedderApi, observability: Observability, op
     return app
 
 
+HEALTH_ROUTES = frozenset({"/health", "/v1/health"})
+
+
 def _count_requests(app: QuartTrio, observability: Observability) -> None:
     @app.after_request
     async def count(response: Response) -> Response:
         rule = request.url_rule.rule if request.url_rule is not None else "unmatched"
         observability.requests.labels(route=rule, status=str(response.status_code)).inc()
+        if response.status_code >= 400 and rule not in HEALTH_ROUTES:  # a 503 there says "loading", not an error
+            observability.errors.append((time.time(), rule, response.status_code))
         return response

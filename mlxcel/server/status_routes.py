@@ -1,4 +1,5 @@
-"""Routes that report state: health, the MTP policy, cache statistics, props, slots, metrics.
+"""Routes that report state: the page, health, the MTP policy, server status, cache statistics, props, slots,
+metrics.
 
 All of them read the last values the engine published; none waits on the decode loop.
 """
@@ -10,7 +11,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from quart import Quart, Response, jsonify
 
-from .. import __version__
+from .. import __version__, page
 from ..observability import Observability
 from .context import ServerOptions
 from .memory import MemoryLedger
@@ -18,11 +19,10 @@ from .memory import MemoryLedger
 
 def register(app: Quart, observability: Observability, options: ServerOptions, ledger: MemoryLedger | None) -> None:
 
-    @app.get("/")
-    async def index() -> Any:
-        return {"name": "mlxcel", "version": __version__, "model": options.model_name,
-                "endpoints": ["/health", "/v1/models", "/v1/completions", "/v1/chat/completions",
-                              "/v1/internal/mtp-policy", "/v1/cache/stats"]}
+    page.register(app, lambda: {
+        "name": "mlxcel", "version": __version__, "model": options.model_name,
+        "endpoints": ["/health", "/v1/models", "/v1/completions", "/v1/chat/completions",
+                      "/v1/internal/mtp-policy", "/v1/internal/server-status", "/v1/cache/stats"]})
 
     async def health() -> Any:
         state = observability.state
@@ -42,6 +42,10 @@ def register(app: Quart, observability: Observability, options: ServerOptions, l
     async def mtp_policy() -> Response:
         # Serialised when the engine published it: polling costs no JSON work.
         return Response(observability.policy_wire, content_type="application/json")
+
+    @app.get("/v1/internal/server-status")
+    async def server_status() -> Any:
+        return observability.status_json()
 
     @app.get("/v1/cache/stats")
     async def cache_stats() -> Any:

@@ -52,17 +52,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
         yield router, nodes
 
 
-def test_the_router_mounts_six_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
+def test_the_router_mounts_its_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
     router, nodes = cluster
     with httpx.Client(base_url=router.url, headers=AUTH, timeout=30) as client:
         listed = client.get("/v1/models").json()["data"]  # the union of the nodes' lists
         assert [(m["id"], m["names"], m["nodes"]) for m in listed] == [("llama", ["llama"], ["node-0", "node-1"])]
         for path in ("/v1/internal/mtp-policy", "/metrics", "/slots", "/props", "/v1/cache/stats",
-                     "/", "/v1/health", "/v1/settings", "/router", "/nope"):
+                     "/v1/health", "/v1/settings", "/router", "/nope", "/page/nope.js"):
             response = client.get(path)
             assert response.status_code == 404, path
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
             assert response.json()["error"]["code"] == "not_found"
+        index = client.get("/", headers={})  # public: the page to a browser (tests/page), an index to others
+        assert index.json()["name"] == "mlxcel-router" and "/router/stats" in index.json()["endpoints"]
         health = client.get("/health", headers={})  # public, as on a serving node
         assert health.status_code == 200 and health.json()["healthy_nodes"] == 2
         body = client.get("/router/stats")

@@ -1,0 +1,40 @@
+"""The page's browser tests: one headless Chromium per module (``mlxcel.testing.browser``).
+
+Marked ``browser`` (``pytest -m "not browser"`` leaves them out of the fast loop). Without Chromium they skip,
+unless ``MLXCEL_REQUIRE_BROWSER=1`` (CI sets it, having installed Chromium): then they fail, so CI cannot pass
+without running them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mlxcel.testing.browser import chrome, find_browser
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if "tests/page/" in item.nodeid:
+            item.add_marker(pytest.mark.browser)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    if find_browser() is None:
+        if os.environ.get("MLXCEL_REQUIRE_BROWSER") == "1":
+            pytest.fail("MLXCEL_REQUIRE_BROWSER=1 but no chromium and chromedriver here", pytrace=False)
+        pytest.skip("needs chromium and chromium-driver (apt-get install chromium chromium-driver)")
+    driver = chrome()
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def console_errors(driver: Any) -> list[dict[str, Any]]:
+    """The browser console's errors since the last call (a CSP violation is one)."""
+    return [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
