@@ -5,6 +5,9 @@
 const KEY_STORE = "mlxcel-api-key"; // sessionStorage: this tab only
 const POLL_MS = 2000;
 const SVG_NS = "http://www.w3.org/2000/svg";
+const KINDS = { 400: "bad request", 401: "no valid key", 404: "no such route or model", 405: "wrong method",
+  408: "too slow", 413: "too large", 422: "unprocessable", 429: "too many requests", 500: "server error",
+  503: "unavailable", 504: "timed out" };
 
 let key = sessionStorage.getItem(KEY_STORE);
 let model = null; // a server of several models: the one whose policy and status are shown
@@ -202,8 +205,17 @@ function showServer(health, status, cache) {
     ["Disk tier", disk.max_bytes ? disk.entries + " entries, " + bytes(disk.bytes) + " of " + bytes(disk.max_bytes) +
       ", " + disk.hits + " hits" : "off"],
   ]);
-  table($("errors-table"), ["When", "Route", "Status"],
-    status.errors.map((e) => [new Date(e.at * 1000).toLocaleTimeString(), e.route, e.status]));
+  table($("errors-table"), ["When", "Route", "Status"], status.errors.map((e) =>
+    [new Date(e.at * 1000).toLocaleTimeString(), e.route, e.status + (KINDS[e.status] ? " " + KINDS[e.status] : "")]));
+}
+
+function showUnloaded(chosen) {
+  facts($("server-facts"), [["Model", chosen.id + " is " + (chosen.state || "not loaded") +
+    ": it loads when a request names it"]]);
+  $("rate-now").textContent = "";
+  $("rate-plot").replaceChildren();
+  facts($("cache-facts"), []);
+  table($("errors-table"), ["When", "Route", "Status"], []);
 }
 
 // -- the router ------------------------------------------------------------------------------------------
@@ -233,10 +245,15 @@ async function poll() {
     } else {
       const models = await api("/v1/models");
       showModels(models);
-      const [policy, status, cache] = await Promise.all([api(withModel("/v1/internal/mtp-policy")),
-        api(withModel("/v1/internal/server-status")), api(withModel("/v1/cache/stats"))]);
-      showPolicy(policy);
-      showServer(health, status, cache);
+      const chosen = (models.data || []).find((m) => m.id === model);
+      showPolicy(await api(withModel("/v1/internal/mtp-policy")));
+      if (chosen && chosen.loaded === false) {
+        showUnloaded(chosen); // a model not loaded has no status: it loads when a request names it
+      } else {
+        const [status, cache] = await Promise.all([api(withModel("/v1/internal/server-status")),
+          api(withModel("/v1/cache/stats"))]);
+        showServer(health, status, cache);
+      }
       $("policy-section").hidden = false;
       $("server-section").hidden = false;
     }

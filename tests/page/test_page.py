@@ -131,3 +131,29 @@ def test_a_routers_page_lists_its_nodes(browser: Any, mtp_model: Path, tmp_path:
         finally:
             router.stop()
     assert console_errors(browser) == []
+
+
+def test_with_several_models_the_menu_picks_whose_policy_is_shown(browser: Any, mtp_model: Path,
+                                                                 tmp_path: Path) -> None:
+    from selenium.webdriver.support.select import Select
+
+    from mlxcel.testing.tools import build_scripted_checkpoint
+
+    root = tmp_path / "models"
+    build_scripted_checkpoint(root / "other", ("Another model.",))
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+    with server_on_a_thread(["--model", str(mtp_model), "--model-dir", str(root), "--port", "0"], env) as url:
+        browser.get(url + "/")
+        _until(lambda: browser.execute_script("return document.body.dataset.loaded") == "yes")
+        models = browser.find_element(By.ID, "models-table").text
+        assert f"{mtp_model.name} loaded" in models and "other unloaded" in models
+        menu = Select(browser.find_element(By.ID, "model-select"))
+        assert [option.text for option in menu.options] == [mtp_model.name, "other"]
+        menu.select_by_visible_text("other")
+        _until(lambda: browser.execute_script("return document.body.dataset.policyState") == "unavailable/not_loaded",
+               what="the unloaded model's policy")
+        assert _lit(browser) == ["unavailable"]  # not a state of the statechart: no box of its own
+        menu.select_by_visible_text(mtp_model.name)
+        _until(lambda: browser.execute_script("return document.body.dataset.policyState") == "unavailable/"
+               "no_mtp_dispatch", what="the default model's policy")
+    assert console_errors(browser) == []
