@@ -31,6 +31,8 @@ CHILD_X, CHILD_WIDTH = 72, 172
 RIGHT_X, RIGHT_WIDTH = 540, 210
 LEGEND_Y, LEGEND_LINE = 330, 17
 FONT = 'font-family="ui-sans-serif, system-ui, sans-serif"'
+#: The first state of the right column, where an arrow "from every other state" starts.
+RIGHT_COLUMN_TOP = next(s for s in STATES if isinstance(s, str))
 
 
 @dataclass(frozen=True)
@@ -105,8 +107,6 @@ def _route(number: int, transition: dict[str, Any], boxes: dict[str, _Box]) -> s
         return _arrow(number, f"M{x0},{y0} C{bend},{y0} {bend},{y1} {x1},{y1}", (bend + 8, y1 - 11))
     raise ValueError(f"no drawing for {transition}")
 
-
-RIGHT_COLUMN_TOP = next(s for s in STATES if isinstance(s, str))
 
 
 def _state(name: str, box: _Box) -> str:

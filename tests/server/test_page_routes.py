@@ -74,3 +74,11 @@ def test_with_a_key_the_page_is_public_and_its_data_is_not(hello_model: Path, tm
         for path in ("/v1/internal/server-status", "/v1/internal/mtp-policy", "/v1/cache/stats", "/v1/models"):
             assert client.get(path).status_code == 401, path
             assert client.get(path, headers={"Authorization": "Bearer sesame"}).status_code == 200, path
+
+
+def test_the_address_serve_logs_is_one_a_browser_on_this_host_can_open() -> None:
+    from mlxcel.page import announce
+
+    assert announce(["http://0.0.0.0:8080"]).startswith("the page: open http://127.0.0.1:8080/ in a browser")
+    assert "http://[::1]:9000/ " in announce(["http://[::]:9000", "http://0.0.0.0:9000"])
+    assert "http://192.168.1.5:8080/ " in announce(["http://192.168.1.5:8080"])
