@@ -26,8 +26,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...models.cpu_tower import numpy_tower
 from ...models.images import FeatureCache, PromptImage, image_keys
-from ...models.tower_attention import numpy_softmax
 from .image_size import ImageGeometry, resized
 
 
@@ -76,7 +76,7 @@ class Gemma4Vision:
 
     def features(self, image: Any) -> mx.array:
         """One row per soft token of *image* (Pillow RGB), in the text model's width."""
-        with numpy_softmax():
+        with numpy_tower():
             return self.module.embed_vision(self.module.vision_tower(self.pixels(image)))[0]
 
     def cached_features(self, image: PromptImage) -> mx.array:

@@ -29,8 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ...models.cpu_tower import numpy_tower
 from ...models.images import FeatureCache, PromptImage, image_keys
-from ...models.tower_attention import numpy_softmax
 from .chunked_delta import chunked_recurrence
 from .image_size import ImageGeometry, resized
 
@@ -83,7 +83,7 @@ class Qwen35Vision:
     def features(self, image: Any) -> mx.array:
         """One row per image token of *image* (Pillow RGB), in the text model's width."""
         patches, grid = self.patches(image)
-        with numpy_softmax():
+        with numpy_tower():
             rows, _ = self.tower(patches, mx.array([grid]))
         return rows
 

@@ -1,9 +1,9 @@
-"""The vision towers' attention with numpy's softmax (mlxcel.models.tower_attention), against mlx's own.
+"""The vision towers' attention and GELU by numpy (mlxcel.models.cpu_tower), against mlx's own.
 
 Its effect on whole towers is checked where they are compared with transformers (test_gemma4_vision.py,
 test_qwen35_vision.py); here, the function against ``mx.fast.scaled_dot_product_attention`` on the same inputs,
-and the dispatcher: which thread gets which attention, and that mlx-vlm's towers still call it by the name it
-replaces.
+and the dispatchers: which thread gets which function, and that mlx-vlm's towers still call them by the names
+they replace.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import inspect
 import threading
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlxcel.models import tower_attention
-from mlxcel.models.tower_attention import CALLERS, attention, numpy_softmax
+from mlxcel.models import cpu_tower
+from mlxcel.models.cpu_tower import ATTENTION_CALLERS, attention, gelu_approx, numpy_tower
 
 
 def _inputs(heads: int, kv_heads: int, length: int, keys: int, dim: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -32,7 +33,7 @@ def _inputs(heads: int, kv_heads: int, length: int, keys: int, dim: int) -> tupl
 def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads: int, kv_heads: int, blocks: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     if blocks:  # query rows 5 at a time (the last block shorter), as a screenshot's patches go
-        monkeypatch.setattr(tower_attention, "BLOCK_SCORES", 2 * 45 * 5)
+        monkeypatch.setattr(cpu_tower, "BLOCK_SCORES", 2 * 45 * 5)
     q, k, v = _inputs(heads, kv_heads, 37, 45, 16)
     mask = {"none": None, "additive": mx.random.normal((2, 1, 37, 45)),
             "additive per head": mx.random.normal((2, heads, 37, 45)),
@@ -57,7 +58,7 @@ def test_only_this_thread_inside_the_block_gets_numpys_softmax() -> None:
     q, k, v = _inputs(2, 2, 300, 300, 64)
     base = importlib.import_module("mlx_vlm.models.base")
     ours = np.array(attention(q, k, v, 0.125))
-    with numpy_softmax():
+    with numpy_tower():
         inside = np.array(base.ensure_fused_sdpa(q, k, v, 0.125))
         elsewhere: list[np.ndarray] = []
         thread = threading.Thread(target=lambda: elsewhere.append(np.array(base.ensure_fused_sdpa(q, k, v, 0.125))))
@@ -78,8 +79,35 @@ def test_mlx_vlms_towers_call_the_name_that_is_replaced() -> None:
 
     assert "from ..base import ensure_fused_sdpa" in inspect.getsource(VisionAttention.__call__)
     assert "ensure_fused_sdpa(" in inspect.getsource(Attention.__call__)
-    for name in CALLERS:
+    for name in ATTENTION_CALLERS:
         function = importlib.import_module(name).ensure_fused_sdpa
         original = getattr(function, "__wrapped__", function)
         parameters = list(inspect.signature(original, follow_wrapped=False).parameters)
         assert parameters[:5] == ["q", "k", "v", "scale", "mask"], f"mlx-vlm's {name}.ensure_fused_sdpa{parameters}"
+
+
+def test_gelu_approx_equals_mlxs() -> None:
+    mx.random.seed(3)
+    x = mx.random.normal((64, 96)) * 4
+    np.testing.assert_allclose(np.array(gelu_approx(x)), np.array(nn.gelu_approx(x)), rtol=1e-5, atol=1e-6)
+    half = x.astype(mx.float16)
+    assert gelu_approx(half).dtype == mx.float16
+
+
+def test_gelu_goes_through_numpy_inside_the_block_only() -> None:
+    x = mx.random.normal((300, 500)) * 3
+    ours, mlx_own = np.array(gelu_approx(x)), np.array(nn.gelu_approx(x))  # outside the block: mlx's
+    assert not np.array_equal(ours, mlx_own), "the two round alike here: the test cannot tell them apart"
+    with numpy_tower():
+        assert np.array_equal(np.array(nn.gelu_approx(x)), ours)  # Gemma 4's tower MLP calls it so
+        assert np.array_equal(np.array(nn.GELU(approx="tanh")(x)), ours)  # Qwen 3-VL's tower MLP so
+    assert np.array_equal(np.array(nn.gelu_approx(x)), mlx_own)
+
+
+def test_mlx_vlms_tower_mlps_call_the_gelu_that_is_replaced() -> None:
+    from mlx_vlm.models.gemma4.vision import VisionMLP
+    from mlx_vlm.models.qwen3_vl.vision import MLP
+
+    assert "nn.gelu_approx(" in inspect.getsource(VisionMLP.__call__)
+    assert 'nn.GELU(approx="tanh")' in inspect.getsource(MLP.__init__)
+    assert "gelu_approx(x)" in inspect.getsource(nn.GELU.__call__)

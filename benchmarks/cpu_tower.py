@@ -1,11 +1,12 @@
-"""A vision tower's attention on the CPU: mlx's own against mlxcel's, whose softmax runs in numpy.
+"""A vision tower's attention and GELU on the CPU: mlx's own against mlxcel's, by numpy.
 
-    python -m benchmarks.tower_attention [--repeats 5]
+    python -m benchmarks.cpu_tower [--repeats 5]
 
 For the attention shapes of the towers mlxcel serves (one image's patches attending to each other, every head),
 ``mx.fast.scaled_dot_product_attention`` as mlx ships it (what mlx-vlm's ``ensure_fused_sdpa`` calls) and
-``mlxcel.models.tower_attention.attention``, interleaved in one process on the same arrays: milliseconds each, the
-ratio and the largest difference. Also ``mx.exp`` against numpy's ``exp`` over one head's scores, the cause.
+``mlxcel.models.cpu_tower.attention``, interleaved in one process on the same arrays: milliseconds each, the
+ratio and the largest difference; then the towers' MLP activation (``mlx.nn.gelu_approx`` against
+``mlxcel.models.cpu_tower.gelu_approx``) over patches x MLP width. Also ``mx.exp`` against numpy's ``exp``, the cause.
 The fast BLAS (section 9) is loaded first.
 """
 
@@ -32,7 +33,7 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from mlxcel.models.tower_attention import attention
+    from mlxcel.models.cpu_tower import attention, gelu_approx
 
     scores = mx.random.normal((1024, 1024))
     mx.eval(scores)
@@ -54,6 +55,17 @@ def main() -> None:
         difference = mx.abs(ours() - theirs())
         print(f"{what:<22} {patches:>7} {heads:>5} {timing['mlx']:>9.1f} {timing['mlxcel']:>9.1f} "
               f"{timing['mlx'] / timing['mlxcel']:>6.2f} {float(difference.max()):>9.1e}")
+
+    import mlx.nn as nn
+
+    print(f"{'GELU':<22} {'patches':>7} {'width':>5} {'mlx ms':>9} {'mlxcel ms':>9} {'ratio':>6} {'max diff':>9}")
+    for what, patches, width in (("Gemma 4, screenshot", 2520, 3072), ("Qwen 3.5, screenshot", 3072, 3072)):
+        x = mx.random.normal((patches, width))
+        timing = interleaved_ms({"mlx": functools.partial(nn.gelu_approx, x),
+                                 "mlxcel": functools.partial(gelu_approx, x)}, args.repeats)
+        difference = float(mx.abs(gelu_approx(x) - nn.gelu_approx(x)).max())
+        print(f"{what:<22} {patches:>7} {width:>5} {timing['mlx']:>9.1f} {timing['mlxcel']:>9.1f} "
+              f"{timing['mlx'] / timing['mlxcel']:>6.2f} {difference:>9.1e}")
 
 
 if __name__ == "__main__":
