@@ -257,26 +257,32 @@ class Observability:
         else:
             self._made.append([bucket, 1])
 
-    def generated_per_second(self) -> list[float]:
-        """Tokens generated per second in each of the last :data:`RATE_BUCKETS` spans of :data:`RATE_SECONDS`,
-        oldest first, the current (partial) span last."""
-        now = int(time.monotonic() // RATE_SECONDS)
+    def generated_by_span(self) -> dict[str, Any]:
+        """Tokens generated in each of the last :data:`RATE_BUCKETS` spans of :data:`RATE_SECONDS`, oldest first,
+        the current one last with the seconds it has run so far (a rate divides by those, not by a whole span)."""
+        clock = time.monotonic()
+        now = int(clock // RATE_SECONDS)
         made = {bucket: count for bucket, count in list(self._made)}
-        return [round(made.get(bucket, 0) / RATE_SECONDS, 2) for bucket in range(now - RATE_BUCKETS + 1, now + 1)]
+        counts = [made.get(bucket, 0) for bucket in range(now - RATE_BUCKETS + 1, now + 1)]
+        return {"span_seconds": RATE_SECONDS, "counts": counts, "current_span_seconds": round(clock % RATE_SECONDS, 3)}
 
     def status_json(self) -> dict[str, Any]:
         """What the page at ``GET /`` shows of the server (``/v1/internal/server-status``): the engine's state,
         requests running and queued, the token counters, the generation rate over the last five minutes and the
         last errors."""
+        samples = {s.name: s.value for metric in (self.prompt_tokens, self.generated_tokens, self.draft_tokens,
+                                                  self.draft_accepted) for family in metric.collect()
+                   for s in family.samples}
+
         def total(name: str) -> int:
-            return int(self.registry.get_sample_value(f"{name}_total") or 0)
+            return int(samples.get(f"{name}_total", 0))
 
         return {"model": self.model, "state": self.state, "uptime_seconds": round(time.time() - self.started, 1),
                 "requests": {"running": sum(slot.is_processing for slot in self.slots), "queued": self.waiting,
                              "slots": len(self.slots)},
                 "tokens": {"prompt": total("mlxcel_prompt_tokens"), "generated": total("mlxcel_generated_tokens"),
                            "drafted": total("mlxcel_draft_tokens"), "accepted": total("mlxcel_draft_tokens_accepted")},
-                "generated_per_second": {"span_seconds": RATE_SECONDS, "values": self.generated_per_second()},
+                "generated_by_span": self.generated_by_span(),
                 "errors": [{"at": round(at, 3), "route": route, "status": status}
                            for at, route, status in reversed(self.errors)]}
 

@@ -21,6 +21,7 @@ from urllib.parse import parse_qs
 
 import trio
 
+from .. import page
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
 from ..http.errors import ApiError
@@ -266,6 +267,9 @@ class Fleet:
         if method == "GET" and path in ("/health", "/v1/health"):
             await self._health(send)
             return
+        if method == "GET" and (found := page.answer(path, _header(scope, b"accept"))) is not None:
+            await page.send_answer(send, found)  # here, not by the default model's app: showing it loads no model
+            return
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
             messages, complete = await read_body(receive, self._max_body_bytes)
             replay = replaying(messages, receive)
@@ -394,3 +398,7 @@ def _release_memory() -> None:
 
     gc.collect()
     clear_device_cache()
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == name), None)

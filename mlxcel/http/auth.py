@@ -8,15 +8,16 @@ import stat
 from collections.abc import Iterable
 from pathlib import Path
 
-#: The only paths answered without a key: these, and those under the prefixes (the page's files, which hold no
-#: data: the page asks for its data with the key, :mod:`mlxcel.page`).
-PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"})
-PUBLIC_PREFIXES = ("/page/",)
+from ..page import PUBLIC_FILES
+
+#: The only paths answered without a key: these, and the page's files (which hold no data: the page asks for its
+#: data with the key, :mod:`mlxcel.page`).
+PUBLIC_PATHS = frozenset({"/", "/health", "/v1/health"}) | PUBLIC_FILES
 
 
 def is_public(path: str) -> bool:
     """Whether *path* is answered without a key."""
-    return path in PUBLIC_PATHS or path.startswith(PUBLIC_PREFIXES)
+    return path in PUBLIC_PATHS
 
 
 class KeyFileError(ValueError):

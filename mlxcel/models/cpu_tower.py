@@ -53,7 +53,10 @@ def numpy_tower() -> Iterator[None]:
         for names, name, ours in ((ATTENTION_CALLERS, "ensure_fused_sdpa", _attention_call),
                                   (GELU_CALLERS, "gelu_approx", gelu_approx)):
             for module_name in names:
-                module = importlib.import_module(module_name)
+                try:
+                    module = importlib.import_module(module_name)
+                except ModuleNotFoundError:  # an mlx-vlm without one tower's module: the other is served still
+                    continue
                 if not getattr(getattr(module, name), "mlxcel_dispatch", False):
                     setattr(module, name, _dispatching(getattr(module, name), ours))
     outer = getattr(_thread, "on", False)
@@ -90,6 +93,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
     Evaluates as it goes."""
     heads, groups, length, keys = q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2]
     rows = max(1, BLOCK_SCORES // max(1, q.shape[0] * keys))
+    if mask is not None and mask.ndim < 4:  # broadcast as mlx does: (L, S), (H, L, S) -> (1, H, L, S)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     mx.eval(q, k, v, *([] if mask is None else [mask]))
     outputs = []
     for head in range(heads):
@@ -98,7 +103,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.arra
         for start in range(0, length, rows):
             scores = (q[:, head, start:start + rows] * scale) @ turned
             if mask is not None:
-                masked = mask[:, head if mask.shape[1] > 1 else 0] if mask.ndim == 4 else mask
+                masked = mask[:, head if mask.shape[1] > 1 else 0]
                 masked = masked[..., start:start + rows, :] if masked.shape[-2] > 1 else masked
                 scores = mx.where(masked, scores, -np.inf) if masked.dtype == mx.bool_ else scores + masked
             blocks.append(softmax(scores).astype(v.dtype) @ values)

@@ -13,20 +13,26 @@ script, stylesheet and data and nothing else: no inline script or style, no othe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
-from quart import Quart, Response, request
+from quart import Quart, Response, jsonify, request
+from werkzeug.datastructures import MIMEAccept
 from werkzeug.exceptions import NotFound
+from werkzeug.http import parse_accept_header
 
 #: The files under ``/page/``, with their types.
 ASSETS = {"page.js": "text/javascript; charset=utf-8", "page.css": "text/css; charset=utf-8",
           "statechart.svg": "image/svg+xml", "icon.svg": "image/svg+xml"}
+#: Their paths: public (:func:`mlxcel.http.auth.is_public`), as ``/`` is; nothing else under ``/page/`` is.
+PUBLIC_FILES = frozenset(f"/page/{name}" for name in ASSETS)
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+#: Every answer of the page's; ``Vary``: ``/`` answers the page or the JSON index by ``Accept``.
 HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
-           "Cache-Control": "no-cache"}
+           "Cache-Control": "no-cache", "Vary": "Accept"}
 
 
 def announce(urls: list[str]) -> str:
@@ -36,29 +42,53 @@ def announce(urls: list[str]) -> str:
     return f"the page: open {first}/ in a browser (the MTP policy and the server, live)"
 
 
+@functools.cache
 def _read(name: str) -> bytes:
     return files(__name__).joinpath(name).read_bytes()
 
 
-def wants_page() -> bool:
-    """Whether this request's ``Accept`` prefers HTML to JSON (a browser's does; ``*/*`` does not)."""
-    accept = request.accept_mimetypes
-    return accept.quality("text/html") > accept.quality("application/json") and "text/html" in accept.values()
+def prefers_html(accept: str | None) -> bool:
+    """Whether an ``Accept`` header prefers HTML to JSON (a browser's does; ``*/*`` and none do not)."""
+    parsed = parse_accept_header(accept, MIMEAccept)
+    return parsed.quality("text/html") > parsed.quality("application/json") and "text/html" in parsed.values()
+
+
+def answer(path: str, accept: str | None) -> tuple[bytes, str] | None:
+    """The page's answer to ``GET path`` (its body and type), or None where *path* is not the page's (``/``
+    asked for by anything but a browser included)."""
+    if path == "/" and prefers_html(accept):
+        return _read("index.html"), "text/html; charset=utf-8"
+    if path in PUBLIC_FILES:
+        name = path.removeprefix("/page/")
+        return _read(name), ASSETS[name]
+    return None
+
+
+async def send_answer(send: Callable[[dict[str, Any]], Any], found: tuple[bytes, str]) -> None:
+    """*found* (:func:`answer`) as an ASGI response: for a front that answers without an app (a server of several
+    models serves the page itself, so that showing it never loads a model)."""
+    body, kind = found
+    headers = [(b"content-type", kind.encode()), (b"content-length", str(len(body)).encode()),
+               *((name.lower().encode(), value.encode()) for name, value in HEADERS.items())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def register(app: Quart, index: Callable[[], dict[str, Any]]) -> None:
     """``GET /`` (the page, or *index*'s JSON) and ``GET /page/<name>`` on *app*."""
-    page = _read("index.html")
-    assets = {name: _read(name) for name in ASSETS}
 
     @app.get("/")
-    async def front() -> Any:
-        if wants_page():
-            return Response(page, content_type="text/html; charset=utf-8", headers=HEADERS)
-        return index()
+    async def front() -> Response:
+        found = answer("/", request.headers.get("Accept"))
+        if found is None:
+            response = jsonify(index())
+            response.headers["Vary"] = "Accept"
+            return response
+        return Response(found[0], content_type=found[1], headers=HEADERS)
 
     @app.get("/page/<name>")
     async def asset(name: str) -> Response:
-        if name not in assets:
+        found = answer(f"/page/{name}", None)
+        if found is None:
             raise NotFound()  # answered as every 404 is (mlxcel.http.app)
-        return Response(assets[name], content_type=ASSETS[name], headers=HEADERS)
+        return Response(found[0], content_type=found[1], headers=HEADERS)

@@ -4,6 +4,7 @@
 
 const KEY_STORE = "mlxcel-api-key"; // sessionStorage: this tab only
 const POLL_MS = 2000;
+const FETCH_MS = 10000; // a request that takes longer is given up (the next poll asks again)
 const SVG_NS = "http://www.w3.org/2000/svg";
 const KINDS = { 400: "bad request", 401: "no valid key", 404: "no such route or model", 405: "wrong method",
   408: "too slow", 413: "too large", 422: "unprocessable", 429: "too many requests", 500: "server error",
@@ -23,16 +24,21 @@ function el(tag, text) {
   return node;
 }
 
-async function api(path) {
+async function api(path, loading = false) {
+  // *loading*: a 503 is an answer too (/health's while the model loads).
   const headers = key ? { Authorization: "Bearer " + key } : {};
-  const response = await fetch(path, { headers, cache: "no-store" });
+  const response = await fetch(path, { headers, cache: "no-store", signal: AbortSignal.timeout(FETCH_MS) });
   if (response.status === 401) throw new KeyNeeded(path);
-  if (!response.ok && response.status !== 503) throw new Error(path + " answered HTTP " + response.status);
+  if (!response.ok && !(loading && response.status === 503)) {
+    throw new Error(path + " answered HTTP " + response.status);
+  }
   return response.json();
 }
 
-function withModel(path) {
-  return model ? path + "?model=" + encodeURIComponent(model) : path;
+function withModel(path, name) {
+  // Always named: on a server of several models, a status route without ?model= is the default model's, and
+  // asking it of a default that is not loaded would load it.
+  return name ? path + "?model=" + encodeURIComponent(name) : path;
 }
 
 function bytes(n) {
@@ -192,9 +198,11 @@ function showServer(health, status, cache) {
     ["BLAS", health.observability ? health.observability.blas : null],
     ["Up", Math.round(status.uptime_seconds) + " s"],
   ]);
-  const rate = status.generated_per_second.values;
+  const spans = status.generated_by_span;
+  const rate = spans.counts.map((count, i) => count / (i === spans.counts.length - 1
+    ? Math.max(spans.current_span_seconds, 1) : spans.span_seconds));
   $("rate-now").textContent = "now " + rate[rate.length - 1].toFixed(1) + " tokens/s, each point " +
-    status.generated_per_second.span_seconds + " s";
+    spans.span_seconds + " s";
   plot($("rate-plot"), rate, 0);
   const disk = cache.disk || {};
   facts($("cache-facts"), [
@@ -231,35 +239,43 @@ function showRouter(health, stats) {
 // -- polling ---------------------------------------------------------------------------------------------
 
 let timer = null;
+let round = 0; // the latest poll: an older one that ends after a newer began draws nothing
 
 async function poll() {
   clearTimeout(timer);
+  const mine = ++round;
+  const current = () => mine === round;
   try {
-    const health = await api("/health");
+    const health = await api("/health", true);
+    if (!current()) return;
     $("server-name").textContent = health.model || (health.role === "router" ? "router" : "");
     $("server-status").textContent = health.status;
     $("server-status").className = "badge " + (health.status === "ok" ? "ok" : "bad");
     if (health.role === "router") {
-      showRouter(health, await api("/router/stats"));
+      const stats = await api("/router/stats");
+      if (!current()) return;
+      showRouter(health, stats);
       $("router-section").hidden = false;
     } else {
       const models = await api("/v1/models");
+      const name = model || health.model;
+      const chosen = (models.data || []).find((m) => m.id === name);
+      const unloaded = chosen !== undefined && chosen.loaded === false;
+      // A model not loaded has no status (it loads when a request names it): only its policy is asked for.
+      const [policy, status, cache] = await Promise.all([api(withModel("/v1/internal/mtp-policy", name)),
+        unloaded ? null : api(withModel("/v1/internal/server-status", name)),
+        unloaded ? null : api(withModel("/v1/cache/stats", name))]);
+      if (!current()) return;
       showModels(models);
-      const chosen = (models.data || []).find((m) => m.id === model);
-      showPolicy(await api(withModel("/v1/internal/mtp-policy")));
-      if (chosen && chosen.loaded === false) {
-        showUnloaded(chosen); // a model not loaded has no status: it loads when a request names it
-      } else {
-        const [status, cache] = await Promise.all([api(withModel("/v1/internal/server-status")),
-          api(withModel("/v1/cache/stats"))]);
-        showServer(health, status, cache);
-      }
+      showPolicy(policy);
+      if (unloaded) showUnloaded(chosen); else showServer(health, status, cache);
       $("policy-section").hidden = false;
       $("server-section").hidden = false;
     }
     $("load-error").hidden = true;
     document.body.dataset.loaded = "yes";
   } catch (error) {
+    if (!current()) return;
     if (error instanceof KeyNeeded) {
       askForKey(Boolean(key));
       return; // until a key is given

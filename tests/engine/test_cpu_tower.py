@@ -28,7 +28,7 @@ def _inputs(heads: int, kv_heads: int, length: int, keys: int, dim: int) -> tupl
 
 
 @pytest.mark.parametrize("blocks", [False, True])
-@pytest.mark.parametrize("mask_kind", ["none", "additive", "additive per head", "boolean"])
+@pytest.mark.parametrize("mask_kind", ["none", "additive", "additive per head", "boolean", "2-D", "3-D"])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 1)])
 def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads: int, kv_heads: int, blocks: bool,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -37,11 +37,26 @@ def test_attention_equals_mlx_scaled_dot_product_attention(mask_kind: str, heads
     q, k, v = _inputs(heads, kv_heads, 37, 45, 16)
     mask = {"none": None, "additive": mx.random.normal((2, 1, 37, 45)),
             "additive per head": mx.random.normal((2, heads, 37, 45)),
-            "boolean": mx.random.uniform(shape=(2, 1, 37, 45)) > 0.3}[mask_kind]
+            "boolean": mx.random.uniform(shape=(2, 1, 37, 45)) > 0.3, "2-D": mx.random.normal((37, 45)),
+            "3-D": mx.random.normal((heads, 37, 45))}[mask_kind]
     ours = attention(q, k, v, 0.25, mask)
     theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     assert ours.shape == theirs.shape == (2, heads, 37, 16)
     np.testing.assert_allclose(np.array(ours), np.array(theirs), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
+def test_in_half_precision_it_is_as_close_to_float32_as_mlxs_own(dtype: mx.Dtype) -> None:
+    """Real checkpoints are bf16: numpy has no bf16, so the scores go to float32 and the probabilities back."""
+    q, k, v = _inputs(4, 2, 64, 64, 64)
+    exact = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
+    half = [x.astype(dtype) for x in (q, k, v)]
+    ours = attention(*half, 0.125)
+    theirs = mx.fast.scaled_dot_product_attention(*half, scale=0.125)
+    assert ours.dtype == dtype
+    ours_error = np.abs(np.array(ours.astype(mx.float32)) - exact).max()
+    theirs_error = np.abs(np.array(theirs.astype(mx.float32)) - exact).max()
+    assert ours_error <= 1.5 * theirs_error + 1e-3, (ours_error, theirs_error)
 
 
 def test_a_padding_mask_of_minus_ten_thousand_keeps_padded_keys_out() -> None:
@@ -54,9 +69,10 @@ def test_a_padding_mask_of_minus_ten_thousand_keeps_padded_keys_out() -> None:
     np.testing.assert_allclose(np.array(ours), np.array(alone), rtol=1e-5, atol=1e-6)
 
 
-def test_only_this_thread_inside_the_block_gets_numpys_softmax() -> None:
+@pytest.mark.parametrize("caller", ATTENTION_CALLERS)  # Gemma 4's tower's, Qwen 3-VL's
+def test_only_this_thread_inside_the_block_gets_numpys_softmax(caller: str) -> None:
     q, k, v = _inputs(2, 2, 300, 300, 64)
-    base = importlib.import_module("mlx_vlm.models.base")
+    base = importlib.import_module(caller)
     ours = np.array(attention(q, k, v, 0.125))
     with numpy_tower():
         inside = np.array(base.ensure_fused_sdpa(q, k, v, 0.125))
