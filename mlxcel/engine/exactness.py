@@ -233,9 +233,10 @@ def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[
     """The batch widths at which a speculative step is not byte for byte the batch's classic steps, each with
     the one-line reason; empty when every width in *widths* is exact.
 
-    Per width B: B rows of different prompt lengths (prefilled alone, then merged as mlx-lm's batch holds
-    them: a left-padded KV cache, stacked recurrent state), then the batch's K classic steps (the target's
-    forward over one token a row, as the batch's tap runs them) against one (B, K) verify under *split*,
+    Per width B: B rows of different prompt lengths (prefixes of one prompt, each prefilled once, then merged
+    as mlx-lm's batch holds them: a left-padded KV cache, stacked recurrent state), then the batch's K classic
+    steps (the target's forward over one token a row, as the batch's tap runs them) against one (B, K) verify
+    under *split*,
     logit bytes compared at every position. *fresh_cache*: an empty cache of the model, copied per row.
     Rollbacks are checked by the tests (``tests/engine/test_batch_rollback.py``), not here.
     """
@@ -243,11 +244,14 @@ def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[
     declined: dict[int, str] = {}
     if not widths:
         return declined
-    prefilled = []  # every row once (a hybrid model's recurrent layers prefill slowly); each width merges copies
+    # Every row once, each the one before and 3 tokens more (a hybrid model's recurrent layers prefill a token
+    # at a time on a CPU: one prompt's 5 + 3 (rows - 1) tokens, not every row's); each width merges copies.
+    prompt = rng.integers(0, vocab, size=5 + 3 * (max(widths) - 1)).tolist()
+    prefilled, cache, done = [], copy.deepcopy(fresh_cache), 0
     for row in range(max(widths)):
-        cache = copy.deepcopy(fresh_cache)
-        model(mx.array([rng.integers(0, vocab, size=5 + 3 * row).tolist()]), cache=cache)
-        prefilled.append(_evaluated(cache))
+        model(mx.array([prompt[done:5 + 3 * row]]), cache=cache)
+        done = 5 + 3 * row
+        prefilled.append(_evaluated(copy.deepcopy(cache)))
     for width in widths:
         rows = copy.deepcopy(prefilled[:width])
         base = [type(layers[0]).merge(list(layers)) for layers in zip(*rows, strict=True)]  # as the batch holds them
