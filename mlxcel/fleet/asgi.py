@@ -15,6 +15,14 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
+
+
+def header(scope: Scope, name: str) -> str | None:
+    """The request's header *name* (lower case), or None."""
+    wanted = name.encode("latin-1")
+    return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == wanted), None)
+
+
 #: A stream whose model is not loaded gets its head and a first keep-alive after this many seconds of waiting...
 PING_AFTER = 1.0
 #: ... and one every this many after that.

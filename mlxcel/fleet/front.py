@@ -27,11 +27,12 @@ from ..http.auth import credential, key_matches
 from ..http.errors import ApiError
 from ..policy import MtpPolicy, PolicySettings
 from ..server.memory import MemoryLedger
+from . import asgi
 from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, read_body, replaying, send_error, send_json
 from .catalog import Catalog, ModelEntry
 from .metrics import fleet_registry, serve_metrics
 from .residency import idle_too_long, next_idle_deadline, size, to_unload_for
-from .slot import Parts, Slot
+from .slot import Parts, Slot, release_memory
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Fleet:
                 slot.state = "unloading"
             slot.engine = slot.app = slot.observability = None
             with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(_release_memory)
+                await trio.to_thread.run_sync(release_memory)
             if self.ledger is not None:
                 self.ledger.uncharge(slot.entry.id)
             if slot.state != "failed":
@@ -267,7 +268,7 @@ class Fleet:
         if method == "GET" and path in ("/health", "/v1/health"):
             await self._health(send)
             return
-        if method == "GET" and (found := page.answer(path, _header(scope, b"accept"))) is not None:
+        if method == "GET" and (found := page.answer(path, asgi.header(scope, "accept"))) is not None:
             await page.send_answer(send, found)  # here, not by the default model's app: showing it loads no model
             return
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
@@ -291,8 +292,8 @@ class Fleet:
         else the default model's app answers, with its 401."""
         if not self._api_keys:
             return True
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        return key_matches(credential(headers.get("authorization"), headers.get("x-api-key")), self._api_keys)
+        presented = credential(asgi.header(scope, "authorization"), asgi.header(scope, "x-api-key"))
+        return key_matches(presented, self._api_keys)
 
     async def _health(self, send: Send) -> None:
         """Public, as a lone server's: 503 ``loading`` until the default model first loads, else 200 ``ok`` (a
@@ -389,16 +390,3 @@ async def _first_of(*events: trio.Event) -> None:
         for event in events:
             nursery.start_soon(wait, event)
 
-
-def _release_memory() -> None:
-    """An unloaded model's arrays back to the system: collected, and mlx's buffer cache emptied."""
-    import gc
-
-    from ..engine.loading import clear_device_cache
-
-    gc.collect()
-    clear_device_cache()
-
-
-def _header(scope: Scope, name: bytes) -> str | None:
-    return next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == name), None)

@@ -152,3 +152,13 @@ class Slot:
         if self.error is not None:
             body["error"] = self.error
         return body
+
+
+def release_memory() -> None:
+    """An unloaded model's arrays back to the system: collected, and mlx's buffer cache emptied."""
+    import gc
+
+    from ..engine.loading import clear_device_cache
+
+    gc.collect()
+    clear_device_cache()

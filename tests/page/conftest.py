@@ -1,8 +1,8 @@
 """The page's browser tests: one headless Chromium per module (``mlxcel.testing.browser``).
 
-Marked ``browser`` (``pytest -m "not browser"`` leaves them out of the fast loop). Without Chromium they skip,
-unless ``MLXCEL_REQUIRE_BROWSER=1`` (CI sets it, having installed Chromium): then they fail, so CI cannot pass
-without running them.
+Marked ``browser`` (their modules' ``pytestmark``; ``pytest -m "not browser"`` leaves them out of the fast
+loop). Without Chromium they skip, unless ``MLXCEL_REQUIRE_BROWSER=1`` (CI sets it, having installed Chromium):
+then they fail, so CI cannot pass without running them.
 """
 
 from __future__ import annotations
@@ -14,12 +14,6 @@ from typing import Any
 import pytest
 
 from mlxcel.testing.browser import chrome, find_browser
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if "tests/page/" in item.nodeid:
-            item.add_marker(pytest.mark.browser)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.page.conftest import console_errors
 from tests.server.conftest import server_on_a_thread
 
+pytestmark = pytest.mark.browser
+
 
 def _until(condition: Callable[[], Any], timeout: float = 30, what: str = "the page") -> Any:
     deadline = time.monotonic() + timeout

@@ -307,3 +307,14 @@ def cache_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "qwen3_5": build_checkpoint(root / "qwen3_5", "qwen3_5", scale=2.0),
             "gemma4": gemma4.build_target(root / "gemma4"),
             "inkling": inkling.build_target(root / "inkling", seed=1)}
+
+
+def read_tool_screenshot(client: Any, source: dict[str, str], max_tokens: int) -> Any:
+    """The answer (an ``anthropic`` SDK *client*'s message, at temperature 0) to a conversation in Claude Code's
+    shape: asked to look at a screenshot, its Read tool returned the image *source* inside a ``tool_result``."""
+    return client.messages.create(model="default", max_tokens=max_tokens, extra_body={"temperature": 0}, messages=[
+        {"role": "user", "content": "Look at the screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
+                                           "input": {"file_path": "shot.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": source}]}]}])

@@ -24,7 +24,7 @@ import pytest
 from PIL import Image
 
 from mlxcel.families.gemma4.tiny_vision import build_vision_checkpoint
-from tests.server.conftest import server_on_a_thread
+from tests.server.conftest import read_tool_screenshot, server_on_a_thread
 
 QUESTION = "What is this?"
 TOKENS = 8
@@ -146,13 +146,7 @@ def test_a_screenshot_a_tool_returned_is_seen(url: str) -> None:
     with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
         for seed in (5, 6):
             source = {"type": "base64", "media_type": "image/png", "data": _png(_image(seed))}
-            message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0},
-                                             messages=[
-                {"role": "user", "content": "Look at the screenshot."},
-                {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read",
-                                                   "input": {"file_path": "shot.png"}}]},
-                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
-                    {"type": "image", "source": source}]}]}])
+            message = read_tool_screenshot(client, source, TOKENS)
             answers.append("".join(block.text for block in message.content if block.type == "text"))
             assert message.usage.input_tokens > 60
     assert answers[0] != answers[1]
