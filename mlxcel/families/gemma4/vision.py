@@ -27,6 +27,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...models.cpu_tower import numpy_tower
+from ...models.image_rows import image_rows
 from ...models.images import FeatureCache, PromptImage, image_keys
 from .image_size import ImageGeometry, resized
 
@@ -100,10 +101,7 @@ class Gemma4Vision:
         stop = len(ids) if stop is None else stop
         step = step or len(ids)
         tokens = np.asarray(ids)
-        where = np.nonzero(tokens == self.image_token_id)[0]
-        rows = mx.concatenate([self.cached_features(image) for image in images]) if images else mx.zeros((0, 1))
-        if len(where) != rows.shape[0]:
-            raise ValueError(f"the prompt holds {len(where)} image tokens for {rows.shape[0]} image features")
+        where, rows = image_rows(tokens, self.image_token_id, [self.cached_features(image) for image in images])
         split = min(int(where[0]) if len(where) else stop, stop) if self.bidirectional else stop
         bounds = [*range(start, split, step), split]
         if split < stop:
@@ -142,10 +140,7 @@ def prompt_embeddings(text_model: Any, ids: list[int], features: list[mx.array],
     """(the ids the per-layer inputs are looked up from, the input embeddings) of a prompt whose image tokens take
     *features*' rows in order; *text_model* is mlx-lm's ``Gemma4TextModel``."""
     tokens = np.asarray(ids)
-    where = np.nonzero(tokens == image_token_id)[0]
-    rows = mx.concatenate(features, axis=0) if features else mx.zeros((0, 1))
-    if len(where) != rows.shape[0]:
-        raise ValueError(f"the prompt holds {len(where)} image tokens for {rows.shape[0]} image features")
+    where, rows = image_rows(tokens, image_token_id, features)
     plain = mx.array(np.where(tokens == image_token_id, pad_id, tokens)[None])
     embedded = text_model.embed_tokens(plain)
     if len(where):

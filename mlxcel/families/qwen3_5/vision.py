@@ -30,6 +30,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ...models.cpu_tower import numpy_tower
+from ...models.image_rows import image_rows
 from ...models.images import FeatureCache, PromptImage, image_keys
 from .chunked_delta import chunked_recurrence
 from .image_size import ImageGeometry, resized
@@ -120,11 +121,7 @@ class Qwen35Vision:
         shift = len(ids) - following
         body = model.language_model.model if hasattr(model, "language_model") else model.model
         tokens = np.asarray(ids)
-        where = np.nonzero(tokens == self.image_token_id)[0]
-        rows = [self.cached_features(image) for image in images]
-        features = mx.concatenate(rows, axis=0) if rows else mx.zeros((0, 1))
-        if len(where) != features.shape[0]:
-            raise ValueError(f"the prompt holds {len(where)} image tokens for {features.shape[0]} image features")
+        where, features = image_rows(tokens, self.image_token_id, [self.cached_features(image) for image in images])
         step, stop = step or len(ids), len(ids) if stop is None else stop
         for begin in range(start, stop, step):
             end = min(begin + step, stop)
