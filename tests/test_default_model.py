@@ -89,7 +89,7 @@ def test_a_quick_profiling_run_settles_and_persists(tmp_path: Path) -> None:
         policy = client.get(f"{url}/v1/internal/mtp-policy").json()
     assert (policy["state"], policy["samples"], policy["samples_required"]) == ("settled", 2, 2)
     assert policy["verdict"] in ("enable", "decline") and 0 <= policy["acceptance_rate"] <= 1
-    hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))
+    hints = list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*[!h].json"))  # not *.batch.json
     assert len(hints) == 1
 
 

@@ -1,9 +1,10 @@
-"""The continuous batch's speculation as the worker keeps it, around the step itself.
+"""The continuous batch's speculation as the worker keeps it, around the step itself, and the rule of K.
 
 Whether the batch can speculate at all (and the sentence saying why not), the
-rule of K with its step costs restored from and saved beside the policy's hint,
-what the policy endpoint publishes of it, and a row's joining with the drafter
-it ran with alone. The step is :mod:`.batch_speculation`'s; the rule is
+rule of K (one for every width: a lone request's burst asks it too) with its
+step costs restored from and saved beside the policy's hint, what the policy
+endpoint publishes of it, and a row's joining with the drafter it ran with
+alone. The step is :mod:`.batch_speculation`'s; the rule is
 :mod:`mlxcel.policy.draft_length`'s. Worker thread only.
 """
 
@@ -19,7 +20,6 @@ from .sequence import Sequence
 
 if TYPE_CHECKING:
     from ..models.speculative import SequenceDrafter, Split
-    from .batch import ContinuousBatch
     from .batch_speculation import BatchSpeculation
     from .speculation import Speculation
 
@@ -32,15 +32,19 @@ SAVE_EVERY = 4096
 
 
 class BatchMtp:
-    """Speculation inside the continuous batch for the served pairing, or the reason there is none."""
+    """Speculation inside the continuous batch for the served pairing, or the reason there is none; and the
+    rule of K wherever a burst can run (*batching* or not: a lone request's burst is its width 1)."""
 
     def __init__(self, model: Any, speculation: Speculation | None, layers: list[Any], pin: bool | None,
                  block_size: int, parallel: int, policy: MtpPolicy, hints: HintStore | None,
-                 pairing: PairingKey | None, vocab: int) -> None:
-        self.policy, self.hints, self.pairing = policy, hints, pairing
+                 pairing: PairingKey | None, vocab: int, batching: bool = True) -> None:
+        self.policy, self.hints, self.pairing, self.batching = policy, hints, pairing, batching
         self.speculation: BatchSpeculation | None = None
         self.rule: DraftLength | None = None
-        self.refusal = _refusal(speculation, layers, pin)
+        if speculation is not None and speculation.split is not None and pin is not False:
+            self.rule = DraftLength(block_size - 1, forced=pin is True)
+            self._restore()
+        self.refusal = _refusal(speculation, layers, pin) if batching else "the server decodes one request at a time"
         self._steps = 0
         if self.refusal is not None or speculation is None or speculation.split is None:
             logger.info("MTP runs for lone requests only: %s", self.refusal)
@@ -59,8 +63,8 @@ class BatchMtp:
             logger.warning("MTP runs for lone requests only: %s", self.refusal)
             return
         self.speculation = BatchSpeculation(model, speculation.target, head, split)
-        self.rule = DraftLength(block_size - 1, forced=pin is True, inexact=inexact)
-        self._restore()
+        assert self.rule is not None
+        self.rule.inexact = inexact
 
     def join(self, uid: int, sequence: Sequence, drafter: SequenceDrafter | None,
              speculation: Speculation | None) -> None:
@@ -76,21 +80,24 @@ class BatchMtp:
         self.speculation.join(uid, drafter, sequence.chain, sequence.burst,
                               eligible=not sequence.processors and not sequence.request.logprobs)
 
-    def stepped(self, batch: ContinuousBatch[Any]) -> None:
-        """After a batch step: now and then, publish what it does and save its costs."""
+    def stepped(self) -> None:
+        """After a batch step or a lone request's turn: now and then, publish what the rule does and save
+        its costs."""
         self._steps += 1
         if self._steps % PUBLISH_EVERY == 0:
-            self.publish(batch)
+            self.publish()
         if self._steps % SAVE_EVERY == 0:
             self.save()
 
-    def publish(self, batch: ContinuousBatch[Any] | None) -> None:
-        """What the batch's speculation does now, to the policy endpoint (when it changed)."""
-        if batch is None:
+    def publish(self) -> None:
+        """What the batch's speculation does now (its rule's cells at every width, a lone request's
+        included), to the policy endpoint (when it changed); nothing where the server does not batch."""
+        if not self.batching:
             view = None
-        elif self.rule is None:
-            view = BatchView(False, self.refusal)
+        elif self.speculation is None:  # the rule's cells are a lone request's then (width 1)
+            view = BatchView(False, self.refusal, self.rule.cells() if self.rule is not None else ())
         else:
+            assert self.rule is not None
             view = BatchView(True, None, self.rule.cells(), tuple(sorted(self.rule.inexact.items())))
         if view != self.policy.snapshot.batch:
             self.policy.on_batch(view)

@@ -106,7 +106,7 @@ class BatchTurns:
         if stepped.tokens:
             worker.observability.batch_steps.labels(drafts=str(stepped.drafts)).inc()
             if worker.batch_mtp is not None:
-                worker.batch_mtp.stepped(batch)
+                worker.batch_mtp.stepped()
         for tokens, cache in stepped.snapshots:
             worker.snapshot(tokens, cache, None)
         events: Events = []

@@ -64,10 +64,11 @@ class Capabilities:
 
 
 def burst_allowed(capabilities: Capabilities, request: GenerationRequest, policy_allows: bool) -> bool:
-    """Whether a solo *request* runs the MTP burst: the model can, the policy lets it run at the
-    request's depth (``MtpPolicy.burst_pays_at``), and it asked for nothing only classic decode gives
-    (logprobs). Logits processors (bias, penalties, a grammar) do not gate: the burst applies them at
-    every verify position."""
+    """Whether a solo *request* runs the MTP burst: the model can, the policy lets it run
+    (``MtpPolicy.mtp_enabled``; at which K, round by round, is the draft-length rule's, which may run
+    classic steps inside the burst), and it asked for nothing only classic decode gives (logprobs).
+    Logits processors (bias, penalties, a grammar) do not gate: the burst applies them at every verify
+    position."""
     return capabilities.no_burst is None and policy_allows and not request.logprobs
 
 

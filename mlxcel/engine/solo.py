@@ -22,6 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .batch_speculation import SETTLE_EVERY
 from .burst import Burst, PendingRound
 from .instrument import Probe
 from .sampling import log_probabilities
@@ -60,6 +61,7 @@ class SoloDecoder:
         self._context: Any = None  # every token fed so far, on the device: what the processors read
         self._in_flight: tuple[Any, Any] | None = None
         self._round: PendingRound | None = None
+        self._unsettled = 0  # classic steps the drafter has queued and not read (read every SETTLE_EVERY)
 
     # -- state --------------------------------------------------------------------
 
@@ -126,10 +128,14 @@ class SoloDecoder:
                     logits = processor(self._context, logits)
             logprobs = log_probabilities(logits)
             sampled = self.sampler(logprobs)
+            settled: list[Any] = []
             if hidden is not None:
                 assert self.burst is not None
                 self.burst.drafter.catch_up(hidden, sampled.reshape(1, 1))
-        mx.async_eval(sampled, logprobs, *([self._context] if self.processors else []))
+                self._unsettled += 1
+                if self._unsettled >= SETTLE_EVERY:  # a long classic stretch (the rule parked the burst)
+                    settled, self._unsettled = self.burst.drafter.settle(), 0
+        mx.async_eval(sampled, logprobs, *settled, *([self._context] if self.processors else []))
         return sampled, logprobs
 
     def resume(self) -> None:
@@ -196,6 +202,7 @@ class SoloDecoder:
         with mx.stream(self.stream):
             fed, emitted = self.burst.finish_round(self._round, self.cache, count)
         self._round = None
+        self._unsettled = 0  # the round's draft read everything queued
         self.tokens_in_cache.extend(fed)
         self._context = None  # the next classic step reads the processors' context from tokens_in_cache
         self.pending = [emitted[-1]]

@@ -22,6 +22,7 @@ from .scheduler import Scheduler, burst_allowed
 from .sequence import Sequence
 
 if TYPE_CHECKING:
+    from .batch_mtp import BatchMtp
     from .solo import SoloDecoder
     from .speculation import Speculation
 
@@ -36,6 +37,8 @@ class SoloHost(Protocol):
     policy: MtpPolicy
     scheduler: Scheduler
     speculation: Speculation | None
+    batch_mtp: BatchMtp | None
+    """Its rule of K decides a lone request's rounds too (width 1)."""
     model: Any
     stream: Any
     prefix: Any
@@ -102,8 +105,10 @@ class SoloTurns:
         if solo.burst is not None:
             from .burst_loop import run_burst
 
-            run_burst(solo, sequence.output, worker.settings.block_size, worker.policy.state == "profiling",
-                      mail=self._mail, emit=lambda tokens: self.deliver(sequence, tokens))
+            rule = worker.batch_mtp.rule if worker.batch_mtp is not None else None
+            run_burst(solo, sequence.output, worker.settings.block_size, worker.policy.profiling,
+                      mail=self._mail, emit=lambda tokens: self.deliver(sequence, tokens),
+                      rule=rule, parked_from=worker.policy.depth_limit)
         else:
             self._run_classic(sequence, solo)
 
@@ -122,7 +127,7 @@ class SoloTurns:
         speculation = worker.speculation
         depth = len(cached_tokens) + len(rest)
         if speculation is not None and speculation.split is not None and \
-                burst_allowed(worker.scheduler.capabilities, request, worker.policy.burst_pays_at(depth)):
+                burst_allowed(worker.scheduler.capabilities, request, bool(worker.policy.mtp_enabled)):
             from .burst import Burst
             from .sampling import SpeculativeSampler
 
@@ -184,6 +189,8 @@ class SoloTurns:
         # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
         if stats is not None and stats.rounds and stats.classic_steps and not sequence.ever_batched:
             worker.policy.on_sample(stats.sample())
+        if worker.batch_mtp is not None and stats is not None:  # what the rule did at width 1, published
+            worker.batch_mtp.publish()
         assert sequence.output.finish_reason is not None
         events.append((sequence.request.id, worker.finish(sequence, sequence.output.finish_reason)))
         worker.observability.cache = worker.prefix.stats()

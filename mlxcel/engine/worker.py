@@ -68,7 +68,7 @@ class Worker:
                  if settings.cache_root is not None else None)
         self.hints = hints
         self.policy = MtpPolicy(settings.policy, hints, publish=observability.publish_policy)
-        self.batch_mtp: BatchMtp | None = None  # the batch's speculation (decided at load, when batching)
+        self.batch_mtp: BatchMtp | None = None  # the rule of K and the batch's speculation (decided at load)
         self.scheduler = Scheduler(Capabilities())
         self.model: Any = None
         self.vision: Any = None
@@ -144,10 +144,10 @@ class Worker:
         capabilities = loaded.capabilities
         self.scheduler = Scheduler(capabilities)
         layers = self.new_cache()
+        self.batch_mtp = BatchMtp(self.model, self.speculation, layers, self.settings.policy.pin,
+                                  self.settings.block_size, capabilities.parallel, self.policy, self.hints,
+                                  loaded.pairing, loaded.embedding_rows, batching=capabilities.batching)
         if capabilities.batching:
-            self.batch_mtp = BatchMtp(self.model, self.speculation, layers, self.settings.policy.pin,
-                                      self.settings.block_size, capabilities.parallel, self.policy, self.hints,
-                                      loaded.pairing, loaded.embedding_rows)
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
                                          self.batch_mtp.rule)
@@ -159,7 +159,7 @@ class Worker:
                                               probe_decline=speculation.decline if speculation else None,
                                               sharded=loaded.sharded))
         if self.batch_mtp is not None:
-            self.batch_mtp.publish(self.batch)
+            self.batch_mtp.publish()
         if speculation is not None and speculation.decline is not None and self.policy.state != "exactness_declined":
             # The policy logs a veto itself only when it declines: a pin or adaptive-off hides it.
             logger.warning("MTP exactness probe vetoed the burst (MTP is %s, so no burst will run): %s",

@@ -30,8 +30,15 @@ the classic step measured directly, never as "speculation with no drafts"):
   to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again; then
   each K is measured once more.
 
-The B=1 burst's own rule (the policy's verdict and its depth limit) is left as
-it is: this decides only while two or more rows decode together.
+The same rule decides for a lone request (width 1: the B=1 burst, round by
+round) once the policy lets the burst run and is not profiling: the policy's
+verdict says whether the burst may run at all (the contract's B=1 verdict), this
+says at which K, round by round, from the costs measured at width 1 and that
+depth (the profiling window's rounds and classic steps are its first). The
+verdict's ``depth_limit`` (where the window's lines of round and step time
+cross) is its prior: a width-1 cell whose band starts at or beyond it, nothing
+measured there yet, starts parked, and is measured after the cooldown as any
+parked cell is.
 """
 
 from __future__ import annotations
@@ -227,15 +234,20 @@ class DraftLength:
             total += reach
         return 1.0 + share * total
 
-    def choose(self, width: int, depth: int, drafting: int | None = None) -> int:
+    def choose(self, width: int, depth: int, drafting: int | None = None, parked_from: int | None = None) -> int:
         """K for the next step of *width* rows at context *depth* (0: the classic step), *drafting* of them
-        able to draft (all, if not given: the others would ride along at K=0)."""
+        able to draft (all, if not given: the others would ride along at K=0). *parked_from*: the depth from
+        which speculation is estimated to lose (a lone request's ``depth_limit``): a cell not seen yet whose
+        band starts there or deeper starts parked."""
         if width in self.inexact:
             return 0
         if self.forced:
             return self.max_drafts
         share = 1.0 if drafting is None else drafting / width
+        fresh = (width, depth_band(depth)) not in self._cells
         cell = self._cell(width, depth)
+        if fresh and parked_from is not None and band_bounds(depth_band(depth))[0] >= parked_from:
+            self._park(cell)
         if cell.parked_for > 0:
             cell.parked_for -= 1
             if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and

@@ -175,15 +175,21 @@ class MtpPolicy:
             return self._verdict is not None and self._verdict.verdict == ENABLE
         return False  # exactness_declined
 
-    def burst_pays_at(self, depth: int) -> bool:
-        """Whether a B=1 request whose context is *depth* tokens runs the burst: the live gate
-        (:attr:`mtp_enabled`), and, under a settled enable verdict, a depth below its
-        ``depth_limit`` (from there on the samples estimate that the verify's attention over
-        the context costs more than the drafts save). The published verdict stays the pairing's."""
-        if not self.mtp_enabled:
-            return False
-        limit = self._verdict.depth_limit if self.state == sc.SETTLED and self._verdict is not None else None
-        return limit is None or depth < limit
+    @property
+    def profiling(self) -> bool:
+        """Whether the burst runs at full width for the window's samples (profiling forces MTP on)."""
+        return self.state == sc.PROFILING
+
+    @property
+    def depth_limit(self) -> int | None:
+        """Under a settled enable verdict, the context depth from which its samples estimate that the burst
+        loses (the verify's attention over the context costs more than the drafts save): the prior of the
+        draft-length rule at width 1 (:meth:`~.draft_length.DraftLength.choose`'s *parked_from*), which
+        decides round by round where the burst runs. None otherwise."""
+        verdict = self._verdict
+        if self.state != sc.SETTLED or verdict is None or verdict.verdict != ENABLE:
+            return None
+        return verdict.depth_limit
 
     # -- the statechart's named conditions and callbacks --------------------
 

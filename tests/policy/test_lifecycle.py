@@ -18,6 +18,7 @@ from mlxcel.policy import (
     PairingKey,
     PolicySettings,
 )
+from mlxcel.policy.draft_length import TRIALS, DraftLength, band_bounds, depth_band
 from mlxcel.policy.estimator import estimate_speedup
 from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
 from tests.policy.helpers import deep_sample, sample
@@ -170,22 +171,37 @@ def test_settling_logs_verdict_acceptance_speedup_and_hint_path(
         f"hint written to {HintStore(cache_root).path_for(pairing)}"]
 
 
-def test_an_enable_verdict_skips_the_burst_from_its_depth_limit_across_a_restart(
+def test_an_enable_verdict_parks_the_lone_burst_from_its_depth_limit_across_a_restart(
         cache_root: Path, pairing: PairingKey) -> None:
     policy = _profiling(cache_root, pairing)
     for depth in (100, 2_000, 4_000, 6_000):
-        assert policy.burst_pays_at(depth)  # profiling measures every depth
+        assert policy.profiling and policy.mtp_enabled and policy.depth_limit is None  # every depth measured
         policy.on_sample(deep_sample(depth))
     body = policy.snapshot.to_wire()
     validate_wire(body)
     assert (body["state"], body["verdict"], body["mtp_enabled"]) == ("settled", "enable", True)
     limit = body["depth_limit"]
     assert limit == pytest.approx(10_000, abs=1)  # tests/policy/test_estimator.py: CROSSING
-    assert policy.burst_pays_at(limit - 1) and not policy.burst_pays_at(limit)
+    assert policy.depth_limit == limit and not policy.profiling
+    _assert_parks_from(limit)
 
     restarted = _profiling(cache_root, pairing)
     assert restarted.snapshot == policy.snapshot
-    assert restarted.burst_pays_at(limit - 1) and not restarted.burst_pays_at(limit)
+    assert restarted.depth_limit == limit
+
+
+def _assert_parks_from(limit: int) -> None:
+    """The rule of K at width 1, given the verdict's limit as its prior: a depth band starting at the limit
+    or deeper starts parked (the classic step, whatever is measured there during the cooldown); one starting
+    before it measures and runs the K that pays."""
+    rule = DraftLength(3)
+    deep = band_bounds(depth_band(limit) + (band_bounds(depth_band(limit))[0] < limit))[0]  # wholly past it
+    for depth in (deep, 100):
+        first = rule.choose(1, depth, parked_from=limit)
+        for _ in range(TRIALS):  # a classic step of 1 s, three drafts always kept in 1.2 s
+            rule.classic(1, depth, 1.0)
+            rule.speculative(1, depth, 3, 1.2, [3])
+        assert (first, rule.choose(1, depth, parked_from=limit)) == ((0, 0) if depth == deep else (0, 3))
 
 
 def test_a_window_that_loses_on_the_whole_but_pays_when_shallow_enables_below_its_limit(
@@ -200,16 +216,15 @@ def test_a_window_that_loses_on_the_whole_but_pays_when_shallow_enables_below_it
         policy.on_sample(burst)
     snap = policy.snapshot
     assert (snap.verdict, snap.estimated_speedup) == ("enable", round(2.5 * 10.1 / 15.35, 2))
-    assert snap.depth_limit == pytest.approx(10_000, abs=1)
-    assert policy.burst_pays_at(100) and not policy.burst_pays_at(10_000)
+    assert snap.depth_limit == pytest.approx(10_000, abs=1) and policy.depth_limit == snap.depth_limit
 
 
 def test_a_decline_or_a_pin_ignores_depth(cache_root: Path, pairing: PairingKey) -> None:
     declined = _profiling(cache_root, pairing)
     for _ in range(4):
         declined.on_sample(sample(speedup=0.8))
-    assert declined.snapshot.depth_limit is None and not declined.burst_pays_at(0)
+    assert declined.snapshot.depth_limit is None and declined.depth_limit is None and not declined.mtp_enabled
 
     pinned = MtpPolicy(PolicySettings(pin=True), HintStore(cache_root))
     pinned.on_worker_ready(BootFacts(host=LINUX_CPU, pairing=pairing))
-    assert pinned.snapshot.state == "forced" and pinned.burst_pays_at(1 << 20)
+    assert pinned.snapshot.state == "forced" and pinned.mtp_enabled and pinned.depth_limit is None

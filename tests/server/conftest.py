@@ -185,6 +185,12 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
                 await trio.sleep(0.02)
 
 
+def b1_verdict(policy: Mapping[str, object]) -> dict[str, object]:
+    """A policy body less its ``batch`` field: what a restart restores of the B=1 verdict. (The rule of K's
+    cells say which K it runs now, which a restart learns again: its costs are restored, not its choice.)"""
+    return {k: v for k, v in policy.items() if k != "batch"}
+
+
 def refused(*argv: str, command: str = "serve") -> str:
     """What ``mlxcel COMMAND *argv*`` writes to stderr as it refuses (exit status 2; ``serve``: before binding).
 

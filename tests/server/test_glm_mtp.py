@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.checkpoints import build_checkpoint
-from tests.server.conftest import mlxcel, refused, running_server
+from tests.server.conftest import b1_verdict, mlxcel, refused, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]
 
@@ -145,7 +145,7 @@ async def test_the_policy_profiles_settles_restores_and_declines_a_random_drafte
     assert (settled["state"], settled["samples"]) == ("settled", 2) and settled["verdict"] in ("enable", "decline")
     assert list((Path(os.environ["MLXCEL_CACHE_DIR"]) / "mtp-policy").glob("*.json"))  # persisted
     _, restored = await _run(argv, prompts=[])
-    assert restored == settled
+    assert b1_verdict(restored) == b1_verdict(settled)
 
     _, policy = await _run(["--model", str(glm["random"]), "--draft-model", str(glm["random-head"])],
                                 prompts=[f"{p} # {i}" for i in range(2) for p in PROMPTS], max_tokens=32)
