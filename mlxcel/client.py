@@ -94,8 +94,8 @@ def _headline(body: dict[str, Any]) -> list[str]:
         lines = [line + (f" over {samples} samples)" if samples is not None else ")")]
         limit = _int(body, "depth_limit")
         if verdict == "enable" and limit is not None:
-            lines.append(f"single requests from {limit} tokens of context decode classically (the burst stops "
-                         "paying there)")
+            lines.append(f"single requests from {limit} tokens of context start classic (the burst is estimated "
+                         "to stop paying there; the rule of K measures it again)")
         return lines
     if state == "forced":
         enabled = body.get("mtp_enabled")
@@ -125,33 +125,37 @@ def _headline(body: dict[str, Any]) -> list[str]:
     return [NO_VERDICT]
 
 
-def _batch(body: dict[str, Any]) -> str | None:
-    """One line on speculation inside the continuous batch, if the body says anything of it."""
+def _batch(body: dict[str, Any]) -> list[str]:
+    """Lines on what the rule of K runs: for a request alone (width 1, once the verdict lets the burst run)
+    and inside the continuous batch, if the body says anything of them."""
     batch = body.get("batch")
     if not isinstance(batch, dict) or not isinstance(batch.get("speculates"), bool):
-        return None
-    if not batch["speculates"] and (body.get("state") == "unavailable" or body.get("mtp_enabled") is False):
-        return None  # the headline already says MTP does not run here
-    if not batch["speculates"]:
-        reason = batch.get("reason")
-        return "in the batch: classic decode" + (f" ({reason})" if isinstance(reason, str) and reason else "")
-    parts = []
+        return []
+    lone_off = body.get("state") == "unavailable" or body.get("mtp_enabled") is False
+    if not batch["speculates"] and lone_off:
+        return []  # the headline already says MTP does not run here
+    alone: list[str] = []
+    together: list[str] = []
     for cell in batch.get("cells") or ():
         if not isinstance(cell, dict):
             continue
         width, low, high, k = (cell.get(f) for f in ("width", "min_depth", "max_depth", "drafts"))
         if not all(isinstance(v, int) for v in (width, low, high, k)):
             continue
-        where = f"{width} at once, {low}-{high} tokens"
         speedup = cell.get("estimated_speedup")
         gain = f", {speedup:.2f}x" if isinstance(speedup, (int, float)) and not isinstance(speedup, bool) else ""
-        parts.append(f"{where}: {f'K={k}{gain}' if k else 'classic'}")
+        what = f"{low}-{high} tokens: {f'K={k}{gain}' if k else 'classic'}"
+        (alone if width == 1 else together).append(what if width == 1 else f"{width} at once, {what}")
+    lines = ["alone, round by round: " + "; ".join(alone)] if alone and not lone_off else []
+    if not batch["speculates"]:
+        reason = batch.get("reason")
+        because = f" ({reason})" if isinstance(reason, str) and reason else ""
+        return [*lines, "in the batch: classic decode" + because]
     declined = [f"{w['width']} at once" for w in batch.get("inexact_widths") or ()
                 if isinstance(w, dict) and isinstance(w.get("width"), int)]
     inexact = f" (classic, not exact here: {', '.join(declined)})" if declined else ""
-    if not parts:
-        return "in the batch: speculation measured per step; nothing measured yet" + inexact
-    return "in the batch: " + "; ".join(parts) + inexact
+    measured = "; ".join(together) if together else "speculation measured per step; nothing measured yet"
+    return [*lines, "in the batch: " + measured + inexact]
 
 
 def render(body: Any) -> str | None:
@@ -162,7 +166,6 @@ def render(body: Any) -> str | None:
     pairing = _pairing(body)
     if pairing and lines != [NO_VERDICT]:
         lines.append(pairing)
-    batch = _batch(body)
-    if batch and lines != [NO_VERDICT]:
-        lines.append(batch)
+    if lines != [NO_VERDICT]:
+        lines.extend(_batch(body))
     return "\n".join(lines)

@@ -46,8 +46,8 @@ def test_a_depth_limit_is_shown_with_an_enable_verdict() -> None:
     assert isinstance(limit, int)
     text = render(body)
     assert text is not None
-    assert text.splitlines()[1] == (f"single requests from {limit} tokens of context decode classically "
-                                    "(the burst stops paying there)")
+    assert text.splitlines()[1] == (f"single requests from {limit} tokens of context start classic (the burst is "
+                                    "estimated to stop paying there; the rule of K measures it again)")
     assert str(limit) not in (render({**body, "verdict": "decline"}) or "")
 
 
@@ -108,7 +108,7 @@ def test_non_object_bodies_render_nothing(body: Any) -> None:
     assert render(body) is None
 
 
-def test_the_batch_s_speculation_is_one_line_per_server() -> None:
+def test_the_rule_of_k_is_a_line_alone_and_a_line_in_the_batch() -> None:
     from mlxcel.policy.draft_length import BatchCell, BatchView
     from tests.conftest import validate_wire
 
@@ -131,5 +131,12 @@ def test_the_batch_s_speculation_is_one_line_per_server() -> None:
     validate_wire(policy.snapshot.to_wire())
     assert render(policy.snapshot.to_wire()).splitlines()[-1] == (  # type: ignore[union-attr]
         "in the batch: classic decode (MTP is pinned off (MLXCEL_ENABLE_MTP_B1))")
+    # A lone request's rounds (width 1) are the same rule's: a line of their own, before the batch's.
+    policy.on_batch(BatchView(False, "its drafter cannot draft for a batch's rows at once",
+                              (BatchCell(1, 0, 1023, 3, 2.1), BatchCell(1, 4096, 8191, 0, 1.0))))
+    validate_wire(policy.snapshot.to_wire())
+    assert render(policy.snapshot.to_wire()).splitlines()[-2:] == [  # type: ignore[union-attr]
+        "alone, round by round: 0-1023 tokens: K=3, 2.10x; 4096-8191 tokens: classic",
+        "in the batch: classic decode (its drafter cannot draft for a batch's rows at once)"]
     policy.on_worker_lost()
     assert policy.snapshot.to_wire()["batch"] is None

@@ -157,10 +157,11 @@ function showBatch(batch) {
   $("batch-block").hidden = !batch;
   if (!batch) return;
   const cells = batch.cells || [];
-  $("batch-summary").textContent = !batch.speculates ? "The batch does not speculate: " + shown(batch.reason)
-    : cells.length ? "What the batch runs now, by width (requests decoding together) and context depth:"
-      : "The batch may speculate; nothing measured yet (it has not run with two requests or more).";
-  const rows = cells.map((c) => [c.width, c.min_depth + "–" + c.max_depth, c.drafts,
+  $("batch-summary").textContent = (!batch.speculates ? "The batch does not speculate: " + shown(batch.reason) + ". "
+    : "") + (cells.length ? "What the rule of K runs now, by width (1: a request alone, its burst round by round; "
+      + "more: requests decoding together) and context depth:"
+      : "Nothing measured yet: the rule measures each width and depth as requests run there.");
+  const rows = cells.map((c) => [c.width === 1 ? "1 (alone)" : c.width, c.min_depth + "–" + c.max_depth, c.drafts,
     fixed(c.estimated_speedup, 2, "x")]);
   for (const w of batch.inexact_widths || []) rows.push([w.width, "any", "0 (inexact)", w.detail]);
   table($("batch-table"), ["Width", "Depth (tokens)", "Drafts per row", "Estimated speedup"], rows);

@@ -1,4 +1,4 @@
-"""How many drafts the continuous batch verifies at each step, from this machine's measured costs.
+"""How many drafts to verify at each step, at every width (a lone request's burst is width 1), from measured costs.
 
 Pure Python (no MLX, no clock): the engine reports what each step cost and how
 many drafts each row kept; :meth:`DraftLength.choose` answers K for the next
