@@ -27,8 +27,10 @@ logger = logging.getLogger(__name__)
 
 #: What the batch's speculation does is republished (when it changed) every this many batch steps...
 PUBLISH_EVERY = 16
-#: ... and its step costs written beside the policy's hint every this many (and when the worker stops).
+#: ... and its step costs written beside the policy's hint every this many (and when the worker stops)...
 SAVE_EVERY = 4096
+#: ... or every this many lone requests' bursts.
+SAVE_EVERY_LONE = 16
 
 
 class BatchMtp:
@@ -45,7 +47,7 @@ class BatchMtp:
             self.rule = DraftLength(block_size - 1, forced=pin is True)
             self._restore()
         self.refusal = _refusal(speculation, layers, pin) if batching else "the server decodes one request at a time"
-        self._steps = 0
+        self._steps = self._lone = 0
         if self.refusal is not None or speculation is None or speculation.split is None:
             logger.info("MTP runs for lone requests only: %s", self.refusal)
             return
@@ -81,24 +83,34 @@ class BatchMtp:
                               eligible=not sequence.processors and not sequence.request.logprobs)
 
     def stepped(self) -> None:
-        """After a batch step or a lone request's turn: now and then, publish what the rule does and save
-        its costs."""
+        """After a batch step: now and then, publish what the rule does and save its costs."""
         self._steps += 1
         if self._steps % PUBLISH_EVERY == 0:
             self.publish()
         if self._steps % SAVE_EVERY == 0:
             self.save()
 
+    def lone_finished(self) -> None:
+        """After a lone request's burst: publish what the rule does (width 1), and save its costs every
+        :data:`SAVE_EVERY_LONE` such requests (a server serving one request at a time never steps a batch)."""
+        self._lone += 1
+        self.publish()
+        if self._lone % SAVE_EVERY_LONE == 0:
+            self.save()
+
     def publish(self) -> None:
-        """What the batch's speculation does now (its rule's cells at every width, a lone request's
-        included), to the policy endpoint (when it changed); nothing where the server does not batch."""
+        """What the rule of K does now at every width (a lone request's included, once the policy is not
+        profiling: while it profiles every round drafts the most), to the policy endpoint (when it changed);
+        nothing where the server does not batch."""
+        cells = () if self.rule is None else tuple(
+            c for c in self.rule.cells() if c.width > 1 or not self.policy.profiling)
         if not self.batching:
             view = None
         elif self.speculation is None:  # the rule's cells are a lone request's then (width 1)
-            view = BatchView(False, self.refusal, self.rule.cells() if self.rule is not None else ())
+            view = BatchView(False, self.refusal, cells)
         else:
             assert self.rule is not None
-            view = BatchView(True, None, self.rule.cells(), tuple(sorted(self.rule.inexact.items())))
+            view = BatchView(True, None, cells, tuple(sorted(self.rule.inexact.items())))
         if view != self.policy.snapshot.batch:
             self.policy.on_batch(view)
 

@@ -31,12 +31,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..models.speculative import BatchDraftHead, SequenceDrafter, SpeculativeTarget, Split
+from ..models.speculative import SETTLE_EVERY, BatchDraftHead, SequenceDrafter, SpeculativeTarget, Split
 from .requests import BurstStats
 from .sampling import SamplingChain, SpeculativeSampler, log_probabilities
-
-#: A row's drafter reads its queued hidden states once it holds this many (while the batch runs classic steps).
-SETTLE_EVERY = 64
 
 
 @dataclass(slots=True)

@@ -24,6 +24,12 @@ from .solo import SoloDecoder
 if TYPE_CHECKING:
     from ..policy.draft_length import DraftLength
 
+#: A run of classic steps inside the burst ends (its cost reported, its request's cancellation checked) after
+#: this many: ending a run costs one step's overlap with its token's handling...
+RUN_STEPS = 8
+#: ... or this many while the rule still measures the classic step (a new depth band: it then tries a K sooner).
+MEASURING_STEPS = 2
+
 
 def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profiling: bool,
               mail: Callable[[], bool], emit: Callable[[list[int]], bool],
@@ -67,25 +73,29 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
         return emit([token])
 
     def classic_run() -> bool:
-        """Pipelined classic steps while the next one is a classic step too; True when the sequence finished."""
+        """Pipelined classic steps while the next one is a classic step too (at most :data:`RUN_STEPS`, or
+        :data:`MEASURING_STEPS`);
+        True when the sequence finished. Their time is reported as one cost, from the first dispatch to the
+        last token read: a read-back can wait for the step queued behind it too, so the times between
+        read-backs do not count one step each (:meth:`~.solo.SoloDecoder.classic_steps`)."""
         nonlocal decided
         decided = None
-        last = time.perf_counter()
+        started, at, steps = time.perf_counter(), depth(), 0
+        # While the rule still measures the classic step here, a run is each of its trials: two steps, timed.
+        most = MEASURING_STEPS if rule is not None and rule.measuring_classic(1, at) else RUN_STEPS
         solo.resume()
         while True:
-            at = depth()
             left = output.remaining - 1  # after the token about to be read
-            feed = left >= 1 and not mail() and drafts_next(left, []) == 0
+            feed = left >= 1 and steps + 1 < most and not mail() and drafts_next(left, []) == 0
             if feed:
                 decided = None  # the rule's 0 is acted on: this step is fed now
             token, _ = solo.emit(feed_next=feed)
-            now = time.perf_counter()
-            if rule is not None:
-                rule.classic(1, at, now - last)
-            last = now
+            steps += 1
             if handle(token):
                 return True  # a step may still be in flight: the sequence is done with this cache
             if not feed:
+                if rule is not None:
+                    rule.classic(1, at, (time.perf_counter() - started) / steps)
                 return False
 
     while True:
@@ -111,7 +121,7 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
             solo.start_round(drafts + 1)
         tokens = solo.finish_round()
         if rule is not None:
-            rule.speculative(1, at, drafts, time.perf_counter() - started, [len(tokens) - 1])
+            rule.speculative(1, at, drafts, time.perf_counter() - started, [len(tokens) - 1], chosen=not profiling)
         drafts = drafts_next(output.remaining - len(tokens), tokens)
         if drafts:
             decided = None

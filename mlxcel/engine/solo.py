@@ -22,7 +22,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .batch_speculation import SETTLE_EVERY
+from ..models.speculative import SETTLE_EVERY
 from .burst import Burst, PendingRound
 from .instrument import Probe
 from .sampling import log_probabilities

@@ -189,8 +189,8 @@ class SoloTurns:
         # A sample needs classic decode timed beside it: never let the static gate pass for a measurement.
         if stats is not None and stats.rounds and stats.classic_steps and not sequence.ever_batched:
             worker.policy.on_sample(stats.sample())
-        if worker.batch_mtp is not None and stats is not None:  # what the rule did at width 1, published
-            worker.batch_mtp.publish()
+        if worker.batch_mtp is not None and stats is not None:
+            worker.batch_mtp.lone_finished()
         assert sequence.output.finish_reason is not None
         events.append((sequence.request.id, worker.finish(sequence, sequence.output.finish_reason)))
         worker.observability.cache = worker.prefix.stats()

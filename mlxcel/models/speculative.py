@@ -19,6 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+#: A drafter that defers its catch-up (single steps are best read together) has what it queued read once it
+#: holds this many positions, while the target decodes classically (a lone burst's classic steps, the batch's).
+SETTLE_EVERY = 64
+
 Split = Literal["wide", "rows", "half"]
 """How a verify block is computed: one K-wide forward; the same with the matmuls this BLAS multiplies
 inexactly done a row at a time and the causal attention a query at a time (:mod:`.row_exact`); or two

@@ -5,6 +5,10 @@ many drafts each row kept; :meth:`DraftLength.choose` answers K for the next
 step, 0 meaning the untouched classic step. The rule (TurboSpec's goodput, with
 the classic step measured directly, never as "speculation with no drafts"):
 
+- before any draft was judged (costs restored at a start, acceptance not:
+  it is the traffic's), the rule runs K = 1 first rather than judge a K by a
+  guessed acceptance (which would park a head that agrees), then, where the
+  first draft agrees, the most drafts once;
 - a step's cost is kept per (batch width, context-depth band, K) as an
   exponential moving average of its measured seconds;
 - acceptance is kept per draft position j, pooled over rows: the chance that
@@ -36,9 +40,11 @@ verdict says whether the burst may run at all (the contract's B=1 verdict), this
 says at which K, round by round, from the costs measured at width 1 and that
 depth (the profiling window's rounds and classic steps are its first). The
 verdict's ``depth_limit`` (where the window's lines of round and step time
-cross) is its prior: a width-1 cell whose band starts at or beyond it, nothing
-measured there yet, starts parked, and is measured after the cooldown as any
-parked cell is.
+cross) is its prior: at that depth or deeper, a depth band where no
+speculative step was measured yet starts parked, and is measured after the
+cooldown as any parked cell is. (A batch left with one row decodes at width 1
+too: the same physics, one row's verify against one row's step, the same
+cells.)
 """
 
 from __future__ import annotations
@@ -138,6 +144,8 @@ class _Cell:
     looked: int = 0
     """Which neighbour was looked at last (1: the larger K)."""
     looks: int = 0
+    prior_taken: bool = False
+    """:meth:`DraftLength.choose`'s *parked_from* parked it once already."""
     retry: bool = False
     """A cooldown just ended: K = 1 is measured again even where the acceptance known says it cannot pay."""
     losses: int = 0
@@ -184,6 +192,7 @@ class DraftLength:
         self._cells: dict[tuple[int, int], _Cell] = {}
         self._tried = [0.0] * (max_drafts + 1)  # index j: draft j proposed with 1..j-1 kept (pooled)
         self._kept = [0.0] * (max_drafts + 1)
+        self._looked_deep = False  # whether a step drafted the most once the first draft was known to agree
 
     # -- what the engine reports -------------------------------------------------
 
@@ -191,9 +200,11 @@ class DraftLength:
         """A classic step of *width* rows took *seconds*."""
         self._cell(width, depth).add(0, seconds)
 
-    def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int]) -> None:
+    def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int],
+                    chosen: bool = True) -> None:
         """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each drafting
-        row's leading drafts accepted (rows that rode along at K=0 are left out)."""
+        row's leading drafts accepted (rows that rode along at K=0 are left out). Not *chosen* by this rule
+        (a lone burst while the policy profiles): its cost and acceptance count, a loss does not park."""
         cell = self._cell(width, depth)
         cell.add(drafts, seconds)
         for j in range(1, drafts + 1):  # only the positions this step drafted: the others keep what they knew
@@ -207,7 +218,7 @@ class DraftLength:
                 else:
                     break
         classic = cell.costs.get(0)
-        if classic is not None and kept:
+        if classic is not None and kept and chosen:
             # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
             # yields at this K by the pooled acceptance (one step's few rows would be noise).
             if self.expected_tokens(drafts, len(kept) / width) / seconds < LOSS_MARGIN / classic:
@@ -219,6 +230,11 @@ class DraftLength:
                 cell.cooldown = FIRST_COOLDOWN
 
     # -- the decision --------------------------------------------------------------
+
+    def measuring_classic(self, width: int, depth: int) -> bool:
+        """Whether the classic step at *width* and *depth* still has trials to run (its cost not trusted yet)."""
+        cell = self._cells.get((width, depth_band(depth)))
+        return cell is None or cell.samples.get(0, 0) < TRIALS
 
     def acceptance(self, position: int) -> float:
         """The pooled chance that draft *position* (1-based) is kept given the ones before it were
@@ -237,16 +253,17 @@ class DraftLength:
     def choose(self, width: int, depth: int, drafting: int | None = None, parked_from: int | None = None) -> int:
         """K for the next step of *width* rows at context *depth* (0: the classic step), *drafting* of them
         able to draft (all, if not given: the others would ride along at K=0). *parked_from*: the depth from
-        which speculation is estimated to lose (a lone request's ``depth_limit``): a cell not seen yet whose
-        band starts there or deeper starts parked."""
+        which speculation is estimated to lose (a lone request's ``depth_limit``): at that depth or deeper, a
+        depth band where no speculative step was measured yet parks once, before anything is tried there."""
         if width in self.inexact:
             return 0
         if self.forced:
             return self.max_drafts
         share = 1.0 if drafting is None else drafting / width
-        fresh = (width, depth_band(depth)) not in self._cells
         cell = self._cell(width, depth)
-        if fresh and parked_from is not None and band_bounds(depth_band(depth))[0] >= parked_from:
+        if parked_from is not None and depth >= parked_from and not cell.prior_taken and \
+                not any(k > 0 for k in cell.costs):
+            cell.prior_taken = True  # once: after the cooldown this depth band is measured as any other
             self._park(cell)
         if cell.parked_for > 0:
             cell.parked_for -= 1
@@ -257,6 +274,14 @@ class DraftLength:
             return 0
         if cell.samples.get(0, 0) < TRIALS:
             return 0  # the classic step is what everything is measured against
+        # Nothing judged of the drafts yet (costs restored at a start): look before judging any K by a guess at
+        # their acceptance, K = 1 first, then, if the first is mostly kept, the deepest once (the later
+        # positions' acceptance is known only from a step that drafts them).
+        if self._tried[1] == 0:
+            return 1
+        if not self._looked_deep and self.acceptance(1) >= PROMISING:
+            self._looked_deep = True
+            return self.max_drafts
         trials = [k for k in range(1, self.max_drafts + 1)
                   if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry))]
         if trials:  # a trial: the K run (and published) stays what it was

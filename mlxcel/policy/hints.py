@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 #: be discarded and re-profiled. Unrelated to the wire ``schema_version``.
 #: 2: rounds pipelined and the enable line moved from 1.5 to 1.1.
 #: 3: the kernels' versions (``kernels``) stored beside the verdict.
-#: 4: ``depth_limit``, the context length from which an enable verdict skips the burst.
+#: 4: ``depth_limit``, the context length from which an enable verdict's samples estimate the burst loses.
 HINT_VERSION = 4
 
 #: Subdirectory of the cache root that holds the hints.
@@ -70,7 +70,8 @@ class Hint:
     samples: int
     estimated_speedup: float | None
     depth_limit: int | None = None
-    """Context tokens from which an enable verdict skips the burst; None: it runs at every depth."""
+    """Context tokens from which an enable verdict's samples estimate the burst loses (the rule of K's prior
+    at width 1); None: it pays at every depth."""
 
     def to_json(self, kernels: Mapping[str, str]) -> dict[str, Any]:
         return {

@@ -47,11 +47,13 @@ class MtpPolicySnapshot:
     # settled, null when nothing was measured.
     estimated_speedup: float | None
     # Added to schema 1 as well: the context length (tokens) from which a settled
-    # enable verdict skips the burst, because its samples estimate it stops paying
-    # there; null when the burst runs at every depth, and in every other state.
+    # enable verdict's samples estimate the burst stops paying: a lone request there
+    # starts classic (the rule of K's prior at width 1, which measures it again);
+    # null when the burst pays at every depth, and in every other state.
     depth_limit: int | None = None
-    # Added to schema 1 too: speculation inside the continuous batch (the widths and depths at which it runs);
-    # null where the server has no batch. Not the statechart's: the batch's rule measures for itself.
+    # Added to schema 1 too: speculation inside the continuous batch (the widths and depths at which it runs, a
+    # lone request's burst as width 1); null where the server has no batch. Not the statechart's: the rule of K
+    # measures for itself.
     batch: BatchView | None = None
 
     def not_loaded(self) -> MtpPolicySnapshot:

@@ -306,3 +306,58 @@ def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks
     rate, chosen = run(rule, cost, lambda _: 0.5, 400, width=8)
     assert chosen[-200:].count(0) >= 190  # and not at eight
     assert rate >= 0.95 * best_fixed_rate(cost, 0.5, 3, width=8)
+
+
+def test_a_lone_request_past_the_depth_limit_starts_parked_once_then_measures() -> None:
+    # Width 1 (a lone request's burst), the verdict's depth limit 1,500 as the prior: inside band 1 (1,024 to
+    # 2,047), depths below the limit are measured at once; the first choice at or past it parks the band for a
+    # cooldown, after which the rule measures it as any cell and runs the K that pays there.
+    limit, rule = 1_500, DraftLength(3)
+    assert rule.choose(1, 1_200, parked_from=limit) == 0  # measuring: the classic step first
+    assert [rule.choose(1, 1_600, parked_from=limit) for _ in range(16)] == [0] * 16  # the prior: parked
+    cost = linear_cost(0.010, 0.001)
+    rate, chosen = run(rule, cost, lambda _: 1.0, 60, width=1, depth=1_600)  # (the prior is taken once)
+    assert chosen[-1] == 3 and rate > 2 * classic_rate(cost, width=1, depth=1_600)
+    # A band where a speculative step was measured already (the profiling window's rounds) takes no prior.
+    measured = DraftLength(3)
+    for _ in range(2):
+        measured.classic(1, 5_000, 0.010)
+        measured.speculative(1, 5_000, 3, 0.013, [3], chosen=False)
+    assert measured.choose(1, 5_000, parked_from=limit) > 0  # (a trial of K = 2, which might pay more)
+
+
+def test_steps_the_rule_did_not_choose_count_their_cost_but_never_park() -> None:
+    # A lone burst while the policy profiles drafts the most at every round, whatever the rule would choose:
+    # those rounds measure (cost, acceptance) but a losing one is not the rule's loss, and parks nothing.
+    rule = DraftLength(3)
+    for _ in range(2):
+        rule.classic(1, 100, 0.010)
+    for _ in range(12):  # each round loses: 1 token in 0.04 s against 100 tokens/s classic
+        rule.speculative(1, 100, 3, 0.040, [0], chosen=False)
+    assert rule._cells[(1, 0)].parked_for == 0
+    for _ in range(4):
+        rule.speculative(1, 100, 3, 0.040, [0])
+    assert rule._cells[(1, 0)].parked_for > 0
+
+
+def test_restored_costs_look_at_the_drafts_before_judging_any_k() -> None:
+    # A restart restores the step costs, not the acceptance (the traffic's). Judged by a guessed acceptance of
+    # one half, three drafts would lose to this classic step (1.875 tokens in 0.02 s against 1 in 0.01 s) and
+    # the rule would park a head that always agrees; it looks with K = 1 first, then K = 3 once (the deeper
+    # drafts' acceptance), and runs K = 3 once it knows they agree.
+    measured = DraftLength(3)
+    costs = {0: 0.010, 1: 0.012, 2: 0.013, 3: 0.020}  # as measured; K = 3 costs 0.014 this run
+    for k, seconds in costs.items():
+        for _ in range(2):
+            if k:
+                measured.speculative(1, 100, k, seconds, [k])
+            else:
+                measured.classic(1, 100, seconds)
+    rule = DraftLength(3)
+    assert rule.restore(json.loads(json.dumps(measured.export()))) is None
+    assert rule.choose(1, 100) == 1
+    rule.speculative(1, 100, 1, 0.012, [1])
+    assert rule.choose(1, 100) == 3
+    rule.speculative(1, 100, 3, 0.014, [3])
+    _, chosen = run(rule, lambda width, depth, k: {**costs, 3: 0.014}[k], lambda _: 1.0, 24, width=1)
+    assert chosen[0] == 3 and chosen.count(3) >= 22  # (and a look at a neighbouring K now and then)

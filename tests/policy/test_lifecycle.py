@@ -191,9 +191,9 @@ def test_an_enable_verdict_parks_the_lone_burst_from_its_depth_limit_across_a_re
 
 
 def _assert_parks_from(limit: int) -> None:
-    """The rule of K at width 1, given the verdict's limit as its prior: a depth band starting at the limit
-    or deeper starts parked (the classic step, whatever is measured there during the cooldown); one starting
-    before it measures and runs the K that pays."""
+    """The rule of K at width 1, given the verdict's limit as its prior: a depth past the limit, in a band
+    where nothing speculative was measured, starts parked (the classic step, whatever is measured there during
+    the cooldown); a shallow one measures and runs the K that pays."""
     rule = DraftLength(3)
     deep = band_bounds(depth_band(limit) + (band_bounds(depth_band(limit))[0] < limit))[0]  # wholly past it
     for depth in (deep, 100):
