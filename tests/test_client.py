@@ -109,7 +109,7 @@ def test_non_object_bodies_render_nothing(body: Any) -> None:
 
 
 def test_the_rule_of_k_is_a_line_alone_and_a_line_in_the_batch() -> None:
-    from mlxcel.policy.draft_length import BatchCell, BatchView
+    from mlxcel.policy.batch_view import BatchCell, BatchView
     from tests.conftest import validate_wire
 
     policy = MtpPolicy(DEFAULTS)

@@ -14,7 +14,8 @@ import logging
 from typing import TYPE_CHECKING, Any, cast
 
 from ..policy import HintStore, MtpPolicy, PairingKey
-from ..policy.draft_length import BatchView, DraftLength
+from ..policy.batch_view import BatchView
+from ..policy.draft_length import DraftLength
 from .requests import BurstStats
 from .sequence import Sequence
 

@@ -53,6 +53,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .batch_view import BatchCell
+
 #: At most this many (width, band) cells are restored from a persisted table.
 MAX_CELLS = 4096
 #: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
@@ -93,42 +95,6 @@ def band_bounds(band: int) -> tuple[int, int]:
     if band == 0:
         return 0, FIRST_BAND_TOKENS - 1
     return FIRST_BAND_TOKENS << (band - 1), (FIRST_BAND_TOKENS << band) - 1
-
-
-@dataclass(frozen=True, slots=True)
-class BatchCell:
-    """What the rule does at one batch width and depth band, as published."""
-
-    width: int
-    min_depth: int
-    max_depth: int
-    drafts: int
-    """The K it runs there (0: the classic step, speculation parked or not paying)."""
-    estimated_speedup: float | None
-    """Tokens per second at that K over the classic step's, from the measured costs (None: not measured)."""
-
-
-@dataclass(frozen=True, slots=True)
-class BatchView:
-    """Speculation inside the continuous batch, as the policy endpoint publishes it beside the B=1 fields."""
-
-    speculates: bool
-    """Whether the batch can speculate at all (a drafter that batches, an exact verify, no pin off)."""
-    reason: str | None
-    """Why it cannot, when it cannot."""
-    cells: tuple[BatchCell, ...] = ()
-    inexact: tuple[tuple[int, str], ...] = ()
-    """(width, why) for each batch width whose verify the exactness probe found not byte for byte the batch's
-    classic steps: the classic step runs there."""
-
-    def to_wire(self) -> dict[str, object]:
-        wire: dict[str, object] = {
-            "speculates": self.speculates, "reason": self.reason,
-            "cells": [{"width": c.width, "min_depth": c.min_depth, "max_depth": c.max_depth,
-                       "drafts": c.drafts, "estimated_speedup": c.estimated_speedup} for c in self.cells]}
-        if self.inexact:  # additive: present only when a width was declined
-            wire["inexact_widths"] = [{"width": width, "detail": detail} for width, detail in self.inexact]
-        return wire
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import statechart as sc
-from .draft_length import BatchView
+from .batch_view import BatchView
 from .estimator import ENABLE, BurstSample, acceptance_rate, decide, estimate_depth_limit, estimate_speedup
 from .hints import Hint, HintStore, PairingKey
 from .snapshot import MtpPolicySnapshot

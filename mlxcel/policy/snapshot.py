@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .draft_length import BatchView
+from .batch_view import BatchView
 
 #: Wire schema version of the ``/v1/internal/mtp-policy`` body. Independent of
 #: the persisted hint's ``HINT_VERSION``. Bump only for breaking changes.

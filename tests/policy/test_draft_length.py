@@ -136,7 +136,7 @@ def test_depth_band_edges() -> None:
 
 
 def test_the_cells_say_what_was_measured() -> None:
-    from mlxcel.policy.draft_length import BatchCell
+    from mlxcel.policy.batch_view import BatchCell
 
     rule = DraftLength(2)
     rule.classic(3, 10, 0.02)
@@ -257,7 +257,7 @@ def test_a_restored_cost_is_replaced_by_the_first_measurement_of_this_run() -> N
 
 
 def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pinned() -> None:
-    from mlxcel.policy.draft_length import BatchView
+    from mlxcel.policy.batch_view import BatchView
 
     rule = DraftLength(3, forced=True, inexact={3: "a 3 x 4 verify differs"})
     assert rule.choose(3, 10) == 0 and rule.choose(2, 10) == 3
