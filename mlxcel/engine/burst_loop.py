@@ -74,10 +74,9 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
 
     def classic_run() -> bool:
         """Pipelined classic steps while the next one is a classic step too (at most :data:`RUN_STEPS`, or
-        :data:`MEASURING_STEPS`);
-        True when the sequence finished. Their time is reported as one cost, from the first dispatch to the
-        last token read: a read-back can wait for the step queued behind it too, so the times between
-        read-backs do not count one step each (:meth:`~.solo.SoloDecoder.classic_steps`)."""
+        :data:`MEASURING_STEPS`); True when the sequence finished. Their time is reported as one cost, from
+        the first dispatch to the last token read: a read-back can wait for the step queued behind it too, so
+        the times between read-backs do not count one step each (:meth:`~.solo.SoloDecoder.classic_steps`)."""
         nonlocal decided
         decided = None
         started, at, steps = time.perf_counter(), depth(), 0
