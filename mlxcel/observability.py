@@ -226,6 +226,8 @@ class Observability:
                                 registry=r)
         self.batch_steps = Counter("mlxcel_batch_steps", "Steps of the continuous batch, by drafts verified per "
                                    "row (0: the classic step)", ["drafts"], registry=r)
+        self.lone_steps = Counter("mlxcel_lone_steps", "A lone request's burst's rounds by drafts verified (0: a "
+                                  "classic step inside the burst)", ["drafts"], registry=r)
         self.queue_depth = Gauge("mlxcel_queue_depth", "Requests waiting for a decode slot", registry=r)
         self.batch_size = Gauge("mlxcel_batch_size", "Sequences decoding together", registry=r)
         # Generations take seconds to minutes: prometheus' default buckets stop at 10 s.

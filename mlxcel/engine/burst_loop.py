@@ -33,7 +33,8 @@ MEASURING_STEPS = 2
 
 def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profiling: bool,
               mail: Callable[[], bool], emit: Callable[[list[int]], bool],
-              rule: DraftLength | None = None, parked_from: int | None = None) -> None:
+              rule: DraftLength | None = None, parked_from: int | None = None,
+              counted: Callable[[int, int], None] = lambda drafts, steps: None) -> None:
     """Rounds and classic steps until the sequence finishes (*emit* says so) or *mail* arrives (then it parks).
 
     Pipelined like classic decode: the next round (or step) is dispatched before
@@ -48,7 +49,8 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
     (real tokens of the answer), so that every sample the policy gets carries a
     classic timing beside its rounds. Otherwise *rule* chooses each round's drafts
     (*parked_from*: the verdict's depth limit, its prior); without one, every round
-    drafts the most it can.
+    drafts the most it can. *counted* (drafts, steps) hears of every round and
+    classic step (drafts 0), for ``/metrics``.
     """
     assert solo.burst is not None
     stats = solo.burst.stats
@@ -91,10 +93,12 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
             token, _ = solo.emit(feed_next=feed)
             steps += 1
             if handle(token):
+                counted(0, steps)
                 return True  # a step may still be in flight: the sequence is done with this cache
             if not feed:
                 if rule is not None:
                     rule.classic(1, at, (time.perf_counter() - started) / steps)
+                counted(0, steps)
                 return False
 
     while True:
@@ -104,8 +108,10 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
             trio.from_thread.check_cancelled()
             remaining = output.remaining
             if sample_due() and remaining >= CLASSIC_SAMPLE_STEPS:
-                started, at = time.perf_counter(), depth()
-                if solo.classic_steps(CLASSIC_SAMPLE_STEPS, True, handle):
+                started, at, before = time.perf_counter(), depth(), output.generated
+                finished = solo.classic_steps(CLASSIC_SAMPLE_STEPS, True, handle)
+                counted(0, output.generated - before)
+                if finished:
                     return
                 if rule is not None:
                     rule.classic(1, at, (time.perf_counter() - started) / CLASSIC_SAMPLE_STEPS)
@@ -121,6 +127,7 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
         tokens = solo.finish_round()
         if rule is not None:
             rule.speculative(1, at, drafts, time.perf_counter() - started, [len(tokens) - 1], chosen=not profiling)
+        counted(drafts, 1)
         drafts = drafts_next(output.remaining - len(tokens), tokens)
         if drafts:
             decided = None

@@ -106,9 +106,11 @@ class SoloTurns:
             from .burst_loop import run_burst
 
             rule = worker.batch_mtp.rule if worker.batch_mtp is not None else None
+            lone_steps = worker.observability.lone_steps
             run_burst(solo, sequence.output, worker.settings.block_size, worker.policy.profiling,
                       mail=self._mail, emit=lambda tokens: self.deliver(sequence, tokens),
-                      rule=rule, parked_from=worker.policy.depth_limit)
+                      rule=rule, parked_from=worker.policy.depth_limit,
+                      counted=lambda drafts, steps: lone_steps.labels(drafts=str(drafts)).inc(steps))
         else:
             self._run_classic(sequence, solo)
 

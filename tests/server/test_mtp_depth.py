@@ -5,6 +5,7 @@ cache deep enough that a lone query attends grouped (``mlxcel.models.grouped_att
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import httpx
@@ -79,13 +80,20 @@ async def test_the_rule_of_k_decides_a_lone_request_from_its_measured_costs(mode
     # costs restored are trusted), the deep one runs classic steps, both under the same enable verdict.
     _settled(model, depth_limit=None, costs={0: {"0": 0.01, "1": 0.011, "2": 0.012, "3": 0.013},
                                              1: {"0": 0.01, "1": 0.4, "2": 0.4, "3": 0.4}})
-    async with running_server(["--model", str(model), "--mtp"]) as url:
+    async with running_server(["--model", str(model), "--mtp", "--metrics"]) as url:
         policy, answers = await _lone_answers(url, {"short": SHORT, "deep": DEEP})
+        async with httpx.AsyncClient() as client:
+            metrics = (await client.get(f"{url}/metrics")).text
     assert (policy["state"], policy["verdict"], policy["depth_limit"]) == ("settled", "enable", None)
     short, deep = answers["short"], answers["deep"]
     assert short["timings"]["draft_rounds"] >= 2 and deep["timings"]["draft_rounds"] == 0
     cells = {(c["width"], c["min_depth"]): c["drafts"] for c in policy["batch"]["cells"]}
     assert cells[(1, 0)] > 0 and cells[(1, FIRST_BAND_TOKENS)] == 0
+    # /metrics: the lone bursts' rounds by drafts, and their classic steps (the deep request's 12, at least).
+    steps = {int(m[1]): float(m[2]) for m in re.finditer(r'^mlxcel_lone_steps_total\{drafts="(\d+)"\} (\S+)$',
+                                                        metrics, re.M)}
+    rounds = short["timings"]["draft_rounds"] + deep["timings"]["draft_rounds"]
+    assert steps[0] >= 12 and sum(n for k, n in steps.items() if k) == rounds
 
 
 @pytest.mark.parametrize("k", [2, 4])
