@@ -81,25 +81,23 @@ def run_burst(solo: SoloDecoder, output: SequenceOutput, block_size: int, profil
         the times between read-backs do not count one step each (:meth:`~.solo.SoloDecoder.classic_steps`)."""
         nonlocal decided
         decided = None
-        started, at, steps = time.perf_counter(), depth(), 0
+        started, at = time.perf_counter(), depth()
         # While the rule still measures the classic step here, a run is each of its trials: two steps, timed.
         most = MEASURING_STEPS if rule is not None and rule.measuring_classic(1, at) else RUN_STEPS
-        solo.resume()
-        while True:
+
+        def more(read: int) -> bool:
+            nonlocal decided
             left = output.remaining - 1  # after the token about to be read
-            feed = left >= 1 and steps + 1 < most and not mail() and drafts_next(left, []) == 0
-            if feed:
+            if left >= 1 and read < most and not mail() and drafts_next(left, []) == 0:
                 decided = None  # the rule's 0 is acted on: this step is fed now
-            token, _ = solo.emit(feed_next=feed)
-            steps += 1
-            if handle(token):
-                counted(0, steps)
-                return True  # a step may still be in flight: the sequence is done with this cache
-            if not feed:
-                if rule is not None:
-                    rule.classic(1, at, (time.perf_counter() - started) / steps)
-                counted(0, steps)
-                return False
+                return True
+            return False
+
+        finished, steps = solo.classic_run(more, handle)
+        if not finished and rule is not None:
+            rule.classic(1, at, (time.perf_counter() - started) / steps)
+        counted(0, steps)
+        return finished
 
     while True:
         if not solo.round_in_flight:

@@ -176,17 +176,28 @@ class SoloDecoder:
         first dispatch always holds exactly *count* of them.)
         """
         started = time.perf_counter()
-        self.resume()
-        for index in range(count):
-            token, _ = self.emit(feed_next=index < count - 1)
-            if handle(token):
-                return True  # a step may still be in flight: the sequence is done with this cache
-        if timed and self.burst is not None:
+        finished, _ = self.classic_run(lambda read: read < count, handle)
+        if not finished and timed and self.burst is not None:
             stats = self.burst.stats
             stats.classic_steps += count
             stats.classic_seconds += time.perf_counter() - started
             stats.classic_samples += 1
-        return False
+        return finished
+
+    def classic_run(self, more: Callable[[int], bool], handle: Callable[[int], bool]) -> tuple[bool, int]:
+        """Pipelined classic steps from the parked state, each token to *handle* as it is read back: before
+        the n-th token is read, *more(n)* says whether the step after it is fed now (else the run ends there,
+        parked). (Whether *handle* finished the sequence, the tokens read.)"""
+        self.resume()
+        read = 0
+        while True:
+            read += 1
+            feed = more(read)
+            token, _ = self.emit(feed_next=feed)
+            if handle(token):
+                return True, read  # a step may still be in flight: the sequence is done with this cache
+            if not feed:
+                return False, read
 
     # -- rounds ---------------------------------------------------------------------
 
