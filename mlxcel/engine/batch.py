@@ -174,9 +174,13 @@ def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_st
     from mlx_lm.generate import BatchGenerator
 
     # One place more than `parallel`: the scheduler's overflow place (engine/scheduler.py) is the bound that
-    # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue.
+    # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue. Prompts are prefilled one
+    # at a time (a chunk a step, between the batch's steps): prefilled together, right-padded to the longest,
+    # a prompt's cache would round with the prompts that happened to arrive beside it (products of all their
+    # rows, attention over the padded length), and so would every token after it (docs/mtp.md, "A row's
+    # bytes are its own").
     return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel + 1,
-                          prefill_batch_size=parallel, prefill_step_size=prefill_step_size, stream=stream)
+                          prefill_batch_size=1, prefill_step_size=prefill_step_size, stream=stream)
 
 
 def batchable(model: Any) -> bool:

@@ -127,6 +127,7 @@ class Worker:
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
+        from ..models.row_exact import measure_steps
         from .loading import cache_cost, load
         from .prefix_cache import rewindable
         from .prompt_disk import open_prefix_cache
@@ -148,6 +149,10 @@ class Worker:
                                   self.settings.block_size, capabilities.parallel, self.policy, self.hints,
                                   loaded.pairing, loaded.embedding_rows, batching=capabilities.batching)
         if capabilities.batching:
+            split = measure_steps(self.model, capabilities.parallel + 1)  # the overflow place is a row too
+            if split is not None:
+                logger.info("batch steps: %d weight shape(s) multiplied in chunks, so that a row's step is the "
+                            "same bytes at any batch width", len(split.chunks))
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
                                          self.batch_mtp.rule)

@@ -62,6 +62,11 @@ def mlx_thread() -> Iterator[None]:
         _thread.rules = outer
 
 
+def on_mlx_thread() -> bool:
+    """Whether the calling thread is inside :func:`mlx_thread` (the engine's worker, a sharded follower)."""
+    return getattr(_thread, "rules", None) is not None
+
+
 @contextmanager
 def one_query_at_a_time(right_justified: bool = False) -> Iterator[None]:
     """For the block, a causal block of queries (or one under a mask array) attends one query at a

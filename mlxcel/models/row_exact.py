@@ -1,83 +1,112 @@
-"""A verify's matmuls a row at a time where this BLAS needs it, and its attention a query at a time.
+"""Products that give every row its one-row bytes, whatever else shares the product; a verify's attention a
+query at a time.
 
 A BLAS picks its kernel by the shape of a product: for some weight shapes the
-rows of a K-row ``x @ W.T`` are not bit for bit the 1-row products classic
-decode computes (OpenBLAS here: the 512 x 1024 and 64 x 1024 products of a
-1024-wide Qwen 3.5, docs/blas.md), so the whole K-wide verify is inexact. The
-``rows`` verify split runs the same K-wide forward with just those products
-done one row at a time: exact where they were the only cause, and on a
-bandwidth-bound machine nearly as cheap as the wide verify, since the other
-weights are still read once (the half split reads all of them twice).
+rows of an N-row ``x @ W.T`` are not bit for bit the 1-row products classic
+decode computes (OpenBLAS here: 512 x 1024 from 2 rows, 256 x 1024 from 4,
+64 x 1024 at 16, docs/blas.md). Two things then break:
 
-Which shapes need it is measured once per process (:func:`measure`), with the
-model's own weights and random rows: a kernel's summation order does not depend
-on the values, so a product that differs once differs for almost any input.
+- a K-wide verify is not the K classic steps it must equal (the burst's
+  exactness), and a batch's (B, K) verify is not its B-row classic steps;
+- a request's decode steps round with the *width* of the batch around it, so
+  its text can depend on who else was served, and with speculation on or off
+  (rows finish earlier, the batch narrows at other steps) two runs of the same
+  arrivals can part at a near-tie.
 
-The attention is the same story one level up, and worse: mlx's CPU attention
-is two batched matmuls, and in a causal block of K queries each query's sums
-run over all S cached positions (the later ones masked to zero), where the
-step that would have produced it sums over its own prefix. Whether the two
-group their sums alike depends on S itself (3 heads of 64 over one KV head:
-equal at some cache lengths, not at others, on OpenBLAS and MKL alike), so no
-measurement at boot can vouch for every length. A ``rows`` verify therefore
-runs attention one query at a time, as the step at that position would: under
-a causal block each query over its own prefix, under a mask array (a sliding
-window's ring) each over every slot with its own row of the mask, each through
-the attention in place (on the CPU, :mod:`~mlxcel.models.grouped_attention`'s,
-which the step goes through too). K reads of the cache instead of one, cheap
-next to the weights at short contexts; at depth, docs/benchmarks.md ("The
-verify's attention at depth") measures what reading it once would cost.
+So, once per model, :func:`measure` finds for each float weight shape the most
+rows a product may take at once and still give each row its 1-row bytes (its
+*chunk*), for every count up to the widest block the server runs (``max_rows``
+positions a row, ``max_batch`` rows), with the model's own layers and random
+rows: a kernel's summation order does not depend on the values, so a product
+that differs once differs for almost any input. Layers of a shape that needs it
+then multiply in chunks of that many rows, on the MLX thread, in two places:
+
+- every step that feeds one position a row (a batch's classic step; a lone
+  request's, one row, is already whole): always, so a row's step is the same
+  bytes at any batch width;
+- every block of positions inside :func:`rows_apart` (the ``rows`` verify).
+
+Prefill chunks are left whole: they are not steps, and a prompt's chunks are
+the same in every run. On this machine's OpenBLAS the chunked shapes are 8% of
+a 1 GB Qwen 3.5's weights, small enough to stay in cache, and a batch of 2-16
+steps as fast chunked as whole (docs/benchmarks.md, "Steps that do not depend
+on the batch").
+
+The attention is the same story one level up: mlx's CPU attention over a causal
+block of K queries sums over all S cached positions (the later ones masked),
+where the step that would have produced each query sums over its own prefix. A
+``rows`` verify therefore runs attention one query at a time, as the step at
+that position would: under a causal block each query over its own prefix, under
+a mask array (a sliding window's ring) each over every slot with its own row of
+the mask, each through the attention in place (on the CPU,
+:mod:`~mlxcel.models.grouped_attention`'s, which every step goes through too).
 The exactness probe still judges the whole verify.
 
 Scoped to one model: :func:`measure` swaps the class of just that model's layers
-of the inexact shapes for a subclass that multiplies a row at a time while the
-model's own :class:`RowSplit` is active, and only :func:`rows_apart` activates it.
-Attention has no per-model seam in mlx-lm (every family calls
+of the chunked shapes for a subclass that multiplies in chunks, and attention
+has no per-model seam in mlx-lm (every family calls
 ``mx.fast.scaled_dot_product_attention``), so :mod:`.attention`'s dispatcher
 attends a query at a time while :func:`rows_apart` is open, and only on the
-thread that measured the model, the MLX thread: :meth:`RowSplit.apart` and
-:func:`.attention.one_query_at_a_time` assert it.
+MLX thread: :meth:`RowSplit.apart` and :func:`.attention.one_query_at_a_time`
+assert it.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from .attention import on_mlx_thread, one_query_at_a_time
+
 
 class RowSplit:
-    """One model's row-split verify: the weight shapes it multiplies a position at a time, and the flag that
-    says when."""
+    """One model's chunked products: for each weight shape that needs it, the most rows multiplied at once;
+    and the flag that says a ``rows`` verify is open."""
 
-    def __init__(self, shapes: frozenset[tuple[int, int]], share: float, max_rows: int = 0,
-                 batch_shapes: frozenset[tuple[int, int]] = frozenset(), max_batch: int = 1) -> None:
-        self.shapes = shapes
-        """The (out, in) weight shapes whose 2..K-row products differ from 1-row ones on this BLAS."""
+    def __init__(self, chunks: Mapping[tuple[int, int], int], share: float, max_rows: int = 0,
+                 max_batch: int = 1, steps: bool = True,
+                 batch_shapes: frozenset[tuple[int, int]] = frozenset()) -> None:
+        self.chunks = dict(chunks)
+        """(out, in) weight shape -> the most rows whose product gives each row its 1-row bytes (1..N-1, N =
+        *max_rows* x *max_batch*). A shape not here is exact at every count measured."""
         self.share = share
-        """Their share of the bytes of the model's float linear layers (and tied embeddings)."""
+        """The share of the bytes of the model's float linear layers (and tied embeddings) whose products of
+        2..*max_rows* positions of one row are chunked: what a lone request's verify reads more than once."""
         self.max_rows = max_rows
-        """Products of up to this many rows (positions) were measured."""
-        self.batch_shapes = batch_shapes
-        """The shapes whose product over a batch's (B, W) block differs from its W products of B rows (the
-        continuous batch's classic step multiplies B rows), for B = 2..*max_batch*."""
+        """Positions a row: products of blocks of up to this many were measured."""
         self.max_batch = max_batch
+        """Rows of a batch: ... of up to this many rows of those."""
+        self.steps = steps
+        """Whether one-position steps of several rows are chunked too (the CPU backend, where it costs
+        nothing measurable). Elsewhere a batch's steps stay whole, so its verify multiplies a block a position
+        at a time, all rows together, for :attr:`batch_shapes`: equal to those steps, not to one row's."""
+        self.batch_shapes = batch_shapes
+        """Without :attr:`steps`: the shapes whose product over a (B, W) block differs from its W products of
+        B rows, for B = 2..*max_batch*."""
         self.active = False
         self._thread = threading.get_ident()
 
-    def splits(self, shape: tuple[int, int], rows: int) -> bool:
-        """Whether a product by the weight *shape* of a block of *rows* rows a position multiplies a position
-        at a time."""
-        return shape in (self.shapes if rows == 1 else self.batch_shapes)
+    @property
+    def shapes(self) -> frozenset[tuple[int, int]]:
+        """The shapes a lone request's verify (2..*max_rows* positions of one row) multiplies in chunks."""
+        return frozenset(shape for shape, most in self.chunks.items() if most < self.max_rows)
+
+    def chunk(self, shape: tuple[int, int], rows: int, positions: int) -> int | None:
+        """How many rows at a time a product by *shape* of *rows* rows (*positions* a sequence) multiplies, or
+        None for all at once."""
+        most = self.chunks.get(shape)
+        if most is None or rows <= most or not (self.active or (positions == 1 and self.steps)) \
+                or not on_mlx_thread():
+            return None
+        return most
 
     @contextmanager
     def apart(self, batch: bool = False) -> Iterator[None]:
-        """While open, this model's measured layers multiply one row at a time, and attention over a cache
+        """While open, this model's chunked layers chunk blocks of positions too, and attention over a cache
         (causal, or under a mask array) attends one query at a time (*batch*: a continuous batch's cache)."""
-        from .attention import one_query_at_a_time
-
         assert threading.get_ident() == self._thread, "a rows verify runs on the MLX thread that measured it"
         with one_query_at_a_time(right_justified=batch):
             self.active = True
@@ -88,78 +117,124 @@ class RowSplit:
 
 
 def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
-    """The float weight shapes of *model*'s linear layers (and tied embeddings) whose products over a block of
-    2..*max_rows* positions differ from the block's products a position at a time: for one row (the burst,
-    against classic decode's 1-row products) and, with *max_batch* over 1, for 2..*max_batch* rows (the
-    continuous batch's speculative step, against its classic step's B-row products: a BLAS picks its kernel
-    by the whole product's row count, and 8 rows of 4 positions are not 4 products of 8). Measured once per
-    model and batch bound: its layers of those shapes then multiply a position at a time whenever its
-    :class:`RowSplit` is active."""
+    """Which float weight shapes of *model*'s linear layers (and tied embeddings) give a row other bytes in a
+    product of 2..N rows (N = *max_rows* x *max_batch*: a verify's positions times the batch's rows, or a
+    classic step's rows) than alone, and in chunks of how many they do not. Measured through each shape's
+    layer on flat (n, in) blocks: mlx multiplies a (rows, positions, in) block as one product of rows x
+    positions rows. Measured once per model and bounds; its layers of those shapes then multiply in chunks
+    (see the module docstring)."""
     import mlx.core as mx
     import mlx.nn as nn
 
     known: RowSplit | None = getattr(model, "row_split", None)
     if known is not None and known.max_rows >= max_rows and known.max_batch >= max_batch:
         return known
-    max_batch = max(max_batch, known.max_batch if known is not None else 1)
+    if known is not None:
+        max_rows, max_batch = max(max_rows, known.max_rows), max(max_batch, known.max_batch)
     sizes: dict[tuple[int, int], int] = {}
-    weights: dict[tuple[int, int], Any] = {}
+    samples: dict[tuple[int, int], Any] = {}
     layers: list[Any] = []
     for _, module in model.named_modules():
         if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating):
             shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
             sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
-            weights.setdefault(shape, module.weight)  # the model's own: no copy of a large head
+            samples.setdefault(shape, module)  # the model's own: no copy of a large head
             layers.append(module)
-
-    def differs(weight: Any, batch: int) -> bool:
-        block = mx.random.normal((batch, max_rows, weight.shape[1]), key=mx.random.key(0)).astype(weight.dtype)
-        apart = mx.concatenate([block[:, i:i + 1] @ weight.T for i in range(max_rows)], axis=1)
-        return any(not bool(mx.array_equal(block[:, :m] @ weight.T, apart[:, :m]).item())
-                   for m in range(2, max_rows + 1))
-
-    # One row's shapes do not depend on the batch bound: measured already (the burst's probe), they are kept.
-    inexact = set(known.shapes) if known is not None and known.max_rows >= max_rows else \
-        {shape for shape, weight in weights.items() if differs(weight, 1)}
-    batched = {shape for shape, weight in weights.items()
-               if any(differs(weight, batch) for batch in range(2, max_batch + 1))}
+    most = max_rows * max_batch
+    steps = mx.default_device() == mx.cpu
+    chunks, batched = {}, set()
+    for shape, layer in samples.items():
+        multiply = layer.as_linear if isinstance(layer, nn.Embedding) else layer
+        block = mx.random.normal((most, shape[1]), key=mx.random.key(0)).astype(layer.weight.dtype)
+        alone = mx.concatenate([_whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
+        fits = next((n - 1 for n in range(2, len(alone) + 1)
+                     if not mx.array_equal(_whole(multiply, block[:n]), alone[:n]).item()), most)
+        if fits < len(alone):
+            chunks[shape] = fits
+        if not steps and any(_positions_differ(multiply, block, rows, max_rows) for rows in range(2, max_batch + 1)):
+            batched.add(shape)
     total = sum(sizes.values())
-    split = RowSplit(frozenset(inexact), sum(sizes[s] for s in inexact) / total if total else 0.0, max_rows,
-                     frozenset(batched), max_batch)
+    split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched))
+    split.share = sum(sizes[s] for s in split.shapes) / total if total else 0.0
     for layer in layers:
-        if tuple(layer.weight.shape) in split.shapes | split.batch_shapes:
+        if tuple(layer.weight.shape) in chunks.keys() | batched:
             if not hasattr(layer, "row_split"):
                 layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
             layer.row_split = split  # a plain attribute: not a parameter, never saved
+        elif hasattr(layer, "row_split"):
+            layer.row_split = split  # measured again: its shape needs no chunks now
     model.row_split = split
     return split
 
 
+def _whole(multiply: Any, x: Any) -> Any:
+    """*multiply*(x) with no chunking (a layer measured before is chunked otherwise)."""
+    split = getattr(getattr(multiply, "__self__", multiply), "row_split", None)
+    if split is None:
+        return multiply(x)
+    saved, split.chunks, split.batch_shapes = (split.chunks, split.batch_shapes), {}, frozenset()
+    try:
+        return multiply(x)
+    finally:
+        split.chunks, split.batch_shapes = saved
+
+
+def _positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> bool:
+    """Whether a (rows, positions) block's product differs from its products a position at a time (all rows
+    together), for some block of 2..*positions* positions."""
+    import mlx.core as mx
+
+    shaped = block[:rows * positions].reshape(rows, positions, -1)
+    apart = mx.concatenate([_whole(multiply, shaped[:, i:i + 1]) for i in range(positions)], axis=1)
+    return any(not mx.array_equal(_whole(multiply, shaped[:, :m]), apart[:, :m]).item()
+               for m in range(2, positions + 1))
+
+
 @functools.cache
 def _by_rows(cls: Any) -> type:
-    """*cls* (a Linear or an Embedding) multiplying a position at a time (all of a batch's rows at once) while
-    its model's RowSplit is active."""
+    """*cls* (a Linear or an Embedding) multiplying in its model's chunks, where :meth:`RowSplit.chunk` says."""
     import mlx.nn as nn
 
     def by_rows(original: Any) -> Any:
         def call(self: Any, x: Any) -> Any:
-            split = self.row_split
-            rows = x.shape[0] if x.ndim == 3 else 1
-            if not split.active or x.ndim < 2 or x.shape[-2] < 2 or not split.splits(tuple(self.weight.shape), rows):
+            if x.ndim < 2:
                 return original(self, x)
             import mlx.core as mx
 
-            return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(x.shape[-2])], axis=-2)
+            split, shape = self.row_split, tuple(self.weight.shape)
+            rows = 1
+            for size in x.shape[:-1]:
+                rows *= size
+            positions = x.shape[-2] if x.ndim >= 3 else x.shape[0]  # flat rows: a block, not a batch's step
+            if split.steps or rows == positions:
+                most = split.chunk(shape, rows, positions)
+                if most is None:
+                    return original(self, x)
+                flat = x.reshape(rows, x.shape[-1])
+                out = mx.concatenate([original(self, flat[i:i + most]) for i in range(0, rows, most)])
+                return out.reshape(*x.shape[:-1], out.shape[-1])
+            if split.active and positions > 1 and shape in split.batch_shapes and on_mlx_thread():
+                return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(positions)], axis=-2)
+            return original(self, x)
         return call
 
     name = "as_linear" if issubclass(cls, nn.Embedding) else "__call__"
     return type(f"RowSplit{cls.__name__}", (cls,), {name: by_rows(getattr(cls, name))})
 
 
+def measure_steps(model: Any, widest: int) -> RowSplit | None:
+    """On the CPU backend, :func:`measure` *model* for the continuous batch's classic steps of up to *widest*
+    rows (a no-op where a verify measured as much already), so that a row's step is its bytes alone at any
+    width; elsewhere nothing (see :attr:`RowSplit.steps`)."""
+    import mlx.core as mx
+
+    return measure(model, 1, max_batch=widest) if mx.default_device() == mx.cpu else None
+
+
 @contextmanager
 def rows_apart(model: Any, batch: bool = False) -> Iterator[None]:
-    """:meth:`RowSplit.apart` of *model* (measured for one row shapes' set, or none: attention only); *batch*:
-    over a continuous batch's cache."""
+    """:meth:`RowSplit.apart` of *model* (measured, or not: attention only); *batch*: over a continuous
+    batch's cache."""
     split: RowSplit | None = getattr(model, "row_split", None)
-    with (split or RowSplit(frozenset(), 0.0)).apart(batch):
+    with (split or RowSplit({}, 0.0)).apart(batch):
         yield

@@ -1,8 +1,9 @@
 """Checks that need mlx's reference BLAS, each run in a process of its own.
 
 The BLAS is chosen once per process (``MLXCEL_BLAS=off`` here; the test process runs OpenBLAS where it
-has it). Under the reference BLAS every split of the tiny Gemma 4 and Inkling models is exact, so a
-verify and its rollback can be held to the single-token chain byte for byte; this machine's OpenBLAS
+has it). Under the reference BLAS every product of the tiny Gemma 4 and Inkling models is exact at any row
+count, so a ``rows`` verify (its attention a query at a time, as each step's) and its rollback can be held
+to the single-token chain byte for byte without a measured product split; this machine's OpenBLAS
 multiplies 2-row blocks of their shapes with another kernel than one row.
 
 A test calls :func:`run`, which starts ``python -m tests.engine.reference_blas CHECK ARG...`` and fails
@@ -53,8 +54,9 @@ def _target(directory: Path, assistant: Path | None = None) -> tuple[Any, Any]:
 
 def gemma4_probe(target_dir: str, assistant_dir: str, window: str) -> None:
     """Every width to K and every rollback prefix, where a block crosses the sliding window and where it
-    crosses the ring's end: the wide verify is exact. Without the slack (mlx-lm's own rotating cache of
-    exactly the window), the same probe finds it inexact."""
+    crosses the ring's end: the row-split verify is exact (a wide verify's block of queries attends at once,
+    through mlx's kernel, not as a step's lone query does). Without the slack (mlx-lm's own rotating cache of
+    exactly the window), the same probe finds every split inexact."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     from mlxcel.engine import exactness
@@ -69,7 +71,7 @@ def gemma4_probe(target_dir: str, assistant_dir: str, window: str) -> None:
     exactness.DEEP_OFFSET = 1024
     for block in (2, 3, 4):
         result = exactness.probe_exactness(target, model, lambda: make_prompt_cache(model), block, 512, 4096)
-        assert (result.split, result.detail) == ("wide", None), block
+        assert (result.split, result.detail) == ("rows", None), block
 
     def stock() -> list[Any]:
         return [KVCache() if i % 2 else RotatingKVCache(max_size=width) for i in range(4)]
@@ -79,9 +81,9 @@ def gemma4_probe(target_dir: str, assistant_dir: str, window: str) -> None:
 
 
 def inkling_verify_and_rollback(target_dir: str, setting: str) -> None:
-    """Both splits, every rollback prefix of a 4-wide block after the *setting*'s prompt: the logits, every
+    """The row split, every rollback prefix of a 4-wide block after the *setting*'s prompt: the logits, every
     cache's state and the next step's logits are the single-token chain's bytes; and the probe (every
-    width to K, every rollback prefix, at its offsets and the family's own) finds the wide verify exact at
+    width to K, every rollback prefix, at its offsets and the family's own) finds the row split exact at
     K = 2, 3, 4. *setting*: JSON of the prompt, the unpadded vocabulary and the family's probe offsets."""
     import mlx.core as mx
     import numpy as np
@@ -97,7 +99,7 @@ def inkling_verify_and_rollback(target_dir: str, setting: str) -> None:
         return [(tuple(a.shape), np.array(a).tobytes()) for c in cache for a in c.live_state()]
 
     block = [11, 22, 33, 44]
-    for split in ("wide", "half"):
+    for split in ("rows",):
         for kept in (1, 2, 3, 4):
             stepped, verified = model.make_cache(), model.make_cache()
             for c in (stepped, verified):
@@ -116,7 +118,7 @@ def inkling_verify_and_rollback(target_dir: str, setting: str) -> None:
     exactness.DEEP_OFFSET = 1024
     for k in (2, 3, 4):
         result = exactness.probe_exactness(target, model, model.make_cache, k, vocab, 4096)
-        assert (result.split, result.detail) == ("wide", None), k
+        assert (result.split, result.detail) == ("rows", None), k
 
 
 CHECKS: dict[str, Callable[..., None]] = {"gemma4_probe": gemma4_probe,

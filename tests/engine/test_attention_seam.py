@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 
 from mlxcel.models import attention
-from mlxcel.models.grouped_attention import GROUPED_FROM
 
 
-def _deep_query() -> tuple[mx.array, mx.array, mx.array]:
-    """One query of 4 heads over 2 KV heads and GROUPED_FROM keys: what the grouped rule takes."""
+def _lone_query() -> tuple[mx.array, mx.array, mx.array]:
+    """One query of 4 heads over 2 KV heads and 300 keys: what the grouped rule takes."""
     q = mx.random.normal((1, 4, 1, 16), key=mx.random.key(0))
-    k, v = (mx.random.normal((1, 2, GROUPED_FROM, 16), key=mx.random.key(i)) for i in (1, 2))
+    k, v = (mx.random.normal((1, 2, 300, 16), key=mx.random.key(i)) for i in (1, 2))
     mx.eval(q, k, v)  # evaluated here: another thread computes with them (MLX streams are per thread)
     return q, k, v
 
@@ -30,7 +29,7 @@ def test_the_rules_apply_on_the_mlx_thread_and_nowhere_else() -> None:
         return mx.zeros(q.shape)
 
     attend = attention.dispatching(recorded)
-    q, k, v = _deep_query()
+    q, k, v = _lone_query()
     worker_inside = threading.Event()
     main_done = threading.Event()
 
@@ -52,7 +51,7 @@ def test_the_rules_apply_on_the_mlx_thread_and_nowhere_else() -> None:
 
 
 def test_the_installed_dispatcher_leaves_other_threads_bit_for_bit_as_mlx() -> None:
-    q, k, v = _deep_query()
+    q, k, v = _lone_query()
     with attention.mlx_thread():
         installed = mx.fast.scaled_dot_product_attention
         grouped = installed(q, k, v, scale=0.25)

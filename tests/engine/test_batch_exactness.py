@@ -1,5 +1,6 @@
 """A batch's verify is byte for byte its classic steps: the ``rows`` split with the products measured for
-every batch width multiplies a (B, K) block as K products of B rows, as the batch's classic step does.
+every batch width multiplies a (B, K) block in chunks that give each row and position its one-row bytes, as
+the batch's classic step multiplies its B rows (``models/row_exact.py``), and attends a query at a time.
 
 At hidden 512 on OpenBLAS, a (B, K) block multiplied whole differs from its K classic steps at every B >= 2
 in hundreds of logit bytes a position, whatever the split measured for one row; measured for the batch, none.

@@ -132,7 +132,8 @@ def test_verify_and_rollback_are_the_single_step_chain_around_the_window_and_the
         pairs: dict[str, Path]) -> None:
     """Every width to K and every rollback prefix, at offsets where the block crosses the sliding
     window and where it crosses the ring's end: byte for byte the single-token chain. Without the
-    slack (mlx-lm's own rotating cache of exactly the window), the same probe fails.
+    slack (mlx-lm's own rotating cache of exactly the window), the same probe fails. The row split is the
+    one: a wide verify's block of queries attends at once, through mlx's kernel, not as a step's lone query.
 
     Under mlx's reference BLAS, in a process of its own (tests/engine/reference_blas.py): this machine's
     OpenBLAS multiplies 2-row blocks of these shapes with another kernel than one row, so under it

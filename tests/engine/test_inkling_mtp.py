@@ -119,14 +119,14 @@ def test_the_agreeing_pairing_agrees_inside_transformers(pairs: dict[str, tuple[
 
 @pytest.mark.slow
 def test_verify_then_rollback_leaves_the_states_single_steps_leave_byte_for_byte(pair: tuple[Path, Any]) -> None:
-    """Both splits, every rollback prefix of a 4-wide block past the window and the relative extent:
+    """The row split, every rollback prefix of a 4-wide block past the window and the relative extent:
     the logits, every cache's keys/values and convolution states, and the next step's logits are the
     single-token chain's bytes. And the exactness probe (every width to K, every rollback prefix, at
-    its offsets and where a block crosses the window and the extent) finds the wide verify exact at
+    its offsets and where a block crosses the window and the extent) finds the row split exact at
     K = 2, 3, 4.
 
     Under mlx's reference BLAS, in a process of its own (tests/engine/reference_blas.py), where every
-    split is exact; OpenBLAS's are pinned by the next test.
+    product is exact at any row count; OpenBLAS's are pinned by the next test.
     """
     reference_blas.run("inkling_verify_and_rollback", str(pair[0]), json.dumps(
         {"prompt": PROMPT, "vocab": UNPADDED, "probe_offsets": [WINDOW - 2, EXTENT - 2]}))

@@ -47,7 +47,7 @@ def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: 
 
 
 def test_a_rows_verify_refuses_to_run_off_the_thread_that_measured_it() -> None:
-    split = row_exact.RowSplit(frozenset(), 0.0)
+    split = row_exact.RowSplit({}, 0.0)
     failures: list[BaseException] = []
 
     def elsewhere() -> None:
@@ -65,9 +65,9 @@ def test_a_rows_verify_refuses_to_run_off_the_thread_that_measured_it() -> None:
 
 def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
     # 3 heads of 64 over one KV head (the bundled pairing's attention): a causal block of 2 queries over
-    # 12 cached positions. Whether a block groups its sums as its steps do is the CPU's kernels' choice
-    # (it differs under OpenBLAS on some x86 cores, not on others), so what is checked is the calls the
-    # attention receives: one query at a time, each over its own prefix, as the step at that position.
+    # 12 cached positions. Each query must attend as the step at its position did: a lone query over its own
+    # prefix (causal), or over every slot with its own row of the mask (a sliding window's ring), through the
+    # same rule as that step (on the CPU, grouped_attention's), so nothing reaches mlx's kernel.
     mlx_own = mx.fast.scaled_dot_product_attention  # outside mlx_thread(): mlx's own, dispatcher or not
     calls: list[tuple[int, int, object]] = []
 
@@ -79,23 +79,18 @@ def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
     attend = attention.dispatching(recorded)  # what mlx_thread() installs, over a recorder
     q = mx.random.normal((1, 3, 2, 64), key=mx.random.key(0))
     k, v = (mx.random.normal((1, 1, 12, 64), key=mx.random.key(i)) for i in (1, 2))
-    steps = mx.concatenate([mlx_own(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
-                            for i in range(2)], axis=2)
     window = mx.arange(12)[None] <= mx.array([[10], [11]])
-    rows = mx.concatenate([mlx_own(q[:, :, i:i + 1], k, v, scale=0.125, mask=window[i:i + 1]) for i in range(2)],
-                          axis=2)
-    first = mlx_own(q[:, :, :1], k, v, scale=0.125)
-    with attention.mlx_thread(), row_exact.rows_apart(None):
-        assert mx.array_equal(attend(q, k, v, scale=0.125, mask="causal"), steps).item()
-        assert calls == [(1, 11, None), (1, 12, None)]
-        # Under a mask array (a sliding window's ring), each query keeps every position and its own row.
-        calls.clear()
-        assert mx.array_equal(attend(q, k, v, scale=0.125, mask=window), rows).item()
-        assert calls == [(1, 12, "array"), (1, 12, "array")]
-        calls.clear()
-        assert mx.array_equal(attend(q[:, :, :1], k, v, scale=0.125), first).item()  # one query: untouched
-        assert calls == [(1, 12, None)]
-        calls.clear()
-    with attention.mlx_thread():  # the rows verify closed: the block attends whole again
-        attend(q, k, v, scale=0.125, mask="causal")
+    with attention.mlx_thread():
+        steps = mx.concatenate([attend(q[:, :, i:i + 1], k[:, :, :11 + i], v[:, :, :11 + i], scale=0.125)
+                                for i in range(2)], axis=2)
+        rows = mx.concatenate([attend(q[:, :, i:i + 1], k, v, scale=0.125, mask=window[i:i + 1])
+                               for i in range(2)], axis=2)
+        whole = attend(q[:, :, 1:], k, v, scale=0.125)
+        assert not mx.array_equal(steps[:, :, :1], attend(q[:, :, :1], k, v, scale=0.125)).item()  # prefixes count
+        with row_exact.rows_apart(None):
+            assert mx.array_equal(attend(q, k, v, scale=0.125, mask="causal"), steps).item()
+            assert mx.array_equal(attend(q, k, v, scale=0.125, mask=window), rows).item()
+            assert mx.array_equal(attend(q[:, :, 1:], k, v, scale=0.125), whole).item()  # one query: as ever
+        assert not calls  # every one of those was a lone query: grouped, never mlx's kernel
+        attend(q, k, v, scale=0.125, mask="causal")  # the rows verify closed: the block attends whole again
     assert calls == [(2, 12, "causal")]

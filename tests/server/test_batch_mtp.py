@@ -112,10 +112,10 @@ async def test_rows_that_cannot_draft_share_a_speculating_batch(partial: Path, m
         g, e = got["choices"][0], expected["choices"][0]  # type: ignore[index]
         assert (g["text"], g["finish_reason"]) == (e["text"], e["finish_reason"])
         if e["logprobs"] is not None:
-            # The same tokens, and their log-probabilities to the float's last bits: which rows a classic step
-            # batches together (arrival timing, in either run) moves those.
-            assert g["logprobs"]["tokens"] == e["logprobs"]["tokens"]
-            assert g["logprobs"]["token_logprobs"] == pytest.approx(e["logprobs"]["token_logprobs"], rel=1e-5)
+            # The same tokens, and their log-probabilities to the last bit: a row's step is the same bytes
+            # whatever rows share it and however much padding speculation's rollbacks put in front of it
+            # (tests/engine/test_batch_invariance.py), so a near-tie would fall the same way in both runs.
+            assert g["logprobs"] == e["logprobs"], (g["logprobs"], e["logprobs"])
     assert steps.get("2", 0) > 0
     assert [b["timings"]["draft_n"] for b in speculative[1:3]] == [0, 0]  # type: ignore[index]
     # The drafting rows speculated while all four shared the batch (before, its steps ran classic then).

@@ -116,15 +116,18 @@ async def test_eight_concurrent_streams_match_their_solo_runs(llama: Path) -> No
 
 
 async def test_hybrid_model_batches_correctly(checkpoints: dict[str, Path]) -> None:
+    # Byte for byte: each token's log-probabilities alone and beside the others are the same floats (a row's
+    # step does not round with the batch's width or its padding, nor its prompt with the prompts beside it).
     async with running_server(["--model", str(checkpoints["qwen3_5"]), "--parallel", "4"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
-        async def ask(prompt: str) -> str:
+        async def ask(prompt: str) -> tuple[str, object]:
             r = await client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 16,
-                                                                  "temperature": 0})
-            return str(r.json()["choices"][0]["text"])
+                                                                  "temperature": 0, "logprobs": 2})
+            choice = r.json()["choices"][0]
+            return str(choice["text"]), choice["logprobs"]
 
         solo = [await ask(p) for p in PROMPTS]
-        together: dict[int, str] = {}
+        together: dict[int, tuple[str, object]] = {}
 
         async def run(i: int) -> None:
             together[i] = await ask(PROMPTS[i])

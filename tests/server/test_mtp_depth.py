@@ -1,6 +1,6 @@
 """MTP at depth: a lone request's rounds chosen by the rule of K at width 1 (the verdict's depth limit its
 prior, the costs measured at each depth its decision), and the burst byte-identical to classic decode over a
-cache deep enough that a lone query attends grouped (``mlxcel.models.grouped_attention``)."""
+cache past a thousand keys (``mlxcel.models.grouped_attention`` sums them in blocks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import pytest
 from mlxcel.blas import load_fast_blas
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.hardware import detect_host, kernel_versions
-from mlxcel.models.grouped_attention import GROUPED_FROM
 from mlxcel.policy import Hint, HintStore, PairingKey
 from mlxcel.policy.draft_length import FIRST_BAND_TOKENS
 from tests.conftest import validate_wire
@@ -111,7 +110,7 @@ async def test_the_burst_over_a_deep_cache_is_classic_decode(model: Path, monkey
             assert response.status_code == 200, response.text
             answers[pin] = response.json()
     on, off = answers["1"], answers["0"]
-    assert on["usage"]["prompt_tokens"] > GROUPED_FROM
+    assert on["usage"]["prompt_tokens"] > 1024  # many blocks of keys: a deep cache, as a user has
     assert on["timings"]["draft_rounds"] > 0 and off["timings"]["draft_rounds"] == 0
     assert on["choices"][0]["text"] == off["choices"][0]["text"]
     assert on["usage"]["completion_tokens"] == 40
