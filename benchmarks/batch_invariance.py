@@ -1,11 +1,13 @@
 """What it costs that a row's bytes are its own, and whether they are: the servers of two source trees.
 
     python -m benchmarks.batch_invariance --trees /tmp/before . [--layers 24 --hidden 1024] [--streams 8]
-        [--tokens 64] [--prompt-tokens 300] [--rounds 3]
+        [--tokens 64] [--prompt-tokens 300] [--rounds 3] [--prompt-cache]
 
 For each tree (a ``git worktree`` of the commit before a change, and ``.``) this starts ``mlxcel serve
---parallel STREAMS`` (no MTP) on one fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``) and,
-each round:
+--parallel STREAMS`` (no MTP; the prompt cache off, so that every prompt is prefilled as it arrives, unless
+``--prompt-cache``: then rounds after the first find their prompts cached, as an agent's resent prompts are,
+and the decode steps dominate) on one fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``)
+and, each round:
 
 - sends STREAMS requests at once, each a different prompt of about PROMPT_TOKENS tokens and TOKENS greedy
   tokens: aggregate tokens/s from the first byte sent to the last answer (prefill, decode and admission
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-cache", action="store_true")
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -94,7 +97,8 @@ def main() -> None:
           f"tokens, {args.rounds} rounds")
 
     def row(tree: Path) -> list[str]:
-        with server(model, "--parallel", str(args.streams), tree=tree) as url:
+        cache = [] if args.prompt_cache else ["--prompt-cache-size", "0", "--prompt-cache-disk-bytes", "0"]
+        with server(model, "--parallel", str(args.streams), *cache, tree=tree) as url:
             _streamed(url, "warm up", 4)
             runs = [_round(url, prompts, probe, args.tokens) for _ in range(args.rounds)]
         rates, means, longest, same = zip(*runs, strict=True)

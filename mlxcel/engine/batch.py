@@ -6,7 +6,8 @@ whatever the worker tracks, and rebuilds the generator when a step failed.
 With speculation (:mod:`.batch_speculation`), each step is either mlx-lm's
 classic step or a speculative one, K drafts per row, as the
 :class:`~mlxcel.policy.draft_length.DraftLength` rule picks from the measured
-costs of both.
+costs of both; then a chunk of each prompt waiting, each prompt alone, so that
+no prompt's cache rounds with the prompts that arrived beside it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ class ContinuousBatch(Generic[T]):
             ready = drafting > 0
             if ready:
                 drafts = rule.choose(width, depth, drafting)
+        waiting = len(self._generator._unprocessed_sequences) + len(self._generator._currently_processing)
+        self._admission()
         started = time.perf_counter()
         if drafts:
             assert speculation is not None and rule is not None
@@ -110,6 +113,8 @@ class ContinuousBatch(Generic[T]):
             prompts, responses = self._generator.next()
             if rule is not None and ready and not prompts:  # a classic step the rule chose: its cost
                 rule.classic(width, depth, time.perf_counter() - started)
+        if waiting > 1:
+            prompts = prompts + self._prompts_alone(waiting - 1)
         if speculation is not None:
             speculation.absorb(list(self._generator._generation_batch.uids))
         snapshots = []
@@ -122,6 +127,50 @@ class ContinuousBatch(Generic[T]):
                 mx.eval([layer.state for layer in cache])  # its own arrays, not views of the batch's
                 snapshots.append((list(held), cache))
         return Stepped([(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid], snapshots, drafts)
+
+    def _prompts_alone(self, passes: int) -> list[Any]:
+        """Up to *passes* more prompt chunks in this step, each of one prompt alone, the batch's rows set aside
+        meanwhile so that they do not step again.
+
+        mlx-lm's prompt batch holds one prompt here (prompts prefilled together, right-padded to the longest,
+        would round with each other), so each of its passes advances one; as many passes as prompts were
+        waiting give a step the prefill work a batched prefill would, without keeping the batch's rows
+        waiting a step for each prompt. A prompt finished in a pass takes its first step alone and joins the
+        rows.
+        """
+        from mlx_lm.generate import GenerationBatch
+
+        generator = self._generator
+        rows = generator._generation_batch
+        prompts: list[Any] = []
+        try:
+            for _ in range(passes):
+                if not (generator._unprocessed_sequences or generator._currently_processing):
+                    break
+                # Empty each pass: a row that joined in the last one must not step again before the batch does.
+                generator._generation_batch = GenerationBatch.empty(generator.model, generator.sampler)
+                self._admission()
+                done, _ = generator.next()
+                prompts += done
+                if len(joined := generator._generation_batch):
+                    rows.extend(joined)
+        finally:
+            generator._generation_batch = rows
+        return prompts
+
+    def _admission(self) -> None:
+        """How many prompts mlx-lm's prompt batch takes in its next pass: one (prompts prefilled together round
+        with each other), or, while it is empty, every waiting prompt in a row that has only its last token
+        left (one the prefix cache held): their first step is one position a row, the same bytes together as
+        alone (:mod:`~mlxcel.models.row_exact`), and one step for all of them."""
+        generator = self._generator
+        ready = 0
+        if not generator._currently_processing:
+            for entry in generator._unprocessed_sequences:  # (uid, segments, ...): the last segment is one token
+                if len(entry[1]) != 1:
+                    break
+                ready += 1
+        generator.prefill_batch_size = max(1, ready)
 
     def take_out(self, finished: list[tuple[T, Any]]) -> dict[int, tuple[Any, list[int]]]:
         """Remove *finished* sequences; the (cache, tokens) of each, by ``id(sequence)``, to keep.
@@ -174,11 +223,11 @@ def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_st
     from mlx_lm.generate import BatchGenerator
 
     # One place more than `parallel`: the scheduler's overflow place (engine/scheduler.py) is the bound that
-    # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue. Prompts are prefilled one
-    # at a time (a chunk a step, between the batch's steps): prefilled together, right-padded to the longest,
-    # a prompt's cache would round with the prompts that happened to arrive beside it (products of all their
-    # rows, attention over the padded length), and so would every token after it (docs/mtp.md, "A row's
-    # bytes are its own").
+    # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue. Its prompt batch holds one
+    # prompt (ContinuousBatch._prompts_alone runs a pass for each prompt waiting): prefilled together,
+    # right-padded to the longest, a prompt's cache would round with the prompts that happened to arrive
+    # beside it (products of all their rows, attention over the padded length), and so would every token
+    # after it (docs/mtp.md, "A row's bytes are its own").
     return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel + 1,
                           prefill_batch_size=1, prefill_step_size=prefill_step_size, stream=stream)
 

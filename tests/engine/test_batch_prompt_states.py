@@ -1,9 +1,10 @@
 """A row the continuous batch prefills has its drafter read its whole prompt, as a lone sequence's does.
 
-mlx-lm's batched prefill runs the model over right-padded chunks of the rows' prompts and keeps no hidden
-states; the tap runs those chunks through the target's forward and keeps them, so by the time a row decodes
-its head's cache holds every prompt position: the same keys and values the head of a lone sequence holds
-after reading the same prompt (the B=1 burst's catch-up), not just the positions since the row's first step.
+mlx-lm's batched prefill runs the model over chunks of the rows' prompts (each prompt alone: engine/batch.py)
+and keeps no hidden states; the tap runs those chunks through the target's forward and keeps them, so by the
+time a row decodes its head's cache holds every prompt position: the same keys and values the head of a lone
+sequence holds after reading the same prompt (the B=1 burst's catch-up), not just the positions since the row's
+first step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mlxcel.models.drafters.own_cache import OwnCacheSequence
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
 
 PROMPTS = [[3 + (7 * i) % 97 for i in range(37)], [5 + (11 * i) % 89 for i in range(70)]]
-CHUNK = 16  # the batch's prefill chunk: several chunks a prompt, the shorter one right-padded
+CHUNK = 16  # the batch's prefill chunk: several chunks a prompt
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import trio
 
 from mlxcel.testing.tools import build_scripted_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import refused, running_server
+from tests.server.conftest import refused, running_server, wait_ready
 
 SCRIPTS = {"hello": ("Hello", " there", ",", " friend", "."), "bye": ("Bye", " for", " now", "."),
            "third": ("A", " third", " one", ".")}
@@ -212,6 +212,7 @@ async def test_the_memory_budget_decides_what_stays_loaded_and_what_cannot_load(
     async with running_server([*common, "--memory-budget", "1M"], ready=False) as url, \
             httpx.AsyncClient(base_url=url, timeout=60) as client:
         too_large = await _say(client, "bye")
+        await wait_ready(url)  # the default model's load, failed too, ended: nothing could load, and it answers
         health = await client.get("/health")
     assert too_large.status_code == 503 and too_large.json()["error"]["code"] == "model_too_large"
     assert too_large.json()["error"]["message"].startswith("the model 'bye' needs 1.")
