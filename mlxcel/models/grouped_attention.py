@@ -32,7 +32,8 @@ from __future__ import annotations
 from typing import Any
 
 #: Keys per block of the sums. Fixed: a block's product must have one shape at every cache length. 64 keeps
-#: the topped-up oldest block cheap at short contexts and costs nothing at depth (docs/benchmarks.md).
+#: the topped-up oldest block cheap at short contexts; from 1k keys blocks of 64 cost nothing for heads 64-128
+#: wide (docs/benchmarks.md, "A row's bytes are its own").
 CHUNK = 64
 
 

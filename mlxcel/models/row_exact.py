@@ -28,9 +28,9 @@ then multiply in chunks of that many rows, on the MLX thread, in two places:
 
 Prefill chunks are left whole: they are not steps, and a prompt's chunks are
 the same in every run. On this machine's OpenBLAS the chunked shapes are 8% of
-a 1 GB Qwen 3.5's weights, small enough to stay in cache, and a batch of 2-16
-steps as fast chunked as whole (docs/benchmarks.md, "Steps that do not depend
-on the batch").
+a 1 GB Qwen 3.5's weights, small enough to stay in cache: their products as
+fast chunked as whole at 2-16 rows, a whole step of 8 rows 2-3% slower
+(docs/benchmarks.md, "A row's bytes are its own").
 
 The attention is the same story one level up: mlx's CPU attention over a causal
 block of K queries sums over all S cached positions (the later ones masked),
