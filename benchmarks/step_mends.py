@@ -6,8 +6,8 @@ One fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``), in p
 (:func:`mlxcel.models.attention.mlx_thread`), its products measured for steps of up to ROWS + 1 rows
 (:func:`mlxcel.models.row_exact.measure_steps`, as the worker does). ROWS rows are prefilled to DEPTH keys,
 then one-position steps are timed (three a sample, the KV caches stepped back after each so the depth holds)
-with: neither mend (mlx's attention, whole products), the products chunked, the lone query's attention
-grouped in blocks, both (what mlxcel serves). Interleaved, medians in milliseconds, and each over neither.
+with: neither mend (mlx's attention, whole products), the products padded or chunked as measured, the lone
+query's attention grouped in blocks, both (what mlxcel serves). Interleaved, medians in milliseconds, and each over neither.
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def main() -> None:
     from mlxcel.models.row_exact import measure_steps
 
     model, _ = load(str(mtp_model("aligned", 0.0, layers=args.layers, hidden=args.hidden)))
-    print(f"{'rows':>4} {'neither ms':>10} {'chunked':>8} {'grouped':>8} {'both':>8}   (ratios to neither)")
+    print(f"{'rows':>4} {'neither ms':>10} {'products':>8} {'grouped':>8} {'both':>8}   (ratios to neither)")
     with attention.mlx_thread():
         split = measure_steps(model, max(args.rows) + 1)
-        chunks = split.chunks if split is not None else {}
+        products = (split.chunks, split.pads) if split is not None else ({}, {})
         rules = attention._thread.rules
         for rows in args.rows:
             cache = make_prompt_cache(model)
@@ -51,12 +51,13 @@ def main() -> None:
                 model(mx.random.randint(0, 1000, (rows, min(128, args.depth - start))), cache=cache)
                 mx.eval([c.state for c in cache])
             token = mx.random.randint(0, 1000, (rows, 1))
-            sides = {"neither": ({}, False), "chunked": (chunks, False), "grouped": ({}, True), "both": (chunks, True)}
+            sides = {"neither": (({}, {}), False), "products": (products, False), "grouped": (({}, {}), True),
+                     "both": (products, True)}
             times: dict[str, list[float]] = {name: [] for name in sides}
             for _ in range(args.repeats):
-                for name, (chunked, grouped) in sides.items():
+                for name, ((chunks, pads), grouped) in sides.items():
                     if split is not None:
-                        split.chunks = dict(chunked)
+                        split.chunks, split.pads = chunks, pads
                     rules.grouped = grouped
                     _step(model, token, cache)
                     started = time.perf_counter()
@@ -64,11 +65,11 @@ def main() -> None:
                         _step(model, token, cache)
                     times[name].append((time.perf_counter() - started) / 3 * 1e3)
             if split is not None:
-                split.chunks = chunks
+                split.chunks, split.pads = products
             rules.grouped = mx.default_device() == mx.cpu
             ms = {name: statistics.median(values) for name, values in times.items()}
             print(f"{rows:>4} {ms['neither']:>10.1f} " + " ".join(
-                f"{ms[name]:>5.1f} ({ms[name] / ms['neither']:.2f})" for name in ("chunked", "grouped", "both")))
+                f"{ms[name]:>5.1f} ({ms[name] / ms['neither']:.2f})" for name in ("products", "grouped", "both")))
 
 
 def _step(model: Any, token: Any, cache: list[Any]) -> None:

@@ -207,9 +207,9 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
 
     # A target may name offsets where its caches change regime (a sliding window filling up).
     wanted = (*OFFSETS, *getattr(target, "probe_offsets", ()))
+    splits = _splits(model, block_size)  # measured first: a padded product changes a lone step's bytes too
     cases = [case(offset) for offset in sorted({min(offset, deepest) for offset in wanted})]
     deep: list[_Case] = []  # built when a split that batches the attention first needs it
-    splits = _splits(model, block_size)
     failures = []
     for split in splits:
         found = None

@@ -87,6 +87,22 @@ def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[
         raise
 
 
+def _measure_products(model: Any, name: str, positions: int, widest: int) -> None:
+    """Before any step runs (the exactness probe's included): which products this BLAS gives a row other
+    bytes in beside other rows, up to *positions* a row and *widest* rows (CPU backend; elsewhere the
+    probe measures what its verify needs), padded or chunked from then on (:mod:`~mlxcel.models.row_exact`)."""
+    import time
+
+    from ..models.row_exact import measure_steps
+
+    started = time.perf_counter()
+    split = measure_steps(model, widest, positions)
+    if split is not None and (split.pads or split.chunks):
+        logger.info("%s: %d weight shape(s) padded and %d chunked, so that a row's products are the same bytes "
+                    "at any width up to %d x %d rows (measured in %.1fs)", name, len(split.pads), len(split.chunks),
+                    widest, positions, time.perf_counter() - started)
+
+
 def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, tokenizer: Any,
             release: Callable[[], None], check: Callable[[], None]) -> Loaded:
     import mlx.core as mx
@@ -102,6 +118,22 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     new_cache = cache_maker(model, settings.kv_bits)
     if settings.kv_bits is not None:
         _check_quantized_cache(model, new_cache, stream, checkpoint.name, settings.kv_bits)
+    # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
+    # --no-batch) sequences decode solo, one at a time, first come first served. A sharded
+    # model decodes one sequence at a time too: its followers mirror one cache.
+    broken = BATCH_BROKEN.get(checkpoint.model_type)
+    if sharding is not None:
+        broken = f"--distributed {sharding.mode}: the other ranks follow one sequence at a time"
+    no_batch = "--no-batch" if not settings.batch else "--parallel 1" if settings.parallel < 2 else broken
+    if no_batch is None and settings.kv_bits is not None:  # as mlx_lm.server's --kv-bits
+        no_batch = f"--kv-bits {settings.kv_bits}: quantized KV caches do not merge into mlx-lm's batch"
+    if no_batch is None and not batchable(model):
+        no_batch = "its caches cannot be merged into a batch"
+    if settings.batch and settings.parallel > 1 and no_batch is not None:
+        logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name, no_batch)
+    drafts = settings.drafter is not None and settings.batch and sharding is None
+    _measure_products(model, checkpoint.name, settings.block_size if drafts else 1,
+                      settings.parallel + 1 if no_batch is None else 1)  # the batch's overflow place is a row too
     speculation = None
     pairing = None
     no_burst: str | None = "no drafter configured (--mtp, --draft-model)"
@@ -122,19 +154,6 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         pairing = speculation.pairing
         no_burst = None if speculation.split is not None else speculation.decline or "the exactness probe vetoed it"
     check()
-    # Batching needs caches that merge, and a batch mlx-lm gets right; without it (or with
-    # --no-batch) sequences decode solo, one at a time, first come first served. A sharded
-    # model decodes one sequence at a time too: its followers mirror one cache.
-    broken = BATCH_BROKEN.get(checkpoint.model_type)
-    if sharding is not None:
-        broken = f"--distributed {sharding.mode}: the other ranks follow one sequence at a time"
-    no_batch = "--no-batch" if not settings.batch else "--parallel 1" if settings.parallel < 2 else broken
-    if no_batch is None and settings.kv_bits is not None:  # as mlx_lm.server's --kv-bits
-        no_batch = f"--kv-bits {settings.kv_bits}: quantized KV caches do not merge into mlx-lm's batch"
-    if no_batch is None and not batchable(model):
-        no_batch = "its caches cannot be merged into a batch"
-    if settings.batch and settings.parallel > 1 and no_batch is not None:
-        logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name, no_batch)
     capabilities = Capabilities(
         parallel=settings.parallel if no_batch is None else 1, no_batch=no_batch, no_burst=no_burst,
         # Scoring is a forward of its own, between the running sequence's: the other ranks would not

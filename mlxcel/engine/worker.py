@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -128,7 +127,6 @@ class Worker:
             raise LoadCancelled("stopped while loading the model")
 
     def _load(self) -> None:
-        from ..models.row_exact import measure_steps
         from .loading import cache_cost, load
         from .prefix_cache import rewindable
         from .prompt_disk import open_prefix_cache
@@ -150,12 +148,6 @@ class Worker:
                                   self.settings.block_size, capabilities.parallel, self.policy, self.hints,
                                   loaded.pairing, loaded.embedding_rows, batching=capabilities.batching)
         if capabilities.batching:
-            started = time.perf_counter()
-            split = measure_steps(self.model, capabilities.parallel + 1)  # the overflow place is a row too
-            if split is not None:
-                logger.info("batch steps: %d weight shape(s) multiplied in chunks, so that a row's step is the "
-                            "same bytes at any batch width (measured in %.1fs)", len(split.chunks),
-                            time.perf_counter() - started)
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,
                                          self.batch_mtp.rule)

@@ -14,23 +14,30 @@ decode computes (OpenBLAS here: 512 x 1024 from 2 rows, 256 x 1024 from 4,
   arrivals can part at a near-tie.
 
 So, once per model, :func:`measure` finds for each float weight shape the most
-rows a product may take at once and still give each row its 1-row bytes (its
-*chunk*), for every count up to the widest block the server runs (``max_rows``
-positions a row, ``max_batch`` rows), with the model's own layers and random
-rows: a kernel's summation order does not depend on the values, so a product
-that differs once differs for almost any input. Layers of a shape that needs it
-then multiply in chunks of that many rows, on the MLX thread, in two places:
+rows a product may take at once and still give each row its 1-row bytes, for
+every count up to the widest block the server runs (``max_rows`` positions a
+row, ``max_batch`` rows), with the model's own layers and random rows: a
+kernel's summation order does not depend on the values, so a product that
+differs once differs for almost any input. Past that count this OpenBLAS
+switches kernel once (a small weight's product crosses its size threshold;
+docs/benchmarks.md) and every larger product gives each row the same other
+bytes, wherever the row lies. So on the CPU backend a shape whose larger
+products all agree, measured, is *padded*: on the MLX thread a product of
+fewer rows than the switch is topped up with zero rows to that many, and every
+product of every step, verify and width gives a row the same bytes, one
+product each, at the cost of the few padded rows. A shape that does not agree
+is *chunked* instead, to products of at most that many rows, in two places:
 
 - every step that feeds one position a row (a batch's classic step; a lone
-  request's, one row, is already whole): always, so a row's step is the same
-  bytes at any batch width;
+  request's, one row, is already whole), so a row's step is the same bytes at
+  any batch width;
 - every block of positions inside :func:`rows_apart` (the ``rows`` verify).
 
-Prefill chunks are left whole: they are not steps, and a prompt's chunks are
-the same in every run. On this machine's OpenBLAS the chunked shapes are 8% of
-a 1 GB Qwen 3.5's weights, small enough to stay in cache: their products as
-fast chunked as whole at 2-16 rows, a whole step of 8 rows 2-3% slower
-(docs/benchmarks.md, "A row's bytes are its own").
+Chunked, a (B, K) verify of a 2 MB weight costs B x K one-row products where
+one product would do (32 of them: 2.8 ms against 0.5, docs/benchmarks.md); the
+padding costs a lone step's product of such a weight a second row (0.17 ->
+0.33 ms). Prefill chunks of chunked shapes are left whole: they are not steps,
+and a prompt's chunks are the same in every run.
 
 The attention is the same story one level up: mlx's CPU attention over a causal
 block of K queries sums over all S cached positions (the later ones masked),
@@ -68,10 +75,14 @@ class RowSplit:
 
     def __init__(self, chunks: Mapping[tuple[int, int], int], share: float, max_rows: int = 0,
                  max_batch: int = 1, steps: bool = True,
-                 batch_shapes: frozenset[tuple[int, int]] = frozenset()) -> None:
+                 batch_shapes: frozenset[tuple[int, int]] = frozenset(),
+                 pads: Mapping[tuple[int, int], int] | None = None) -> None:
         self.chunks = dict(chunks)
         """(out, in) weight shape -> the most rows whose product gives each row its 1-row bytes (1..N-1, N =
-        *max_rows* x *max_batch*). A shape not here is exact at every count measured."""
+        *max_rows* x *max_batch*). A shape neither here nor in :attr:`pads` is exact at every count measured."""
+        self.pads = dict(pads or {})
+        """(out, in) weight shape -> the fewest rows whose product gives each row the bytes that every larger
+        product, up to N, gives it too: on the MLX thread a product of fewer rows is topped up to this many."""
         self.share = share
         """The share of the bytes of the model's float linear layers (and tied embeddings) whose products of
         2..*max_rows* positions of one row are chunked: what a lone request's verify reads more than once."""
@@ -142,22 +153,24 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
             layers.append(module)
     most = max_rows * max_batch
     steps = mx.default_device() == mx.cpu
-    chunks, batched = {}, set()
+    chunks, pads, batched = {}, {}, set()
     for shape, layer in samples.items():
         multiply = layer.as_linear if isinstance(layer, nn.Embedding) else layer
         block = mx.random.normal((most, shape[1]), key=mx.random.key(0)).astype(layer.weight.dtype)
         alone = mx.concatenate([_whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
         fits = next((n - 1 for n in range(2, len(alone) + 1)
                      if not mx.array_equal(_whole(multiply, block[:n]), alone[:n]).item()), most)
-        if fits < len(alone):
+        if fits < len(alone) and steps and _one_kernel_from(multiply, block, fits + 1):
+            pads[shape] = fits + 1
+        elif fits < len(alone):
             chunks[shape] = fits
         if not steps and any(_positions_differ(multiply, block, rows, max_rows) for rows in range(2, max_batch + 1)):
             batched.add(shape)
     total = sum(sizes.values())
-    split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched))
+    split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched), pads)
     split.share = sum(sizes[s] for s in split.shapes) / total if total else 0.0
     for layer in layers:
-        if tuple(layer.weight.shape) in chunks.keys() | batched:
+        if tuple(layer.weight.shape) in chunks.keys() | pads.keys() | batched:
             if not hasattr(layer, "row_split"):
                 layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
             layer.row_split = split  # a plain attribute: not a parameter, never saved
@@ -172,11 +185,22 @@ def _whole(multiply: Any, x: Any) -> Any:
     split = getattr(getattr(multiply, "__self__", multiply), "row_split", None)
     if split is None:
         return multiply(x)
-    saved, split.chunks, split.batch_shapes = (split.chunks, split.batch_shapes), {}, frozenset()
+    saved, split.chunks, split.pads, split.batch_shapes = (split.chunks, split.pads, split.batch_shapes), {}, {}, \
+        frozenset()
     try:
         return multiply(x)
     finally:
-        split.chunks, split.batch_shapes = saved
+        split.chunks, split.pads, split.batch_shapes = saved
+
+
+def _one_kernel_from(multiply: Any, block: Any, first: int) -> bool:
+    """Whether every product of *first* or more of *block*'s rows gives each row the bytes the whole block's
+    product gives it, in order and reversed (so wherever the row lies)."""
+    import mlx.core as mx
+
+    whole = _whole(multiply, block)
+    return bool(all(mx.array_equal(_whole(multiply, block[:n]), whole[:n]).item() for n in range(first, len(block)))
+                and mx.array_equal(_whole(multiply, block[::-1]), whole[::-1]).item())
 
 
 def _positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> bool:
@@ -197,14 +221,20 @@ def _by_rows(cls: Any) -> type:
 
     def by_rows(original: Any) -> Any:
         def call(self: Any, x: Any) -> Any:
-            if x.ndim < 2:
-                return original(self, x)
             import mlx.core as mx
 
             split, shape = self.row_split, tuple(self.weight.shape)
             rows = 1
             for size in x.shape[:-1]:
                 rows *= size
+            pad = split.pads.get(shape)
+            if pad is not None:  # one product, topped up past this BLAS's kernel switch
+                if rows >= pad or not on_mlx_thread():
+                    return original(self, x)
+                flat = mx.concatenate([x.reshape(rows, x.shape[-1]), mx.zeros((pad - rows, x.shape[-1]), x.dtype)])
+                return original(self, flat)[:rows].reshape(*x.shape[:-1], -1)
+            if x.ndim < 2:
+                return original(self, x)
             positions = x.shape[-2] if x.ndim >= 3 else x.shape[0]  # flat rows: a block, not a batch's step
             if split.steps or rows == positions:
                 most = split.chunk(shape, rows, positions)
@@ -222,13 +252,13 @@ def _by_rows(cls: Any) -> type:
     return type(f"RowSplit{cls.__name__}", (cls,), {name: by_rows(getattr(cls, name))})
 
 
-def measure_steps(model: Any, widest: int) -> RowSplit | None:
-    """On the CPU backend, :func:`measure` *model* for the continuous batch's classic steps of up to *widest*
-    rows (a no-op where a verify measured as much already), so that a row's step is its bytes alone at any
-    width; elsewhere nothing (see :attr:`RowSplit.steps`)."""
+def measure_steps(model: Any, widest: int, positions: int = 1) -> RowSplit | None:
+    """On the CPU backend, :func:`measure` *model* for steps of up to *widest* rows and verifies of up to
+    *positions* a row (a no-op where as much was measured already), so that a row's products are its bytes
+    alone at any width; elsewhere nothing (see :attr:`RowSplit.steps`)."""
     import mlx.core as mx
 
-    return measure(model, 1, max_batch=widest) if mx.default_device() == mx.cpu else None
+    return measure(model, positions, max_batch=widest) if mx.default_device() == mx.cpu else None
 
 
 @contextmanager

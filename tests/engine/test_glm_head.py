@@ -151,7 +151,8 @@ def test_the_targets_forward_and_verify_logits_equal_transformers(glm: tuple[Pat
 
 
 @pytest.mark.slow
-def test_the_probe_vetoes_mlx_lms_own_wide_forward_as_a_verify(glm: tuple[Path, Path]) -> None:
+def test_the_probe_vetoes_mlx_lms_own_wide_forward_as_a_verify(glm: tuple[Path, Path], on_an_mlx_thread: None
+                                                               ) -> None:
     """mlx-lm computes attention over a block in MLA's expanded form and a single token in the absorbed
     one: a K-wide forward is not the chain's bytes, which is why the adapter verifies row by row."""
     from mlx_lm import load
@@ -172,6 +173,6 @@ def test_the_probe_vetoes_mlx_lms_own_wide_forward_as_a_verify(glm: tuple[Path, 
 
     vetoed = probe_exactness(WideForward(model), model, make_cache, 3, 512, 4096)
     assert vetoed.split is None and "a width-2 verify at offset 12: position 0 differs" in (vetoed.detail or "")
-    # Row by row, the probe finds a split that is exact (which one is the BLAS's business: OpenBLAS
-    # multiplies some row counts with another kernel, and then the half-width split is the exact one).
+    # Row by row, the probe finds a split that is exact (which one is the BLAS's business), on the MLX
+    # thread, as the worker probes.
     assert probe_exactness(Glm4MoeLiteTarget(model), model, make_cache, 3, 512, 4096).split is not None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -13,37 +14,65 @@ from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models import attention, row_exact
 
 
-@pytest.mark.requires_openblas  # the inexact shapes are OpenBLAS's; CI requires it
-def test_measured_shapes_multiply_like_one_row_only_inside_rows_apart(tmp_path: Path, on_an_mlx_thread: None) -> None:
+def _off_the_mlx_thread(call: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
+    """*call*(x) on a thread of its own (not an MLX thread: mlx's products and attention, untouched)."""
+    out: list[mx.array] = []
+    mx.eval(x)
+    thread = threading.Thread(target=lambda: out.append(mx.eval(y := call(x)) or y))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@pytest.mark.requires_openblas  # the width-dependent shapes are OpenBLAS's; CI requires it
+def test_measured_shapes_give_each_row_the_same_bytes_at_every_width(tmp_path: Path, on_an_mlx_thread: None) -> None:
     from mlx_lm import load
 
     model, _ = load(str(build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)))
     split = row_exact.measure(model, 8)
-    inexact = split.shapes
-    assert inexact and 0 < split.share < 1  # this machine's OpenBLAS: some shapes, not all
+    assert split.pads  # this machine's OpenBLAS switches kernel for some small weights
     assert row_exact.measure(model, 4) is split  # measured once per model
     layers = {tuple(m.weight.shape): m for _, m in model.named_modules() if isinstance(m, nn.Linear)}
     x_key = mx.random.key(1)
-    for shape in inexact:
+    for shape, rows in split.pads.items():
         layer = layers[shape]
         x = mx.random.normal((1, 8, shape[1]), key=x_key)
+        whole = layer(x)
         one_by_one = mx.concatenate([layer(x[:, i:i + 1]) for i in range(8)], axis=1)
-        assert not mx.array_equal(layer(x), one_by_one).item()  # the kernel switch, measured again
-        with row_exact.rows_apart(model):
-            assert mx.array_equal(layer(x), one_by_one).item()
-        assert not mx.array_equal(layer(x), one_by_one).item()  # the patch is gone again
-    exact = next(s for s in layers if s not in inexact)
-    x = mx.random.normal((1, 8, exact[1]), key=x_key)
-    whole = layers[exact](x)
-    with row_exact.rows_apart(model):  # a shape that multiplies exactly stays one product
-        assert mx.array_equal(layers[exact](x), whole).item()
-    # Another model of the same shapes, never measured, is untouched even while the first is split.
+        # mlx's own products: a row alone (below the switch) is not its bytes beside 7 others.
+        assert not mx.array_equal(_off_the_mlx_thread(layer, x[:, :1]), whole[:, :1]).item()
+        # On the MLX thread every product, of any width, gives each row the same bytes.
+        assert mx.array_equal(one_by_one, whole).item(), (shape, rows)
+        for width in range(1, 8):
+            assert mx.array_equal(layer(x[:, :width]), whole[:, :width]).item()
+    exact = next(s for s in layers if s not in split.pads)
+    assert not isinstance(layers[exact], row_exact.RowSplit) and not hasattr(layers[exact], "row_split")
+    # Another model of the same shapes, never measured, is untouched.
     other, _ = load(str(build_mtp_checkpoint(tmp_path / "other", drafter="aligned", context_scale=0.05)))
-    shape = next(iter(inexact))
+    shape = next(iter(split.pads))
     twin = next(m for _, m in other.named_modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) == shape)
     x = mx.random.normal((1, 8, shape[1]), key=x_key)
+    assert not mx.array_equal(twin(x[:, :1]), twin(x)[:, :1]).item()
+
+
+@pytest.mark.requires_openblas
+def test_a_chunked_shape_multiplies_a_rows_verify_a_row_at_a_time(on_an_mlx_thread: None) -> None:
+    # The fallback for a shape whose larger products do not all agree: chunks of rows that give each row its
+    # one-row bytes, inside a rows verify (and in steps of one position a row).
+    layer = nn.Linear(64, 512)
+    x = mx.random.normal((1, 8, 64), key=mx.random.key(1))
+    one_by_one = mx.concatenate([layer(x[:, i:i + 1]) for i in range(8)], axis=1)
+    assert not mx.array_equal(layer(x), one_by_one).item()  # the kernel switch
+    model = nn.Sequential(layer)
+    split = row_exact.RowSplit({(512, 64): 1}, 1.0, max_rows=8)
+    layer.__class__ = row_exact._by_rows(nn.Linear)
+    layer.row_split = split
+    model.row_split = split
+    assert not mx.array_equal(layer(x), one_by_one).item()  # a block of positions: whole outside a verify
     with row_exact.rows_apart(model):
-        assert not mx.array_equal(twin(x), mx.concatenate([twin(x[:, i:i + 1]) for i in range(8)], axis=1)).item()
+        assert mx.array_equal(layer(x), one_by_one).item()
+    steps = x.reshape(8, 1, 64)  # 8 rows, one position each: a batch's step
+    assert mx.array_equal(layer(steps).reshape(1, 8, 512), one_by_one).item()
 
 
 def test_a_rows_verify_refuses_to_run_off_the_thread_that_measured_it() -> None:
