@@ -1,10 +1,10 @@
-"""Products that give every row its one-row bytes, whatever else shares the product; a verify's attention a
+"""Products that give every row the same bytes, whatever else shares the product; a verify's attention a
 query at a time.
 
 A BLAS picks its kernel by the shape of a product: for some weight shapes the
 rows of an N-row ``x @ W.T`` are not bit for bit the 1-row products classic
-decode computes (OpenBLAS here: 512 x 1024 from 2 rows, 256 x 1024 from 4,
-64 x 1024 at 16, docs/blas.md). Two things then break:
+decode computes (OpenBLAS here: 512 x 1024 from 2 rows, 128 x 1024 from 8,
+64 x 1024 from 16, docs/blas.md). Two things then break:
 
 - a K-wide verify is not the K classic steps it must equal (the burst's
   exactness), and a batch's (B, K) verify is not its B-row classic steps;
@@ -50,7 +50,7 @@ the mask, each through the attention in place (on the CPU,
 The exactness probe still judges the whole verify.
 
 Scoped to one model: :func:`measure` swaps the class of just that model's layers
-of the chunked shapes for a subclass that multiplies in chunks, and attention
+of the padded or chunked shapes for a subclass that pads or chunks, and attention
 has no per-model seam in mlx-lm (every family calls
 ``mx.fast.scaled_dot_product_attention``), so :mod:`.attention`'s dispatcher
 attends a query at a time while :func:`rows_apart` is open, and only on the
@@ -70,8 +70,8 @@ from .attention import on_mlx_thread, one_query_at_a_time
 
 
 class RowSplit:
-    """One model's chunked products: for each weight shape that needs it, the most rows multiplied at once;
-    and the flag that says a ``rows`` verify is open."""
+    """One model's padded and chunked products, by weight shape; and the flag that says a ``rows`` verify is
+    open."""
 
     def __init__(self, chunks: Mapping[tuple[int, int], int], share: float, max_rows: int = 0,
                  max_batch: int = 1, steps: bool = True,
