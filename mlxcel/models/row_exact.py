@@ -149,8 +149,9 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
         if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating):
             shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
             sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
-            samples.setdefault(shape, module)  # the model's own: no copy of a large head
-            layers.append(module)
+            if _plain(module):
+                samples.setdefault(shape, module)  # the model's own: no copy of a large head
+                layers.append(module)
     most = max_rows * max_batch
     steps = mx.default_device() == mx.cpu
     chunks, pads, batched = {}, {}, set()
@@ -178,6 +179,18 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
             layer.row_split = split  # measured again: its shape needs no chunks now
     model.row_split = split
     return split
+
+
+def _plain(layer: Any) -> bool:
+    """Whether *layer* multiplies as mlx's own Linear (or Embedding, as a linear layer) does: one array out, so
+    its product may be padded or chunked. A family's own subclass that returns something else (afm7's fused
+    projections return their parts) is left alone."""
+    import mlx.nn as nn
+
+    cls = type(layer).__mro__[1] if hasattr(layer, "row_split") else type(layer)  # measured before: its own class
+    if isinstance(layer, nn.Embedding):
+        return bool(getattr(cls, "as_linear", None) is nn.Embedding.as_linear)
+    return bool(cls.__call__ is nn.Linear.__call__)
 
 
 def _whole(multiply: Any, x: Any) -> Any:
@@ -258,7 +271,9 @@ def measure_steps(model: Any, widest: int, positions: int = 1) -> RowSplit | Non
     alone at any width; elsewhere nothing (see :attr:`RowSplit.steps`)."""
     import mlx.core as mx
 
-    return measure(model, positions, max_batch=widest) if mx.default_device() == mx.cpu else None
+    if positions * widest < 2 or mx.default_device() != mx.cpu:  # one row only: nothing shares a product
+        return None
+    return measure(model, positions, max_batch=widest)
 
 
 @contextmanager
