@@ -5,7 +5,7 @@
 For each (out, in) weight shape, fp32, ``x @ W.T`` for every count n of 1..ROWS rows of one random block:
 the counts are grouped into classes whose products give every row they share the same bytes (printed as a
 string of class digits, n = 1 first). On this machine's OpenBLAS a shape has at most two classes, the small
-products and the large (the switch where n x out x in reaches about 2^20), which is what lets
+products and the large (for 1024-wide inputs the switch is where n x out x in reaches 2^20), which is what lets
 :mod:`mlxcel.models.row_exact` top a small product up past the switch instead of multiplying a row at a
 time. Then microseconds, 26 weights of the shape in turn (so they are read from memory, as a model's
 layers are): 1 row alone; 1 row topped up to the switch; 8 and 32 rows as one product and a row at a time.

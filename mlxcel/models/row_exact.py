@@ -19,7 +19,7 @@ every count up to the widest block the server runs (``max_rows`` positions a
 row, ``max_batch`` rows), with the model's own layers and random rows: a
 kernel's summation order does not depend on the values, so a product that
 differs once differs for almost any input. Past that count this OpenBLAS
-switches kernel once (a small weight's product crosses its size threshold;
+switches kernel once (a small weight's product crosses a size threshold;
 docs/benchmarks.md) and every larger product gives each row the same other
 bytes, wherever the row lies. So on the CPU backend a shape whose larger
 products all agree, measured, is *padded*: on the MLX thread a product of
