@@ -18,15 +18,18 @@ rows a product may take at once and still give each row its 1-row bytes, for
 every count up to the widest block the server runs (``max_rows`` positions a
 row, ``max_batch`` rows), with the model's own layers and random rows: a
 kernel's summation order does not depend on the values, so a product that
-differs once differs for almost any input. Past that count this OpenBLAS
-switches kernel once (a small weight's product crosses a size threshold;
-docs/benchmarks.md) and every larger product gives each row the same other
-bytes, wherever the row lies. So on the CPU backend a shape whose larger
-products all agree, measured, is *padded*: on the MLX thread a product of
-fewer rows than the switch is topped up with zero rows to that many, and every
-product of every step, verify and width gives a row the same bytes, one
-product each, at the cost of the few padded rows. A shape that does not agree
-is *chunked* instead, to products of at most that many rows, in two places:
+differs once differs for almost any input. The row counts 1..N fall into runs
+that share a kernel: this OpenBLAS switches once (a small weight's product
+crosses a size threshold), MKL twice (at 2 rows and at 16), and within a run
+every product gives a row the same bytes wherever it lies (docs/benchmarks.md).
+So on the CPU backend each shape keeps to one run, the first that reaches
+:data:`WHOLE` rows: on the MLX thread a product of fewer rows is *padded*
+(topped up with zero rows to the run's first count), and a product of more
+rows than the run holds is *chunked* into pieces within it. Every product of
+every step, verify and width then gives a row the same bytes, at the cost of
+the few padded rows. A shape whose runs do not behave so (a kernel coming back)
+is chunked instead to the most rows that give each row its one-row bytes.
+Chunks apply in two places:
 
 - every step that feeds one position a row (a batch's classic step; a lone
   request's, one row, is already whole), so a row's step is the same bytes at
@@ -67,6 +70,10 @@ from contextlib import contextmanager
 from typing import Any
 
 from .attention import on_mlx_thread, one_query_at_a_time
+
+#: Rows a batch's step keeps as one product wherever this BLAS allows: of the runs of row counts that share a
+#: kernel, the padded and chunked products use the first that reaches this many (or the widest measured).
+WHOLE = 8
 
 
 class RowSplit:
@@ -158,13 +165,19 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
     for shape, layer in samples.items():
         multiply = layer.as_linear if isinstance(layer, nn.Embedding) else layer
         block = mx.random.normal((most, shape[1]), key=mx.random.key(0)).astype(layer.weight.dtype)
-        alone = mx.concatenate([_whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
-        fits = next((n - 1 for n in range(2, len(alone) + 1)
-                     if not mx.array_equal(_whole(multiply, block[:n]), alone[:n]).item()), most)
-        if fits < len(alone) and steps and _one_kernel_from(multiply, block, fits + 1):
-            pads[shape] = fits + 1
-        elif fits < len(alone):
-            chunks[shape] = fits
+        kept = _kernel_class(multiply, block) if steps else None
+        if kept is not None:  # padded up to low rows, cut to high rows at most
+            low, high = kept
+            if low > 1:
+                pads[shape] = low
+            if high < most:
+                chunks[shape] = high
+        else:  # each row its one-row bytes: chunks of the most rows that give them
+            alone = mx.concatenate([_whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
+            fits = next((n - 1 for n in range(2, len(alone) + 1)
+                         if not mx.array_equal(_whole(multiply, block[:n]), alone[:n]).item()), most)
+            if fits < len(alone):
+                chunks[shape] = fits
         if not steps and any(_positions_differ(multiply, block, rows, max_rows) for rows in range(2, max_batch + 1)):
             batched.add(shape)
     total = sum(sizes.values())
@@ -206,14 +219,25 @@ def _whole(multiply: Any, x: Any) -> Any:
         split.chunks, split.pads, split.batch_shapes = saved
 
 
-def _one_kernel_from(multiply: Any, block: Any, first: int) -> bool:
-    """Whether every product of *first* or more of *block*'s rows gives each row the bytes the whole block's
-    product gives it, in order and reversed (so wherever the row lies)."""
+def _kernel_class(multiply: Any, block: Any) -> tuple[int, int] | None:
+    """The counts (low, high) of *block*'s rows whose products all give each row the same bytes, wherever it
+    lies: of the runs of counts 1..N that share a kernel, the first that reaches :data:`WHOLE` rows (or N);
+    None where a run's kernel comes back later, or a row's bytes move with its place."""
     import mlx.core as mx
 
-    whole = _whole(multiply, block)
-    return bool(all(mx.array_equal(_whole(multiply, block[:n]), whole[:n]).item() for n in range(first, len(block)))
-                and mx.array_equal(_whole(multiply, block[::-1]), whole[::-1]).item())
+    runs: list[tuple[int, int, Any]] = []  # (low, high, the product of high rows): counts in order
+    for n in range(1, len(block) + 1):
+        product = _whole(multiply, block[:n])
+        if runs and mx.array_equal(product[:n - 1], runs[-1][2]).item():
+            runs[-1] = (runs[-1][0], n, product)
+            continue
+        if any(mx.array_equal(product[:min(n, high)], last[:min(n, high)]).item() for _, high, last in runs[:-1]):
+            return None
+        runs.append((n, n, product))
+    low, high, last = next((run for run in runs if run[1] >= min(len(block), WHOLE)), runs[-1])
+    if high < min(len(block), WHOLE):
+        return None
+    return (low, high) if mx.array_equal(_whole(multiply, block[:high][::-1]), last[::-1]).item() else None
 
 
 def _positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> bool:
@@ -227,6 +251,15 @@ def _positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> b
                for m in range(2, positions + 1))
 
 
+def _topped_up(multiply: Any, layer: Any, rows: Any, low: int) -> Any:
+    """*multiply*(*layer*, *rows*), the rows topped up with zero rows to *low* (the product's kernel switch)."""
+    import mlx.core as mx
+
+    if len(rows) >= low:
+        return multiply(layer, rows)
+    return multiply(layer, mx.concatenate([rows, mx.zeros((low - len(rows), rows.shape[-1]), rows.dtype)]))[:len(rows)]
+
+
 @functools.cache
 def _by_rows(cls: Any) -> type:
     """*cls* (a Linear or an Embedding) multiplying in its model's chunks, where :meth:`RowSplit.chunk` says."""
@@ -237,28 +270,25 @@ def _by_rows(cls: Any) -> type:
             import mlx.core as mx
 
             split, shape = self.row_split, tuple(self.weight.shape)
+            if not on_mlx_thread():
+                return original(self, x)
             rows = 1
             for size in x.shape[:-1]:
                 rows *= size
-            pad = split.pads.get(shape)
-            if pad is not None:  # one product, topped up past this BLAS's kernel switch
-                if rows >= pad or not on_mlx_thread():
-                    return original(self, x)
-                flat = mx.concatenate([x.reshape(rows, x.shape[-1]), mx.zeros((pad - rows, x.shape[-1]), x.dtype)])
-                return original(self, flat)[:rows].reshape(*x.shape[:-1], -1)
-            if x.ndim < 2:
+            most = None
+            if x.ndim >= 2:
+                positions = x.shape[-2] if x.ndim >= 3 else x.shape[0]  # flat rows: a block, not a batch's step
+                if split.steps or rows == positions:
+                    most = split.chunk(shape, rows, positions)
+                elif split.active and positions > 1 and shape in split.batch_shapes:
+                    return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(positions)], axis=-2)
+            low = split.pads.get(shape, 1)
+            if most is None and rows >= low:
                 return original(self, x)
-            positions = x.shape[-2] if x.ndim >= 3 else x.shape[0]  # flat rows: a block, not a batch's step
-            if split.steps or rows == positions:
-                most = split.chunk(shape, rows, positions)
-                if most is None:
-                    return original(self, x)
-                flat = x.reshape(rows, x.shape[-1])
-                out = mx.concatenate([original(self, flat[i:i + most]) for i in range(0, rows, most)])
-                return out.reshape(*x.shape[:-1], out.shape[-1])
-            if split.active and positions > 1 and shape in split.batch_shapes and on_mlx_thread():
-                return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(positions)], axis=-2)
-            return original(self, x)
+            flat = x.reshape(rows, x.shape[-1])
+            pieces = [flat[i:i + most] for i in range(0, rows, most)] if most else [flat]
+            out = mx.concatenate([_topped_up(original, self, piece, low) for piece in pieces])
+            return out.reshape(*x.shape[:-1], out.shape[-1])
         return call
 
     name = "as_linear" if issubclass(cls, nn.Embedding) else "__call__"

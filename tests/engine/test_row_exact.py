@@ -123,3 +123,24 @@ def test_inside_rows_apart_each_query_attends_as_its_own_step_would() -> None:
         assert not calls  # every one of those was a lone query: grouped, never mlx's kernel
         attend(q, k, v, scale=0.125, mask="causal")  # the rows verify closed: the block attends whole again
     assert calls == [(2, 12, "causal")]
+
+
+@pytest.mark.requires_openblas
+def test_a_shape_padded_and_cut_gives_each_row_the_bytes_of_its_kernel(on_an_mlx_thread: None) -> None:
+    # Where the run of row counts that share a kernel ends (MKL: 2-15 rows), a wider product is cut into
+    # pieces within it, the last piece topped up: 512 x 64 here shares one kernel from 3 rows on.
+    layer = nn.Linear(64, 512)
+    x = mx.random.normal((1, 8, 64), key=mx.random.key(1))
+    whole = layer(x)  # 8 rows: past the switch
+    assert not mx.array_equal(layer(x[:, :1]), whole[:, :1]).item()
+    model = nn.Sequential(layer)
+    split = row_exact.RowSplit({(512, 64): 4}, 0.0, max_rows=8, pads={(512, 64): 3})
+    layer.__class__ = row_exact._by_rows(nn.Linear)
+    layer.row_split = split
+    model.row_split = split
+    for width in range(1, 9):
+        assert mx.array_equal(layer(x[:, :width]), whole[:, :width]).item()  # topped up, or one product
+    with row_exact.rows_apart(model):
+        assert mx.array_equal(layer(x), whole).item()  # cut into 4 + 4
+    steps = x.reshape(8, 1, 64)[:5]  # a batch's step of 5 rows: 4 + 1 topped up to 3
+    assert mx.array_equal(layer(steps).reshape(1, 5, 512), whole[:, :5]).item()
