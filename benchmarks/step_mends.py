@@ -4,7 +4,7 @@
 
 One fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``), in process, on its MLX thread
 (:func:`mlxcel.models.attention.mlx_thread`), its products measured for steps of up to ROWS + 1 rows
-(:func:`mlxcel.models.row_exact.measure_steps`, as the worker does). ROWS rows are prefilled to DEPTH keys,
+(:func:`mlxcel.models.row_exact.measure_steps`, as the server does at load). ROWS rows are prefilled to DEPTH keys,
 then one-position steps are timed (three a sample, the KV caches stepped back after each so the depth holds)
 with: neither mend (mlx's attention, whole products), the products padded or chunked as measured, the lone
 query's attention grouped in blocks, both (what mlxcel serves). Interleaved, medians in milliseconds, and

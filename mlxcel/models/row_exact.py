@@ -85,11 +85,12 @@ class RowSplit:
                  batch_shapes: frozenset[tuple[int, int]] = frozenset(),
                  pads: Mapping[tuple[int, int], int] | None = None) -> None:
         self.chunks = dict(chunks)
-        """(out, in) weight shape -> the most rows whose product gives each row its 1-row bytes (1..N-1, N =
-        *max_rows* x *max_batch*). A shape neither here nor in :attr:`pads` is exact at every count measured."""
+        """(out, in) weight shape -> the most rows a step's or a verify's product takes at once (1..N-1, N =
+        *max_rows* x *max_batch*): the end of the shape's run of counts that share a kernel (with :attr:`pads`),
+        or the most that give each row its 1-row bytes. A shape in neither is exact at every count measured."""
         self.pads = dict(pads or {})
-        """(out, in) weight shape -> the fewest rows whose product gives each row the bytes that every larger
-        product, up to N, gives it too: on the MLX thread a product of fewer rows is topped up to this many."""
+        """(out, in) weight shape -> the first count of the shape's run: on the MLX thread a product (or a
+        chunk) of fewer rows is topped up to this many."""
         self.share = share
         """The share of the bytes of the model's float linear layers (and tied embeddings) whose products of
         2..*max_rows* positions of one row are chunked: what a lone request's verify reads more than once."""

@@ -24,7 +24,7 @@ TOKENS = 6
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
     model, _ = load(str(build_checkpoint(tmp_path_factory.mktemp("prefill") / "llama", "llama")))
-    measure_steps(model, 5)  # as the worker does for its batch: a row's step, its one-row bytes
+    measure_steps(model, 5)  # as the server does at load for its batch: a row's step, the same bytes at any width
     return model
 
 
