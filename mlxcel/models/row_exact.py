@@ -23,9 +23,10 @@ that share a kernel: this OpenBLAS switches once (a small weight's product
 crosses a size threshold), MKL twice (at 2 rows and at 16), and within a run
 every product gives a row the same bytes wherever it lies (docs/benchmarks.md).
 So on the CPU backend each shape keeps to one run, the first that reaches
-:data:`WHOLE` rows: on the MLX thread a product of fewer rows is *padded*
-(topped up with zero rows to the run's first count), and a product of more
-rows than the run holds is *chunked* into pieces within it. Every product of
+:data:`WHOLE` rows (a lone step's own, unless it holds one count only): on the
+MLX thread a product of fewer rows is *padded* (topped up with zero rows to the
+run's first count), and a product of more rows than the run holds is *chunked*
+into pieces within it. Every product of
 every step, verify and width then gives a row the same bytes, at the cost of
 the few padded rows. A shape whose runs do not behave so (a kernel coming back)
 is chunked instead to the most rows that give each row its one-row bytes.
@@ -71,9 +72,11 @@ from typing import Any
 
 from .attention import on_mlx_thread, one_query_at_a_time
 
-#: Rows a batch's step keeps as one product wherever this BLAS allows: of the runs of row counts that share a
-#: kernel, the padded and chunked products use the first that reaches this many (or the widest measured).
-WHOLE = 8
+#: Of the runs of row counts that share a kernel, the padded and chunked products use the first that reaches
+#: this many rows (or the widest measured): the run a lone step is in, unless that run is the lone step alone.
+#: A lone step then stays as mlx multiplies it wherever it can (padding a small model's every product cost its
+#: lone step a third; docs/benchmarks.md), and a wider product is cut into the fewest pieces that run allows.
+WHOLE = 2
 
 
 class RowSplit:

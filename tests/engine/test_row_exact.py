@@ -30,29 +30,33 @@ def test_measured_shapes_give_each_row_the_same_bytes_at_every_width(tmp_path: P
 
     model, _ = load(str(build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)))
     split = row_exact.measure(model, 8)
-    assert split.pads  # this machine's OpenBLAS switches kernel for some small weights
+    measured = split.pads.keys() | split.chunks.keys()
+    assert measured  # this machine's OpenBLAS switches kernel for some small weights
     assert row_exact.measure(model, 4) is split  # measured once per model
     layers = {tuple(m.weight.shape): m for _, m in model.named_modules() if isinstance(m, nn.Linear)}
     x_key = mx.random.key(1)
-    for shape, rows in split.pads.items():
+    for shape in measured:
         layer = layers[shape]
         x = mx.random.normal((1, 8, shape[1]), key=x_key)
-        whole = layer(x)
         one_by_one = mx.concatenate([layer(x[:, i:i + 1]) for i in range(8)], axis=1)
-        # mlx's own products: a row alone (below the switch) is not its bytes beside 7 others.
-        assert not mx.array_equal(_off_the_mlx_thread(layer, x[:, :1]), whole[:, :1]).item()
-        # On the MLX thread every product, of any width, gives each row the same bytes.
-        assert mx.array_equal(one_by_one, whole).item(), (shape, rows)
-        for width in range(1, 8):
-            assert mx.array_equal(layer(x[:, :width]), whole[:, :width]).item()
-    exact = next(s for s in layers if s not in split.pads)
-    assert not isinstance(layers[exact], row_exact.RowSplit) and not hasattr(layers[exact], "row_split")
+        # mlx's own products: a row's bytes move with how many rows share its product.
+        mlx_rows = mx.concatenate([_off_the_mlx_thread(layer, x[:, i:i + 1]) for i in range(8)], axis=1)
+        assert not mx.array_equal(_off_the_mlx_thread(layer, x), mlx_rows).item()
+        # On the MLX thread a step of any width (one position a row) and a rows verify give each row the same
+        # bytes as its step alone.
+        steps = x.reshape(8, 1, shape[1])
+        for width in range(1, 9):
+            assert mx.array_equal(layer(steps[:width]).reshape(1, width, -1), one_by_one[:, :width]).item()
+        with row_exact.rows_apart(model):
+            assert mx.array_equal(layer(x), one_by_one).item()
+    exact = next(s for s in layers if s not in measured)
+    assert not hasattr(layers[exact], "row_split")
     # Another model of the same shapes, never measured, is untouched.
     other, _ = load(str(build_mtp_checkpoint(tmp_path / "other", drafter="aligned", context_scale=0.05)))
-    shape = next(iter(split.pads))
+    shape = next(iter(measured))
     twin = next(m for _, m in other.named_modules() if isinstance(m, nn.Linear) and tuple(m.weight.shape) == shape)
     x = mx.random.normal((1, 8, shape[1]), key=x_key)
-    assert not mx.array_equal(twin(x[:, :1]), twin(x)[:, :1]).item()
+    assert not mx.array_equal(twin(x), mx.concatenate([twin(x[:, i:i + 1]) for i in range(8)], axis=1)).item()
 
 
 @pytest.mark.requires_openblas
