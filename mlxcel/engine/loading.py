@@ -131,7 +131,7 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         no_batch = "its caches cannot be merged into a batch"
     if settings.batch and settings.parallel > 1 and no_batch is not None:
         logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name, no_batch)
-    drafts = settings.drafter is not None and settings.batch and sharding is None
+    drafts = settings.drafter is not None and settings.batch and sharding is None  # the burst is set up below
     _measure_products(model, checkpoint.name, settings.block_size if drafts else 1,
                       settings.parallel + 1 if no_batch is None else 1)  # the batch's overflow place is a row too
     speculation = None
@@ -145,7 +145,7 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
                        "every request decodes classically", settings.drafter.name)
         pairing = PairingKey(checkpoint.name, settings.drafter.name, host.label, settings.block_size)
         no_burst = "the model is sharded across processes (--distributed)"
-    elif settings.drafter is not None and settings.batch:  # with --no-batch no drafter is loaded
+    elif drafts and settings.drafter is not None:  # with --no-batch no drafter is loaded
         from .speculation import set_up
 
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
