@@ -2,7 +2,7 @@
 counted from the newest (CPU backend).
 
 Two properties, both measured on this project's machine (docs/benchmarks.md, "Decode at depth: the query
-heads grouped" and "Attention that padding cannot move"):
+heads grouped" and "A row's bytes are its own"):
 
 - **Speed at depth.** mlx's CPU ``scaled_dot_product_attention`` is composed of ops: for a grouped-query
   model it broadcasts each KV head to its query heads and runs one matrix-vector product per *query* head,
