@@ -1,8 +1,10 @@
 """What a batch's decode step pays for a row's bytes being its own: the two mends, each on and off, in turn.
 
-    python -m benchmarks.step_mends [--rows 1 8] [--depth 350] [--layers 24 --hidden 1024] [--repeats 6]
+    python -m benchmarks.step_mends [--rows 1 8] [--depth 350] [--layers 24 --hidden 1024 | --model PATH]
+        [--repeats 6]
 
-One fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``), in process, on its MLX thread
+One fp32 Qwen 3.5 of the MTP benchmarks (``benchmarks/_common.mtp_model``), or the checkpoint at PATH
+(``--model bundled``: the default pairing ``mlxcel serve`` serves), in process, on its MLX thread
 (:func:`mlxcel.models.attention.mlx_thread`), its products measured for steps of up to ROWS + 1 rows
 (:func:`mlxcel.models.row_exact.measure_steps`, as the server does at load). ROWS rows are prefilled to DEPTH keys,
 then one-position steps are timed (three a sample, the KV caches stepped back after each so the depth holds)
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=350)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--model", help="a checkpoint's directory, or 'bundled' (the default pairing)")
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
     import mlx.core as mx
@@ -40,7 +43,11 @@ def main() -> None:
     from mlxcel.models import attention
     from mlxcel.models.row_exact import measure_steps
 
-    model, _ = load(str(mtp_model("aligned", 0.0, layers=args.layers, hidden=args.hidden)))
+    if args.model == "bundled":
+        from mlxcel.families.qwen3_5 import BUNDLED_MODEL
+
+        args.model = BUNDLED_MODEL
+    model, _ = load(str(args.model or mtp_model("aligned", 0.0, layers=args.layers, hidden=args.hidden)))
     print(f"{'rows':>4} {'neither ms':>10} {'products':>8} {'grouped':>8} {'both':>8}   (ratios to neither)")
     with attention.mlx_thread():
         split = measure_steps(model, max(args.rows) + 1)

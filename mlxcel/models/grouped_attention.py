@@ -64,59 +64,66 @@ def grouped(q: Any, k: Any, v: Any, scale: float, mask: Any = None) -> Any:
     kv_heads, length = k.shape[1], k.shape[2]
     group = heads // kv_heads
     rows = (q * mx.array(scale, q.dtype)).reshape(batch, kv_heads, 1, group, dim)
-    if mask is None:
-        mask = mx.ones((1, 1, 1, length), mx.bool_)  # the topped-up block's zeros must be masked
-    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    mask = (mask.reshape(mask.shape[0], kv_heads, group, length) if mask.shape[1] == heads
-            else mask.reshape(mask.shape[0], 1, 1, length))
     blocks = -(-length // CHUNK)
     front = length - (blocks - 1) * CHUNK  # keys in the oldest block, topped up to CHUNK
-    parts = [_scores(rows, _older(k, CHUNK - front, front), _older(v, CHUNK - front, front),
-                     _older(mask, CHUNK - front, front, masked=True), 1)]
-    if blocks > 1:
-        parts.append(_scores(rows, k[:, :, front:], v[:, :, front:], mask[..., front:], blocks - 1))
-    top = parts[0][0].max(axis=(-3, -1), keepdims=True)
-    for scores, _ in parts[1:]:
-        top = mx.maximum(top, scores.max(axis=(-3, -1), keepdims=True))
-    weights = [mx.exp(scores - top) for scores, _ in parts]
+    keys, values = _blocks(k, front), _blocks(v, front)
+    # One array of scores (B, KV, blocks, group, CHUNK) for one mask, one maximum and one exponential: at a
+    # short context the operations' count is the cost. The keys themselves stay views of the cache (the
+    # products read them in place); only the oldest block is copied, to be topped up.
+    scores = _joined([rows @ part.swapaxes(-1, -2) for part in keys]).astype(mx.float32)
+    scores = _masked(scores, mask, CHUNK - front, heads, kv_heads)
+    weights = mx.exp(scores - scores.max(axis=(-3, -1), keepdims=True))
+    cast = weights.astype(v.dtype)
     # Each block's sums, then the blocks added in order: a block of masked keys adds exact zeros.
-    numerator = mx.concatenate([(w.astype(values.dtype) @ values).astype(mx.float32)
-                                for w, (_, values) in zip(weights, parts, strict=True)], axis=2).sum(axis=2)
-    denominator = mx.concatenate([w.sum(axis=-1) for w in weights], axis=2).sum(axis=2)
+    sums = _joined([cast[:, :, :1] @ values[0]] + [cast[:, :, 1:] @ part for part in values[1:]])
+    numerator = sums.astype(mx.float32).sum(axis=2)
+    denominator = weights.sum(axis=-1).sum(axis=2)
     return (numerator / denominator[..., None]).astype(q.dtype).reshape(batch, heads, 1, v.shape[-1])
 
 
-def _older(array: Any, zeros: int, front: int, masked: bool = False) -> Any:
-    """The first *front* positions of *array*'s last key axis (-2 for keys and values, -1 for a mask) after
-    *zeros* masked positions: the oldest block, topped up."""
+def _blocks(array: Any, front: int) -> list[Any]:
+    """*array*'s keys (B, KV, S, D) as blocks (B, KV, n, CHUNK, D): the oldest *front* keys topped up in front
+    with zeros, then the rest (if any) as a view."""
     import mlx.core as mx
 
-    axis = -1 if masked else -2
-    head = array[..., :front] if masked else array[..., :front, :]
-    if not zeros:
-        return head
-    shape = list(head.shape)
-    shape[axis] = zeros
-    if masked:
-        filler = mx.zeros(shape, mx.bool_) if array.dtype == mx.bool_ else mx.full(shape, -mx.inf, array.dtype)
-    else:
-        filler = mx.zeros(shape, array.dtype)
-    return mx.concatenate([filler, head], axis=axis)
+    batch, kv_heads, length, dim = array.shape
+    oldest = array[:, :, :front]
+    if front < CHUNK:
+        oldest = mx.concatenate([mx.zeros((batch, kv_heads, CHUNK - front, dim), array.dtype), oldest], axis=2)
+    parts = [oldest.reshape(batch, kv_heads, 1, CHUNK, dim)]
+    if length > front:
+        parts.append(array[:, :, front:].reshape(batch, kv_heads, (length - front) // CHUNK, CHUNK, dim))
+    return parts
 
 
-def _scores(rows: Any, keys: Any, values: Any, mask: Any, blocks: int) -> tuple[Any, Any]:
-    """The masked float32 scores (B, KV, blocks, group, CHUNK) of *rows* against *keys* cut into *blocks*
-    blocks, and *values* cut alike."""
+def _joined(parts: list[Any]) -> Any:
+    """*parts* joined on the blocks' axis."""
     import mlx.core as mx
 
-    batch, kv_heads, _, dim = keys.shape
-    keys = keys.reshape(batch, kv_heads, blocks, CHUNK, dim)
-    values = values.reshape(batch, kv_heads, blocks, CHUNK, values.shape[-1])
-    scores = (rows @ keys.swapaxes(-1, -2)).astype(mx.float32)
-    mask = mask.reshape(*mask.shape[:-1], blocks, CHUNK).swapaxes(-2, -3)
-    scores = (mx.where(mask, scores, mx.array(mx.finfo(mx.float32).min, mx.float32))
-              if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32))
-    return scores, values
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def _masked(scores: Any, mask: Any, zeros: int, heads: int, kv_heads: int) -> Any:
+    """*scores* (B, KV, blocks, group, CHUNK) with *mask* (None, or over the keys) applied and the *zeros*
+    keys that top up the oldest block masked."""
+    import mlx.core as mx
+
+    low = mx.array(mx.finfo(mx.float32).min, mx.float32)
+    blocks, chunk = scores.shape[2], scores.shape[4]
+    if mask is None:
+        if not zeros:
+            return scores
+        return mx.where((mx.arange(blocks * chunk) >= zeros).reshape(blocks, 1, chunk), scores, low)
+    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    group = heads // kv_heads
+    mask = (mask.reshape(mask.shape[0], kv_heads, group, -1) if mask.shape[1] == heads
+            else mask.reshape(mask.shape[0], 1, 1, -1))
+    if zeros:
+        shape = (*mask.shape[:-1], zeros)
+        filler = mx.zeros(shape, mx.bool_) if mask.dtype == mx.bool_ else mx.full(shape, -mx.inf, mask.dtype)
+        mask = mx.concatenate([filler, mask], axis=-1)
+    mask = mask.reshape(*mask.shape[:-1], blocks, chunk).swapaxes(-2, -3)
+    return mx.where(mask, scores, low) if mask.dtype == mx.bool_ else scores + mask.astype(mx.float32)
 
 
 def _per_query(mask: Any, heads: int) -> bool:
