@@ -71,17 +71,18 @@ def context_model(family: str, hidden: int, layers: int, context: int) -> Path:
     return build_checkpoint(directory, family, scale=2.0, **shape)
 
 
-def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256, positions: int = 4096
-              ) -> Path:
+def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256, positions: int = 4096,
+              released: bool = False) -> Path:
     """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/families/qwen3_5/tiny.py),
-    whose context window is *positions*."""
+    whose context window is *positions*; *released*: its layers shaped as Qwen3.5-0.8B's (hidden 1024)."""
     from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     window = "" if positions == 4096 else f"-c{positions}"
-    directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}{window}"
+    shapes = "-08b" if released else ""
+    directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}{shapes}{window}"
     if not (directory / "model.safetensors").exists():
         build_mtp_checkpoint(directory, drafter=drafter, context_scale=context_scale, layers=layers, hidden=hidden,
-                             positions=positions)
+                             positions=positions, released=released)
     return directory
 
 

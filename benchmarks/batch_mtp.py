@@ -1,7 +1,8 @@
 """MTP inside the continuous batch: aggregate tokens/s with ``--mtp`` over without, at several widths.
 
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
-        [--layers 24 --hidden 1024] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always] [--against-mlx-lm]
+        [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
+        [--against-mlx-lm]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -13,8 +14,10 @@ tokens/s of each (completion tokens over the round's wall time), the ratios,
 and the steps the ``on`` server took at each K (its ``/metrics``). The regret
 of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
-fourth column. ``--depth N`` sends one prompt to every stream, N tokens of words then a line of code (each
-server prefills it once, while warming up).
+fourth column. ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV
+heads, a full-attention layer in four, gated-delta heads of 128; 12 layers of them are ~1 GB in fp32), not the
+synthetic 16-wide heads ``--hidden`` gives. ``--depth N`` sends one prompt to every stream, N tokens of words
+then a line of code (each server prefills it once, while warming up).
 """
 
 from __future__ import annotations
@@ -74,12 +77,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--released", action="store_true", help="layers shaped as Qwen3.5-0.8B's (hidden 1024)")
     parser.add_argument("--depth", type=int, default=0, help="tokens of context before every prompt")
     parser.add_argument("--always", action="store_true", help="also MTP pinned on (for the rule's regret)")
     parser.add_argument("--against-mlx-lm", action="store_true")
     args = parser.parse_args()
     positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
-    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions)
+    hidden = 1024 if args.released else args.hidden
+    model = args.model or mtp_model(args.drafter, args.context, args.layers, hidden, positions, args.released)
     prompts = list(PROMPTS)
     if args.depth:
         import random

@@ -102,7 +102,10 @@ class ContinuousBatch(Generic[T]):
             assert speculation is not None and rule is not None
             with mx.stream(self._stream):
                 speculated = speculation.step(generation, drafts)
-            rule.speculative(width, depth, drafts, time.perf_counter() - started, speculation.last_kept)
+            seconds = time.perf_counter() - started
+            rule.speculative(width, depth, drafts, seconds, speculation.last_kept)
+            logger.debug("step: %d rows at depth %d, %d drafts, %.4f s, kept %s", width, depth, drafts, seconds,
+                         speculation.last_kept)
             generation.next = list  # this step's tokens are made: mlx-lm's step does the prompts' side only
             try:
                 prompts, responses = self._generator.next()
@@ -112,7 +115,9 @@ class ContinuousBatch(Generic[T]):
         else:
             prompts, responses = self._generator.next()
             if rule is not None and ready and not prompts:  # a classic step the rule chose: its cost
-                rule.classic(width, depth, time.perf_counter() - started)
+                seconds = time.perf_counter() - started
+                rule.classic(width, depth, seconds)
+                logger.debug("step: %d rows at depth %d, classic, %.4f s", width, depth, seconds)
         if waiting > 1:
             prompts = prompts + self._prompts_alone(waiting - 1)
         if speculation is not None:

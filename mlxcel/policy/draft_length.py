@@ -15,8 +15,10 @@ the classic step measured directly, never as "speculation with no drafts"):
   draft j is kept given drafts 1..j-1 were; a row then yields
   E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
 - a width not seen yet in a depth band starts from the costs of the nearest
-  width measured in that band, each replaced by its first measurement here
-  (one classic step first; only measured costs are persisted);
+  width measured in that band, each in use until measured here: the classic
+  step first, trusted at once; a verify by trials of its own (its first step at
+  a new width is a new shape and pays one-off costs); only costs measured at a
+  width are persisted, and a restored verify is measured anew alike;
 - the step picks the K that maximises width x E(K) / cost(K), against
   width / cost(0); a K not measured yet at this width and band is tried first
   (each for :data:`TRIALS` steps) once the classic step there is known, if it
@@ -118,27 +120,31 @@ class _Cell:
     parked_for: int = 0
     cooldown: int = FIRST_COOLDOWN
     restored: set[int] = field(default_factory=set)
-    """The Ks whose cost an earlier run measured: trusted (no trial), and replaced by this run's first
-    measurement of them (the K run, or a look at a neighbour), not averaged with it: one noisy restored cost
-    would otherwise hold the rule on the wrong K for many looks."""
-    borrowed: set[int] = field(default_factory=set)
-    """The Ks whose cost is another width's (:meth:`DraftLength._borrowed`): the first measurement here of a
-    speculative step rescales the other borrowed ones by the same factor, so the verifies compared stay one
-    width's (the classic step, measured first, replaces only its own)."""
+    """The Ks whose cost an earlier run or another width measured, not measured here yet: used as measured
+    until then. Once measured here a verify's cost is this run's own, by :data:`TRIALS` trials that replace
+    each other (its first step at this width, a new shape, pays one-off costs: one such step trusted held the
+    rule on a narrower K for a whole request), then averaged; the classic step's first measurement here is
+    trusted at once (a new width's first step, :meth:`DraftLength._borrowed`)."""
+    borrowed: dict[int, float] = field(default_factory=dict)
+    """K -> the cost another width measured (:meth:`DraftLength._borrowed`), until trusted here: then a
+    verify's cost here over its borrowed one rescales the verifies still only borrowed, so the verifies
+    compared stay one width's (the classic step rescales none: it grows with the width otherwise)."""
 
     def add(self, k: int, seconds: float) -> None:
-        if k in self.borrowed:
-            factor = seconds / self.costs[k]
-            self.borrowed.discard(k)
-            if k > 0:  # verifies grow with the width alike, the classic step otherwise: it rescales none of them
-                for j in self.borrowed - {0}:
-                    self.costs[j] *= factor
+        if k in self.restored:
+            self.restored.discard(k)
+            if k > 0:
+                self.samples[k] = 0
         old, count = self.costs.get(k), self.samples.get(k, 0)
+        if k in self.borrowed and count + 1 >= TRIALS:
+            factor = seconds / self.borrowed.pop(k)
+            if k > 0:
+                for j in (self.restored & self.borrowed.keys()) - {0}:
+                    self.costs[j] *= factor
         # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
-        fresh = old is None or count < TRIALS or k in self.restored
+        fresh = old is None or count < TRIALS
         self.costs[k] = seconds if fresh else old + COST_WEIGHT * (seconds - old)  # type: ignore[operator]
         self.samples[k] = count + 1
-        self.restored.discard(k)
 
 
 class DraftLength:
@@ -324,7 +330,7 @@ class DraftLength:
             for k, seconds in source.costs.items():
                 cell.costs[k], cell.samples[k] = seconds, TRIALS
             cell.samples[0] = TRIALS - 1  # one classic step measured here first: what every K is judged against
-            cell.restored, cell.borrowed = set(cell.costs), set(cell.costs)
+            cell.restored, cell.borrowed = set(cell.costs), dict(cell.costs)
             cell.running = source.running
         return cell
 

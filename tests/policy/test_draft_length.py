@@ -172,6 +172,27 @@ def test_a_slow_first_measurement_does_not_lock_a_k_out() -> None:
     assert chosen[-100:].count(3) >= 100 - 100 // LOOK_AROUND - 1
 
 
+def test_a_new_widths_first_verify_does_not_hold_it_on_a_narrower_k() -> None:
+    """A width's first verify at each K is a new shape and pays one-off costs (+20% here; measured on a Qwen 3.5
+    of Qwen3.5-0.8B's layer shapes at 2k keys: 0.438 s, then 0.37-0.38 s). Two rows borrowing a lone request's
+    costs (its burst's rounds, timed while the policy profiled) ran K = 3 once, trusted that one step, tried
+    K = 2 and K = 1, and ran K = 2 for a whole request where K = 3 pays 11% more: a borrowed K's first step
+    here is now the first of its trials, and the second replaces it."""
+    seen: set[tuple[int, int]] = set()
+
+    def cost(width: int, depth: int, k: int) -> float:
+        first = (width, k) not in seen
+        seen.add((width, k))
+        return 0.1 * width * (1 + 0.33 * k) * (1.2 if first else 1.0)
+
+    rule = DraftLength(3)
+    for _ in range(4):  # a lone request's profiling: classic samples, and the burst's rounds at K = 3
+        rule.classic(1, 100, cost(1, 100, 0))
+        rule.speculative(1, 100, 3, cost(1, 100, 3), [3], chosen=False)
+    _, chosen = run(rule, cost, lambda _: 1.0, 40, width=2)
+    assert chosen[-30:].count(3) >= 28, chosen
+
+
 def test_positions_not_drafted_keep_what_was_learnt_of_them() -> None:
     rule = DraftLength(3)
     for _ in range(20):

@@ -33,6 +33,17 @@ CONFIG: dict[str, Any] = {
     },
 }
 
+#: The layer shapes of Qwen3.5-0.8B's text model (its config.json): 8 query heads of 256 over 2 KV heads, a
+#: full-attention layer in four, gated-delta mixers of 16 key and 16 value heads of 128. A benchmark pairing
+#: built with them has a released model's per-layer costs (its vocabulary stays the tiny tokenizer's).
+QWEN35_08B_LAYERS: dict[str, Any] = {
+    "hidden_size": 1024, "intermediate_size": 3584, "num_attention_heads": 8, "num_key_value_heads": 2,
+    "head_dim": 256, "full_attention_interval": 4, "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+    "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+    "rope_parameters": {"type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_section": [11, 11, 10]},
+}
+
 
 def to_hf(weights: dict[str, Any]) -> dict[str, Any]:
     """Undo mlx-lm's qwen3_5 sanitize: HF names, conv1d as (C, 1, K), zero-centred norms."""
@@ -66,7 +77,7 @@ def fuse_experts(weights: dict[str, Any]) -> dict[str, Any]:
 
 def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: int = 4, hidden: int = 64,
                          context_scale: float = 1.0, raw: bool = True, seed: int = 0, moe: bool = False,
-                         positions: int = 4096, head_dim: int | None = None) -> Path:
+                         positions: int = 4096, head_dim: int | None = None, released: bool = False) -> Path:
     """A tiny Qwen 3.5 target with an in-checkpoint ``mtp.*`` head.
 
     *drafter* ``random``: a random head, whose drafts the target rarely accepts.
@@ -79,7 +90,8 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
 
     *raw*: the Hugging Face layout (zero-centred norms, conv1d as (C, 1, K));
     otherwise the layout mlx-lm's converter writes. *positions*: its context window. *head_dim*: its full
-    attention's (16 by default; a quantized KV cache needs a multiple of 64).
+    attention's (16 by default; a quantized KV cache needs a multiple of 64). *released*: every layer shaped as
+    :data:`QWEN35_08B_LAYERS` (*hidden* must then be its 1024).
     """
     import mlx.core as mx
     from mlx.utils import tree_flatten
@@ -95,6 +107,10 @@ def build_mtp_checkpoint(directory: Path, *, drafter: str = "random", layers: in
                 max_position_embeddings=positions)
     if head_dim is not None:
         text["head_dim"] = head_dim
+    if released:
+        if hidden != QWEN35_08B_LAYERS["hidden_size"]:
+            raise ValueError(f"Qwen3.5-0.8B's layers are {QWEN35_08B_LAYERS['hidden_size']} wide, not {hidden}")
+        text.update(QWEN35_08B_LAYERS)
     config["mtp_num_hidden_layers"] = 1
     if moe:  # Qwen 3.6: every MLP (the head's included) a mixture of experts with a shared expert
         config["model_type"], text["model_type"] = "qwen3_5_moe", "qwen3_5_moe_text"
