@@ -134,10 +134,10 @@ class _Cell:
     compared stay one width's (the classic step rescales none: it grows with the width otherwise)."""
 
     def add(self, k: int, seconds: float) -> None:
-        if k in self.restored:
-            self.restored.discard(k)
-            if k > 0:
-                self.samples[k] = 0
+        restored = k in self.restored
+        self.restored.discard(k)
+        if restored and k > 0:
+            self.samples[k] = 0
         old, count = self.costs.get(k), self.samples.get(k, 0)
         if k in self.borrowed and count + 1 >= TRIALS:
             factor = seconds / self.borrowed.pop(k)
@@ -145,7 +145,7 @@ class _Cell:
                 for j in (self.restored & self.borrowed.keys()) - {0}:
                     self.costs[j] *= factor
         # The first trials replace each other (the very first pays one-off costs: allocation, a new shape).
-        fresh = old is None or count < TRIALS
+        fresh = old is None or count < TRIALS or restored
         self.costs[k] = seconds if fresh else old + COST_WEIGHT * (seconds - old)  # type: ignore[operator]
         self.samples[k] = count + 1
 

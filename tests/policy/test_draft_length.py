@@ -297,6 +297,16 @@ def test_a_restored_cost_is_replaced_by_the_first_measurement_of_this_run() -> N
     assert chosen[-20:].count(3) >= 19, chosen
 
 
+def test_a_restored_classic_cost_is_replaced_by_its_first_measurement_and_a_verify_by_its_trials() -> None:
+    rule = DraftLength(3)
+    assert rule.restore({"max_drafts": 3, "cells": [{"width": 4, "band": 0, "seconds": {"0": 0.5, "3": 0.9}}]}) \
+        is None
+    rule.classic(4, 100, 0.01)
+    rule.speculative(4, 100, 3, 0.05, [3] * 4)  # the verify's first step here: one-off costs
+    rule.speculative(4, 100, 3, 0.02, [3] * 4)  # its second trial replaces it
+    assert rule.export()["cells"] == [{"width": 4, "band": 0, "seconds": {"0": 0.01, "3": 0.02}}]
+
+
 def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pinned() -> None:
     from mlxcel.policy.batch_view import BatchView
 
