@@ -71,7 +71,7 @@ def grouped(q: Any, k: Any, v: Any, scale: float, mask: Any = None) -> Any:
     # short context the operations' count is the cost. The keys themselves stay views of the cache (the
     # products read them in place); only the oldest block is copied, to be topped up.
     scores = _joined([rows @ part.swapaxes(-1, -2) for part in keys]).astype(mx.float32)
-    scores = _masked(scores, mask, CHUNK - front, heads, kv_heads)
+    scores = _masked(scores, mask, CHUNK - front)
     weights = mx.exp(scores - scores.max(axis=(-3, -1), keepdims=True))
     cast = weights.astype(v.dtype)
     # Each block's sums, then the blocks added in order: a block of masked keys adds exact zeros.
@@ -103,20 +103,19 @@ def _joined(parts: list[Any]) -> Any:
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
-def _masked(scores: Any, mask: Any, zeros: int, heads: int, kv_heads: int) -> Any:
-    """*scores* (B, KV, blocks, group, CHUNK) with *mask* (None, or over the keys) applied and the *zeros*
-    keys that top up the oldest block masked."""
+def _masked(scores: Any, mask: Any, zeros: int) -> Any:
+    """*scores* (B, KV, blocks, group, CHUNK) with *mask* (None, or over the keys; its head axis, if any, 1 or
+    KV x group) applied and the *zeros* keys that top up the oldest block masked."""
     import mlx.core as mx
 
+    if mask is None and not zeros:
+        return scores
     low = mx.array(mx.finfo(mx.float32).min, mx.float32)
-    blocks, chunk = scores.shape[2], scores.shape[4]
+    _, kv_heads, blocks, group, chunk = scores.shape
     if mask is None:
-        if not zeros:
-            return scores
         return mx.where((mx.arange(blocks * chunk) >= zeros).reshape(blocks, 1, chunk), scores, low)
     mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    group = heads // kv_heads
-    mask = (mask.reshape(mask.shape[0], kv_heads, group, -1) if mask.shape[1] == heads
+    mask = (mask.reshape(mask.shape[0], kv_heads, group, -1) if mask.shape[1] == kv_heads * group
             else mask.reshape(mask.shape[0], 1, 1, -1))
     if zeros:
         shape = (*mask.shape[:-1], zeros)
