@@ -96,11 +96,41 @@ def test_a_kv_layer_rolls_only_what_a_row_rejected_beyond_the_others() -> None:
     layer = BatchKVCache([0, 0])
     keys = mx.arange(2 * 6, dtype=mx.float32).reshape(2, 1, 6, 1)
     layer.update_and_fetch(keys, keys)
-    rollback_kv_rows(layer, [1, 3])  # row 0 drops its last 1, row 1 its last 3
+    rollback_kv_rows([layer], [1, 3])  # row 0 drops its last 1, row 1 its last 3
     assert layer.size() == 5 and layer.left_padding.tolist() == [0, 2] and layer.offset.tolist() == [5, 3]
     k, _ = layer.keys_and_values()
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
     assert k[1, 0, 2:, 0].tolist() == [6, 7, 8]  # its kept keys, right-justified; the front is padding
+
+
+def test_the_rows_rolled_back_are_the_bytes_mlx_lms_own_right_padding_gives() -> None:
+    """Row by row, only the rows that move copied: against mlx-lm's ``prepare(right_padding)``/``finalize``
+    (its ``dynamic_roll`` of the whole buffer) on the same layers, buffers longer than their index included."""
+    rng = np.random.default_rng(0)
+
+    def layers() -> list[BatchKVCache]:
+        out = []
+        for width in (5, 300):  # one buffer of its step's size, one over two steps long
+            layer = BatchKVCache([2, 0, 1, 0])
+            keys = mx.array(rng.standard_normal((4, 2, width, 3)).astype(np.float32))
+            layer.update_and_fetch(keys, keys + 1)
+            out.append(layer)
+        return out
+
+    ours = layers()
+    theirs = [BatchKVCache([0] * 4) for _ in ours]
+    for mine, other in zip(ours, theirs, strict=True):
+        other.keys, other.values = mx.array(mine.keys), mx.array(mine.values)
+        other.offset, other.left_padding, other._idx = mine.offset, mine.left_padding, mine._idx
+    rejected = [1, 3, 1, 2]
+    rollback_kv_rows(ours, rejected)
+    for layer in theirs:
+        layer.trim(1)
+        layer.prepare(right_padding=[0, 2, 0, 1])
+        layer.finalize()
+    for mine, other in zip(ours, theirs, strict=True):
+        for a, b in zip(mine.state, other.state, strict=True):
+            assert (a == b) if isinstance(a, int) else mx.array_equal(a, b).item()
 
 
 def test_a_cache_that_cannot_roll_back_by_row_says_so() -> None:

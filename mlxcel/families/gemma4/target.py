@@ -327,8 +327,7 @@ class Gemma4Target:
         full-attention and sliding-window layers alike are batch KV layers)."""
         rejected = [verify.width - k for k in kept]
         if any(rejected):
-            for c in cache:
-                rollback_kv_rows(c, rejected)
+            rollback_kv_rows(cache, rejected)
 
     def rollback(self, cache: list[Any], verify: BlockVerify, kept: int) -> None:
         dropped = verify.width - kept

@@ -111,5 +111,4 @@ class Glm4MoeLiteTarget:
         """A batch's rollback: row i back to the state after the first *kept[i]* tokens of its block."""
         rejected = [verify.width - k for k in kept]
         if any(rejected):
-            for c in cache:
-                rollback_kv_rows(c, rejected)
+            rollback_kv_rows(cache, rejected)

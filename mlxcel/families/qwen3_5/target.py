@@ -205,14 +205,14 @@ class Qwen35Target:
         rejected = [verify.width - k for k in kept]
         if not any(rejected):
             return  # the verify left every row's state after its last token already
-        for c in cache:
-            if c.is_trimmable():
-                rollback_kv_rows(c, rejected)
-        last = mx.array([k - 1 for k in kept])  # each row's last kept token, in the block
+        rollback_kv_rows([c for c in cache if c.is_trimmable()], rejected)
+        last = [k - 1 for k in kept]  # each row's last kept token, in the block
+        ends = mx.array(last)
         for (index, _), states in zip(self.mixers, verify.states, strict=True):
             first = states[0]
-            window = last[:, None] + first.start + mx.arange(first.end - first.start)[None, :]
+            window = ends[:, None] + first.start + mx.arange(first.end - first.start)[None, :]
             conv = mx.take_along_axis(first.conv_input, window[:, :, None], axis=1)
-            recurrent = mx.stack([s.recurrent for s in states], axis=1)  # (B, W, ...)
-            pick = last.reshape(-1, 1, *([1] * (recurrent.ndim - 2)))
-            cache[index].cache = [conv, mx.take_along_axis(recurrent, pick, axis=1).squeeze(1)]
+            # Row by row from the state it kept: stacking every token's state to pick one copied them all
+            # (0.5 s a step at 16 rows on the 2-core CPU, against 34 ms).
+            recurrent = mx.concatenate([states[j].recurrent[i:i + 1] for i, j in enumerate(last)], axis=0)
+            cache[index].cache = [conv, recurrent]

@@ -7,6 +7,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from ..batch_rollback import rotate_rows
+
 #: A batch's drafter reads at most this many queued positions a row in one head forward (a long prompt's
 #: hidden states, read once its row decodes, go in pieces).
 SETTLE_CHUNK = 512
@@ -160,8 +162,6 @@ class OwnCacheBatch:
         return [self._last] if self._last is not None else []
 
     def _settle(self, uids: list[int]) -> None:
-        from mlx_lm.models.cache import BatchKVCache
-
         d = self._drafter
         if uids != self._uids or any(uid in self._joining for uid in uids):
             self._merge(uids)
@@ -188,14 +188,10 @@ class OwnCacheBatch:
                 hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
                 tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
             padding = [longest - piece for piece in pieces]
-            if any(padding):  # mlx-lm's right-padded batch of prompts: the padding ends up as each row's left padding
-                for layer in self._cache:
-                    assert isinstance(layer, BatchKVCache)
-                    layer.prepare(right_padding=padding)
             out = d.head(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0), self._cache)
-            if any(padding):
-                for layer in self._cache:
-                    layer.finalize()
+            if any(padding):  # as mlx-lm's right-padded prompts: the padding ends up as each row's left padding
+                mx.eval(out)  # the forward done first, so that the rotation writes its rows in place
+                rotate_rows(self._cache, padding)
             read_now = mx.array(pieces)
             last = mx.take_along_axis(out, mx.maximum(read_now - 1, 0)[:, None, None], axis=1)
             if self._last is not None:
