@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+from .step_clock import StepClock
 
 if TYPE_CHECKING:
     from ..policy.draft_length import DraftLength
@@ -49,6 +50,7 @@ class ContinuousBatch(Generic[T]):
         self._stream = stream
         self.speculation = speculation
         self.rule = rule
+        self._clock = StepClock(rule, self._finish) if speculation is not None and rule is not None else None
         self._by_uid: dict[int, T] = {}
         self._uids: dict[int, int] = {}  # id(sequence) -> uid
         self._marks: dict[int, set[int]] = {}  # uid -> marks still to pass, counted in the tokens it feeds
@@ -87,25 +89,27 @@ class ContinuousBatch(Generic[T]):
         import mlx.core as mx
 
         generation = self._generator._generation_batch
-        width, depth, drafts, ready = len(generation), 0, 0, False
-        speculation, rule = self.speculation, self.rule
-        if speculation is not None and rule is not None:
+        width, depth, drafts, ready, steady = len(generation), 0, 0, False, False
+        speculation, rule, clock = self.speculation, self.rule, self._clock
+        waiting = len(self._generator._unprocessed_sequences) + len(self._generator._currently_processing)
+        if speculation is not None and rule is not None and clock is not None:
             depth = max((len(tokens) for tokens in generation.tokens), default=0)  # the deepest row's context
+            steady = clock.begin(generation.uids, depth)
             drafting = speculation.drafting_rows(generation.uids)  # the others ride along at K=0
             ready = drafting > 0
             if ready:
                 drafts = rule.choose(width, depth, drafting)
-        waiting = len(self._generator._unprocessed_sequences) + len(self._generator._currently_processing)
         self._admission()
-        started = time.perf_counter()
         if drafts:
-            assert speculation is not None and rule is not None
+            assert speculation is not None and rule is not None and clock is not None
+            clock.start()
             with mx.stream(self._stream):
                 speculated = speculation.step(generation, drafts)
-            seconds = time.perf_counter() - started
-            rule.speculative(width, depth, drafts, seconds, speculation.last_kept)
-            logger.debug("step: %d rows at depth %d, %d drafts, %.4f s, kept %s", width, depth, drafts, seconds,
-                         speculation.last_kept)
+            seconds = clock.seconds()
+            if steady:
+                rule.speculative(width, depth, drafts, seconds, speculation.last_kept)
+            logger.debug("step: %d rows at depth %d, %d drafts, %.4f s%s, kept %s", width, depth, drafts, seconds,
+                         "" if steady else " (rows changed: not measured)", speculation.last_kept)
             generation.next = list  # this step's tokens are made: mlx-lm's step does the prompts' side only
             try:
                 prompts, responses = self._generator.next()
@@ -113,11 +117,15 @@ class ContinuousBatch(Generic[T]):
                 del generation.next
             responses = speculated + responses
         else:
+            timed = ready and steady and not waiting  # a classic step the rule chose, on the same rows, alone
+            if clock is not None:
+                if timed:
+                    clock.classic(width, depth)
+                else:
+                    clock.end_run()
             prompts, responses = self._generator.next()
-            if rule is not None and ready and not prompts:  # a classic step the rule chose: its cost
-                seconds = time.perf_counter() - started
-                rule.classic(width, depth, seconds)
-                logger.debug("step: %d rows at depth %d, classic, %.4f s", width, depth, seconds)
+            if clock is not None and timed:
+                clock.classic_done(len(self._generator._generation_batch))
         if waiting > 1:
             prompts = prompts + self._prompts_alone(waiting - 1)
         if speculation is not None:
@@ -132,6 +140,15 @@ class ContinuousBatch(Generic[T]):
                 mx.eval([layer.state for layer in cache])  # its own arrays, not views of the batch's
                 snapshots.append((list(held), cache))
         return Stepped([(self._by_uid[r.uid], r) for r in responses if r.uid in self._by_uid], snapshots, drafts)
+
+    def _finish(self) -> None:
+        """Wait for the batch's work queued on the device: its last forward (mlx-lm's step queues the next
+        one's before it waits for the last one's tokens)."""
+        import mlx.core as mx
+
+        pending = self._generator._generation_batch._next_tokens
+        if pending is not None:
+            mx.eval(pending)
 
     def _prompts_alone(self, passes: int) -> list[Any]:
         """Up to *passes* more prompt chunks in this step, each of one prompt alone, the batch's rows set aside
@@ -218,6 +235,8 @@ class ContinuousBatch(Generic[T]):
         self._marks.clear()
         if self.speculation is not None:
             self.speculation.clear()
+        if self._clock is not None:
+            self._clock.forget()
         self._generator = self._make()
 
     def close(self) -> None:

@@ -241,6 +241,9 @@ class BatchSpeculation:
         batch._next_logprobs = list(log_probabilities(mx.take_along_axis(logits, ends, axis=1)[:, 0, :]))
         for i, (_, logprobs) in own.items():  # as its classic step gives them: after its processors
             batch._next_logprobs[i] = logprobs
+        # Done within the step, so that its clock (engine/step_clock.py) holds all of its work: left lazy, the
+        # rollback would be evaluated with the next step, whatever its K.
+        mx.eval([layer.state for layer in batch.prompt_cache], batch._next_logprobs)
         for response in responses:  # a finished row's cache, after its rollback
             if response.finish_reason is not None:
                 response.prompt_cache = batch.extract_cache(batch.uids.index(response.uid))

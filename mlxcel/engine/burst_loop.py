@@ -20,13 +20,14 @@ import trio
 from .burst import CLASSIC_SAMPLE_STEPS, classic_sample_due
 from .output import SequenceOutput
 from .solo import SoloDecoder
+from .step_clock import RUN_STEPS
 
 if TYPE_CHECKING:
     from ..policy.draft_length import DraftLength
 
-#: A run of classic steps inside the burst ends (its cost reported, its request's cancellation checked) after
-#: this many: ending a run costs one step's overlap with its token's handling...
-RUN_STEPS = 8
+# A run of classic steps inside the burst ends (its cost reported, its request's cancellation checked) after
+# RUN_STEPS (the batch's runs', engine/step_clock.py): ending a run costs one step's overlap with its token's
+# handling...
 #: ... or this many while the rule still measures the classic step (a new depth band: it then tries a K sooner).
 MEASURING_STEPS = 2
 
