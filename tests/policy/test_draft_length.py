@@ -345,6 +345,20 @@ def test_a_new_width_starts_from_the_nearest_width_measured_and_rescales_to_its_
     assert {c.width: c.drafts for c in rule.cells()} == {3: 3, 4: 3, 5: 3, 8: 3, 16: 3}
 
 
+def test_a_new_widths_first_step_that_cannot_be_measured_runs_the_borrowed_k() -> None:
+    """A row leaving makes a new width, and its first step pays for filtering the batch's caches, so it is not
+    measured: rather than a classic step that teaches nothing (and another after it to measure), it runs the
+    K its neighbour runs; the classic step is measured at the next step, then that K again."""
+    cost = linear_cost(0.010, 0.001)
+    rule = DraftLength(3)
+    run(rule, cost, lambda _: 1.0, 100, width=4)
+    assert rule.choose(3, 100, measured=False) == 3
+    assert rule.choose(3, 100) == 0
+    rule.classic(3, 100, cost(3, 100, 0))
+    assert rule.choose(3, 100) == 3
+    assert DraftLength(3).choose(3, 100, measured=False) == 0  # nothing borrowed: the classic step
+
+
 def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks() -> None:
     """A width's borrowed costs do not hold it on a K that loses there: a verify's cost grows with the width much
     faster than a classic step's, so the new width measures its own classic step first and its K at once."""
