@@ -17,7 +17,8 @@ of the rule is ``on`` against the better of ``off`` and ``always``. With
 fourth column. ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV
 heads, a full-attention layer in four, gated-delta heads of 128; 12 layers of them are ~1 GB in fp32), not the
 synthetic 16-wide heads ``--hidden`` gives. ``--depth N`` sends one prompt to every stream, N tokens of words
-then a line of code (each server prefills it once, while warming up).
+then a line of code (each server prefills it once, while warming up). Before anything is timed, ``on`` serves
+lone requests until its B=1 policy has settled (a server's first few lone requests, once per machine).
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def aggregate(client: httpx.Client, url: str, prompts: list[str], tokens: int, m
         start = time.perf_counter()
         total = sum(pool.map(lambda p: one(client, url, p, tokens, model), prompts))
         return total / (time.perf_counter() - start)
+
+
+def settle(client: httpx.Client, url: str, prompt: str, tokens: int) -> str:
+    """Lone requests to the ``--mtp`` server at *url* until its B=1 policy has settled (what a server does in
+    its first few lone requests, once per machine: its verdict persists), so that one stream measures the
+    settled policy and the rule, not the profiling window; the verdict it reached."""
+    for _ in range(16):
+        policy = client.get(f"{url}/v1/internal/mtp-policy").json()
+        if policy["state"] != "profiling":
+            break
+        one(client, url, prompt, tokens, None)
+    return f"{policy['state']} ({policy['verdict']})"
 
 
 def steps_by_k(client: httpx.Client, url: str) -> dict[int, int]:
@@ -112,6 +125,8 @@ def main() -> None:
             aggregate(client, url, prompts[:2], 8, str(model) if side == "mlx_lm" else None)
             if args.depth:  # and the batch's first steps at that depth
                 aggregate(client, url, prompts[:1] * 2, 8, str(model) if side == "mlx_lm" else None)
+        settled = settle(client, urls["on"], prompts[0], args.tokens)
+        print(f"the B=1 policy of `on`: {settled}")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
               + "  steps by K (on)")

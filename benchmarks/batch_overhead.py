@@ -1,7 +1,8 @@
 """What speculation in the batch costs a classic step: mlx-lm's step alone vs the same step with the
 speculation attached and parked.
 
-    python -m benchmarks.batch_overhead [--layers 24 --hidden 1024] [--width 8] [--steps 32] [--passes 4]
+    python -m benchmarks.batch_overhead [--layers 24 --hidden 1024 | --layers 12 --released] [--width 8]
+        [--steps 32] [--passes 4] [--depth TOKENS]
 
 In process, on the MLX thread, one Qwen 3.5 pairing with its MTP head. ``plain``: a
 ``ContinuousBatch`` without speculation (the classic step, as a server without ``--mtp``
@@ -11,11 +12,15 @@ each cooldown is left out of the timing) and pay what speculation adds to them: 
 hidden-state tap (the target adapter's forward), pairing each row's hidden state with
 its next token for the drafter (and reading them every 64 steps), the eligibility
 check and the rule's choice. Passes alternate; prints the median milliseconds a step of each and the ratio.
+``--depth N``: every row starts from the same N-token prompt, prefilled once and its cache copied into each
+row (a resumed prompt's way in), so that the steps read N keys a row. ``--released``: the pairing's layers
+shaped as Qwen3.5-0.8B's (``benchmarks/batch_mtp.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
@@ -36,9 +41,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="verify width (drafts per row: K - 1)")
+    parser.add_argument("--depth", type=int, default=0, help="tokens of context in every row")
+    parser.add_argument("--released", action="store_true", help="layers shaped as Qwen3.5-0.8B's (hidden 1024)")
     args = parser.parse_args()
 
     from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
 
     from mlxcel.checkpoints import inspect_checkpoint, inspect_drafter, load_drafter, speculative_target
     from mlxcel.engine.batch import ContinuousBatch
@@ -47,7 +55,8 @@ def main() -> None:
     from mlxcel.models.attention import mlx_thread
     from mlxcel.policy.draft_length import DraftLength
 
-    path = mtp_model("aligned", 0.0, args.layers, args.hidden)
+    positions = max(4096, 1 << (args.depth + 256).bit_length())
+    path = mtp_model("aligned", 0.0, args.layers, 1024 if args.released else args.hidden, positions, args.released)
     with mlx_thread():
         info = inspect_checkpoint(path)
         model, _ = load(str(path))
@@ -55,6 +64,13 @@ def main() -> None:
         head = load_drafter(inspect_drafter(info, mtp=True, draft_model=None), info, model)
         stream = mx.default_stream(mx.default_device())
         drafts = args.k - 1
+        context = [5 + i % 400 for i in range(args.depth)]
+        prefilled = None
+        if context:  # once: each row starts from a copy of its cache
+            prefilled = make_prompt_cache(model)
+            for start in range(0, len(context), 512):
+                model(mx.array([context[start:start + 512]]), cache=prefilled)
+                mx.eval([c.state for c in prefilled])
 
         def batch(speculating: bool) -> ContinuousBatch[object]:
             speculation = rule = None
@@ -67,7 +83,8 @@ def main() -> None:
             made: ContinuousBatch[object] = ContinuousBatch(model, frozenset(), args.width, 512, stream,
                                                             speculation, rule)
             for i in range(args.width):
-                uid = made.insert(object(), [5 + i, 7, 9, 11 + i], None, [], 100_000, None, [], ())
+                cache = copy.deepcopy(prefilled) if prefilled is not None else None
+                uid = made.insert(object(), [5 + i, 7, 9, 11 + i], cache, list(context), 100_000, None, [], ())
                 if speculation is not None:
                     speculation.join(uid, None, None, BurstStats(), True)
             for _ in range(8):  # prefill, and the first steps' one-off work
@@ -90,7 +107,7 @@ def main() -> None:
                 times[side].append(spent / steps * 1000)
                 made.close()
     plain, parked = (statistics.median(times[side]) for side in ("plain", "parked"))
-    print(f"model: {path.name}, {args.width} rows, {args.steps} steps x {args.passes} passes")
+    print(f"model: {path.name}, {args.width} rows at {args.depth} tokens, {args.steps} steps x {args.passes} passes")
     print(f"plain  {plain:7.2f} ms a step  {[round(t, 2) for t in times['plain']]}")
     print(f"parked {parked:7.2f} ms a step  {[round(t, 2) for t in times['parked']]}")
     print(f"parked / plain: {parked / plain:.3f}")
