@@ -98,7 +98,7 @@ class ContinuousBatch(Generic[T]):
             drafting = speculation.drafting_rows(generation.uids)  # the others ride along at K=0
             ready = drafting > 0
             if ready:
-                drafts = rule.choose(width, depth, drafting, measured=steady)
+                drafts = rule.choose(width, depth, drafting, measurable=steady)
         self._admission()
         if drafts:
             assert speculation is not None and rule is not None and clock is not None

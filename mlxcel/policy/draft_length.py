@@ -231,12 +231,12 @@ class DraftLength:
         return 1.0 + share * total
 
     def choose(self, width: int, depth: int, drafting: int | None = None, parked_from: int | None = None,
-               measured: bool = True) -> int:
+               measurable: bool = True) -> int:
         """K for the next step of *width* rows at context *depth* (0: the classic step), *drafting* of them
         able to draft (all, if not given: the others would ride along at K=0). *parked_from*: the depth from
         which speculation is estimated to lose (a lone request's ``depth_limit``): at that depth or deeper, a
         depth band where no speculative step was measured yet parks once, before anything is tried there.
-        *measured*: whether the step's cost will be reported (not when the batch's rows just changed: that
+        *measurable*: whether the step's cost will be reported (not when the batch's rows just changed: that
         step pays for reshaping its caches); a new width's first step, usually such a step, then runs the K
         its borrowed costs say rather than a classic step whose measurement would not count."""
         if width in self.inexact:
@@ -257,7 +257,7 @@ class DraftLength:
                 cell.retry = True
             return 0
         if cell.samples.get(0, 0) < TRIALS:  # the classic step is what everything is measured against
-            return cell.running if not measured and cell.running in cell.borrowed else 0
+            return cell.running if not measurable and cell.running in cell.borrowed else 0
         # Nothing judged of the drafts yet (costs restored at a start): look before judging any K by a guess at
         # their acceptance, K = 1 first, then, if the first is mostly kept, the deepest once (the later
         # positions' acceptance is known only from a step that drafts them).

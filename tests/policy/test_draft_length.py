@@ -352,11 +352,11 @@ def test_a_new_widths_first_step_that_cannot_be_measured_runs_the_borrowed_k() -
     cost = linear_cost(0.010, 0.001)
     rule = DraftLength(3)
     run(rule, cost, lambda _: 1.0, 100, width=4)
-    assert rule.choose(3, 100, measured=False) == 3
+    assert rule.choose(3, 100, measurable=False) == 3
     assert rule.choose(3, 100) == 0
     rule.classic(3, 100, cost(3, 100, 0))
     assert rule.choose(3, 100) == 3
-    assert DraftLength(3).choose(3, 100, measured=False) == 0  # nothing borrowed: the classic step
+    assert DraftLength(3).choose(3, 100, measurable=False) == 0  # nothing borrowed: the classic step
 
 
 def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks() -> None:
