@@ -118,9 +118,12 @@ class StepClock:
         self._rows, self._run = None, None
 
     def start(self) -> None:
-        """A speculative step begins: the classic run reported, the work in flight done, its clock started."""
-        self.end_run()
-        self._finish()
+        """A speculative step begins: the classic run reported (which waits for the work in flight), or else
+        the work in flight done, its clock started."""
+        if self._run is not None:
+            self.end_run()
+        else:
+            self._finish()
         self._started = self._clock()
 
     def seconds(self) -> float:
