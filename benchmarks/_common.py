@@ -52,6 +52,12 @@ def bench_model(family: str = "llama", hidden: int = 512, layers: int = 8, name:
                             num_key_value_heads=max(1, hidden // 256), head_dim=64)
 
 
+def context_window(tokens: int, floor: int = 0, slack: int = 256) -> int:
+    """The context window (a power of two, at least *floor*) of a benchmark model that must hold *tokens*
+    tokens of prompt and completion, with *slack* to spare (a chat template, a prompt's own words)."""
+    return max(floor, 1 << (tokens + slack).bit_length())
+
+
 def context_model(family: str, hidden: int, layers: int, context: int) -> Path:
     """A random-weight fp32 *family* checkpoint (``llama``, or ``qwen3_5`` with every fourth layer full attention)
     whose context window is *context* positions: the long-prompt benchmarks' model."""
@@ -117,6 +123,22 @@ def decode_rate(bodies: dict[str, Any] | list[dict[str, Any]]) -> float:
     """
     timings = [b["timings"] for b in (bodies if isinstance(bodies, list) else [bodies])]
     return float(sum(t["predicted_n"] for t in timings) / (sum(t["predicted_ms"] for t in timings) / 1000))
+
+
+def compact_memory() -> str:
+    """Drop the page cache and compact free memory (Linux, root only), so that servers started one after another
+    get memory alike; what was done, for the benchmark's header.
+
+    Measured (2026-12-05, docs/benchmarks.md): three identical servers started in turn on a machine whose memory
+    earlier runs had churned decoded 3-5% slower the earlier each was started; after this, within 1%.
+    """
+    try:
+        subprocess.run(["sync"], check=False)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        Path("/proc/sys/vm/compact_memory").write_text("1\n")
+    except OSError as exc:
+        return f"not compacted ({exc.strerror}): servers started earlier may run a few per cent slower"
+    return "page cache dropped, free memory compacted"
 
 
 @contextmanager

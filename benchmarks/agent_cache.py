@@ -32,7 +32,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import context_model, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
+from benchmarks._common import context_model, context_window, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
 
 
 def trace(checkpoint: Path, args: argparse.Namespace) -> list[list[list[dict[str, str]]]]:
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--tool", type=int, default=500)
     parser.add_argument("--mlx-lm", action="store_true", help="also replay the turns against mlx_lm.server")
     args = parser.parse_args()
-    context = 1 << (args.head + args.turns * (args.reply + args.tool) + 2048).bit_length()
+    context = context_window(args.head + args.turns * (args.reply + args.tool), slack=2048)
     for family in args.families:
         checkpoint = context_model(family, args.hidden, args.layers, context)
         weights = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")) / 1e6

@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
-        [--against-mlx-lm]
+        [--against-mlx-lm] [--before TREE] [--warm]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -14,17 +14,23 @@ tokens/s of each (completion tokens over the round's wall time), the ratios,
 and the steps the ``on`` server took at each K (its ``/metrics``). The regret
 of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
-fourth column. ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV
-heads, a full-attention layer in four, gated-delta heads of 128; 12 layers of them are ~1 GB in fp32), not the
+fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``git worktree`` of an earlier
+commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``.
+``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
+as a server does once per machine: its costs persist; every server's first steps at a width pay for new
+shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
+a full-attention layer in four, gated-delta heads of 128; 12 layers of them are ~1 GB in fp32), not the
 synthetic 16-wide heads ``--hidden`` gives. ``--depth N`` sends one prompt to every stream, N tokens of words
 then a line of code (each server prefills it once, while warming up). Before anything is timed, ``on`` serves
-lone requests until its B=1 policy has settled (a server's first few lone requests, once per machine).
+lone requests until its B=1 policy has settled (a server's first few lone requests, once per machine). The
+machine's free memory is compacted before the servers start, where this process may (``compact_memory``).
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -36,7 +42,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import median, mlx_lm_server, mtp_model, server, words  # noqa: E402
+from benchmarks._common import compact_memory, context_window, median, mlx_lm_server, mtp_model, server, words  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':", "x = {}", "    return", "while True:",
@@ -93,9 +99,11 @@ def main() -> None:
     parser.add_argument("--released", action="store_true", help="layers shaped as Qwen3.5-0.8B's (hidden 1024)")
     parser.add_argument("--depth", type=int, default=0, help="tokens of context before every prompt")
     parser.add_argument("--always", action="store_true", help="also MTP pinned on (for the rule's regret)")
+    parser.add_argument("--warm", action="store_true", help="each width's first round untimed, on every server")
     parser.add_argument("--against-mlx-lm", action="store_true")
+    parser.add_argument("--before", type=Path, help="also `on` as this source tree (a git worktree) serves it")
     args = parser.parse_args()
-    positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
+    positions = context_window(args.depth + args.tokens, 4096)
     hidden = 1024 if args.released else args.hidden
     model = args.model or mtp_model(args.drafter, args.context, args.layers, hidden, positions, args.released)
     prompts = list(PROMPTS)
@@ -111,13 +119,19 @@ def main() -> None:
     widest = max(args.streams)
     env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}
     print(f"model: {model.name}, K = {args.k}, {args.tokens} tokens a request, {args.rounds} rounds"
-          f"{f', after {args.depth} tokens of context' if args.depth else ''}")
+          f"{f', after {args.depth} tokens of context' if args.depth else ''}"
+          f"{', each width after an untimed round' if args.warm else ''}")
+    print(f"memory: {compact_memory()}")
     with ExitStack() as stack:
         urls = {"off": stack.enter_context(server(model, "--parallel", str(widest), env=env)),
                 "on": stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics", env=env))}
         if args.always:
             urls["always"] = stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics",
                                                         env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}))
+        if args.before:
+            own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory())}
+            urls["before"] = stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics",
+                                                        env=own, tree=args.before))
         if args.against_mlx_lm:
             urls["mlx_lm"] = stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))
         client = stack.enter_context(httpx.Client(timeout=7200))
@@ -125,13 +139,16 @@ def main() -> None:
             aggregate(client, url, prompts[:2], 8, str(model) if side == "mlx_lm" else None)
             if args.depth:  # and the batch's first steps at that depth
                 aggregate(client, url, prompts[:1] * 2, 8, str(model) if side == "mlx_lm" else None)
-        settled = settle(client, urls["on"], prompts[0], args.tokens)
-        print(f"the B=1 policy of `on`: {settled}")
+        for side in ("on", "before") if args.before else ("on",):
+            print(f"the B=1 policy of `{side}`: {settle(client, urls[side], prompts[0], args.tokens)}")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
+              + (f" {'on/bef':>7}" if args.before else "")
               + "  steps by K (on)")
         for streams in args.streams:
             batch = [prompts[i % len(prompts)] for i in range(streams)]
+            for side, url in urls.items() if args.warm else ():
+                aggregate(client, url, batch, args.tokens, str(model) if side == "mlx_lm" else None)
             before = steps_by_k(client, urls["on"])
             rates: dict[str, list[float]] = {side: [] for side in urls}
             for _ in range(args.rounds):
@@ -147,6 +164,8 @@ def main() -> None:
                 line += f" {mid['on'] / max(mid['off'], mid['always']):>7.2f}"
             if args.against_mlx_lm:
                 line += f" {mid['on'] / mid['mlx_lm']:>7.2f}"
+            if args.before:
+                line += f" {mid['on'] / mid['before']:>7.2f}"
             print(line + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
 
 

@@ -30,7 +30,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import mlx.core as mx  # noqa: E402
 
-from benchmarks._common import mtp_model  # noqa: E402
+from benchmarks._common import context_window, mtp_model  # noqa: E402
 
 
 def main() -> None:
@@ -55,7 +55,7 @@ def main() -> None:
     from mlxcel.models.attention import mlx_thread
     from mlxcel.policy.draft_length import DraftLength
 
-    positions = max(4096, 1 << (args.depth + 256).bit_length())
+    positions = context_window(args.depth, 4096)
     path = mtp_model("aligned", 0.0, args.layers, 1024 if args.released else args.hidden, positions, args.released)
     with mlx_thread():
         info = inspect_checkpoint(path)

@@ -23,7 +23,7 @@ from mlxcel.blas import load_fast_blas
 
 print(f"BLAS: {load_fast_blas()}")
 
-from benchmarks._common import context_model, words  # noqa: E402
+from benchmarks._common import context_model, context_window, words  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=32)
     args = parser.parse_args()
-    context = 1 << (args.depth + args.steps + 256).bit_length()
+    context = context_window(args.depth + args.steps)
     print("family   bits | cache MB per 1k tokens | max |logit diff| / spread | same top-1 | step ms")
     for family in args.families:
         checkpoint = context_model(family, args.hidden, args.layers, context)

@@ -38,7 +38,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import context_model, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
+from benchmarks._common import context_model, context_window, median, mlx_lm_server, peak_mb, server, words  # noqa: E402
 
 #: What the mlx-lm side runs in its own process: the same BLAS first, then one warm-up and one measured run.
 _MLX_LM = """
@@ -120,7 +120,7 @@ def main() -> None:
     parser.add_argument("--mlx-lm-server", action="store_true")
     parser.add_argument("--repeats", type=int, default=1, help="pairs of runs per cell, the sides alternating")
     args = parser.parse_args()
-    context = 1 << (max(args.depths) + args.tokens + 256).bit_length()
+    context = context_window(max(args.depths) + args.tokens)
     print("family   depth chunk | prefill tok/s: mlxcel  mlx-lm  ratio | decode tok/s: mlxcel  mlx-lm  ratio "
           "| peak MB: mlxcel mlx-lm" + (" | mlx_lm.server prefill decode" if args.mlx_lm_server else ""))
     for family in args.families:

@@ -56,7 +56,7 @@ import mlx.core as mx  # noqa: E402
 import mlx_lm  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from benchmarks._common import median, mtp_model, words  # noqa: E402
+from benchmarks._common import context_window, median, mtp_model, words  # noqa: E402
 from mlxcel.checkpoints import (  # noqa: E402  # noqa: E402
     inspect_checkpoint,
     inspect_drafter,
@@ -367,7 +367,7 @@ def main() -> None:
     if args.chunk < 2 or args.tokens < args.chunk:
         parser.error("--chunk must be at least 2 and --tokens at least --chunk")
     print(f"BLAS: {BLAS}; {args.tokens} tokens a sequence in chunks of {args.chunk}, {args.passes} passes, medians")
-    positions = max(4096, 1 << (max(args.depths) + args.tokens * (args.passes + 1) + 256).bit_length())
+    positions = context_window(max(args.depths) + args.tokens * (args.passes + 1), 4096)
     with mlx_thread():  # the engine's attention rules, as the worker's thread has them
         for context in args.contexts:
             path = mtp_model("aligned", context, args.layers, args.hidden, positions)

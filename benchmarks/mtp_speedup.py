@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import NOTES_SCHEMA, complete, decode_rate, median, mtp_model, server, words
+from benchmarks._common import NOTES_SCHEMA, complete, context_window, decode_rate, median, mtp_model, server, words
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':"]
@@ -55,7 +55,7 @@ def main() -> None:
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "notes", "schema": NOTES_SCHEMA}}
     if args.zero_bias:
         fields["logit_bias"] = {"0": 0}
-    positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
+    positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions)
     prompts = args.prompts.read_text().split("\n\n") if args.prompts else PROMPTS
     if args.depth:

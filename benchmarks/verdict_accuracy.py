@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from benchmarks._common import complete, decode_rate, median, mtp_model, server, words
+from benchmarks._common import complete, context_window, decode_rate, median, mtp_model, server, words
 
 PROFILE = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:"]
 HELD_OUT = ["def dedent(text):", "if __name__ == '__main__':", "while True:", "return self.value",
@@ -46,7 +46,7 @@ def main() -> None:
     print(f"{'pairing':<32} {'class':>6} {'accept':>6} {'est.':>5} {'verdict':>8} {'limit':>6} {'picks':>7} "
           f"{'A/B':>5} {'right':>5} {'regret':>6}")
     for drafter, context in pairings:
-        positions = max(4096, 1 << (args.depth + args.tokens + 256).bit_length())
+        positions = context_window(args.depth + args.tokens, 4096)
         model = mtp_model(drafter, context, positions=positions)
         classes = {"short": ""}
         if args.depth:
