@@ -34,8 +34,11 @@ the classic step measured directly, never as "speculation with no drafts"):
   costs it compares stay current;
 - when the classic step wins, or a K keeps losing to it as measured, speculation
   parks at that width and band for a cooldown that doubles with every park (up
-  to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again; then
-  each K is measured once more.
+  to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again clearly
+  (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than
+  when it parked (:data:`RISEN`); where it only ties, the looks after each
+  cooldown are what it costs, and they grow rarer. Then each K is measured
+  once more.
 
 The same rule decides for a lone request (width 1: the B=1 burst, round by
 round) once the policy lets the burst run and is not profiling: the policy's
@@ -76,6 +79,9 @@ LOSS_MARGIN = 0.97
 #: ... and this many losses in a row park speculation at that width and band.
 PATIENCE = 4
 FIRST_COOLDOWN = 16
+#: A step that does not lose resets the cooldown when the drafts are expected to add this much more than when
+#: the cell last parked (their acceptance has moved: the next look comes soon).
+RISEN = 1.25
 MAX_COOLDOWN = 4096
 #: A draft position's acceptance counts decay by this factor at every step that drafts it, so the rule
 #: follows the traffic (about the last ten such steps' rows weigh in).
@@ -121,6 +127,8 @@ class _Cell:
     """A cooldown just ended: K = 1 is measured again even where the acceptance known says it cannot pay."""
     losses: int = 0
     parked_for: int = 0
+    parked_yield: float = 0.0
+    """Tokens the drafts were expected to add to a row at the most drafts when the cell last parked."""
     cooldown: int = FIRST_COOLDOWN
     restored: set[int] = field(default_factory=set)
     """The Ks whose cost an earlier run or another width measured, not measured here yet: used as measured
@@ -196,13 +204,16 @@ class DraftLength:
         if classic is not None and kept and chosen:
             # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
             # yields at this K by the pooled acceptance (one step's few rows would be noise).
-            if self.expected_tokens(drafts, len(kept) / width) / seconds < LOSS_MARGIN / classic:
+            rate = self.expected_tokens(drafts, len(kept) / width) / seconds
+            if rate < LOSS_MARGIN / classic:
                 cell.losses += 1
                 if cell.losses >= PATIENCE:
                     self._park(cell)
             elif self._yields(drafts, len(kept) / width):  # a step that yields next to nothing is no success
                 cell.losses = 0
-                cell.cooldown = FIRST_COOLDOWN
+                risen = self.expected_tokens(self.max_drafts) > 1 + RISEN * cell.parked_yield
+                if rate > SWITCH_GAIN / classic or risen:  # a tie is no reason to look again sooner after a park
+                    cell.cooldown = FIRST_COOLDOWN
 
     # -- the decision --------------------------------------------------------------
 
@@ -313,9 +324,9 @@ class DraftLength:
         """Whether K's drafts are expected to add at least :data:`MIN_DRAFT_YIELD` tokens a row."""
         return self.expected_tokens(k, share) - 1 >= MIN_DRAFT_YIELD
 
-    @staticmethod
-    def _park(cell: _Cell) -> None:
+    def _park(self, cell: _Cell) -> None:
         cell.parked_for, cell.losses, cell.running = cell.cooldown, 0, 0
+        cell.parked_yield = self.expected_tokens(self.max_drafts) - 1
         cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)
 
     def _rate(self, cell: _Cell, k: int, share: float = 1.0) -> float:
