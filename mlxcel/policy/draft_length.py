@@ -1,56 +1,42 @@
 """How many drafts to verify at each step, at every width (a lone request's burst is width 1), from measured costs.
 
-Pure Python (no MLX, no clock): the engine reports what each step cost and how
-many drafts each row kept; :meth:`DraftLength.choose` answers K for the next
-step, 0 meaning the untouched classic step. The rule (TurboSpec's goodput, with
-the classic step measured directly, never as "speculation with no drafts"):
+Pure Python (no MLX, no clock): the engine reports what each step cost and how many drafts each row kept;
+:meth:`DraftLength.choose` answers K for the next step, 0 meaning the untouched classic step. The rule (TurboSpec's
+goodput, with the classic step measured directly, never as "speculation with no drafts"):
 
-- before any draft was judged (costs restored at a start, acceptance not:
-  it is the traffic's), the rule runs K = 1 first rather than judge a K by a
-  guessed acceptance (which would park a head that agrees), then, where the
-  first draft agrees, the most drafts once;
-- a step's cost is kept per (batch width, context-depth band, K) as an
-  exponential moving average of its measured seconds;
-- acceptance is kept per draft position j, pooled over rows: the chance that
-  draft j is kept given drafts 1..j-1 were (a position seldom drafted judged
-  like the one before it until its own rows say otherwise); a row then yields
+- before any draft was judged (costs restored at a start, acceptance not: it is the traffic's), the rule runs K = 1
+  first rather than judge a K by a guessed acceptance (which would park a head that agrees), then, where the first
+  draft agrees, the most drafts once;
+- a step's cost is kept per (batch width, context-depth band, K) as an exponential moving average of its measured
+  seconds;
+- acceptance is kept per draft position j, pooled over rows: the chance that draft j is kept given drafts 1..j-1
+  were (a position seldom drafted judged like the one before it until its own rows say otherwise); a row then yields
   E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
-- a width not seen yet in a depth band starts from the costs of the nearest
-  width measured in that band, each in use until measured here: the classic
-  step first, trusted at once; a verify by trials of its own (its first step at
-  a new width is a new shape and pays one-off costs); only costs measured at a
-  width are persisted, and a restored verify is measured anew alike;
-- the step picks the K that maximises width x E(K) / cost(K), against
-  width / cost(0); a K not measured yet at this width and band is tried first
-  (each for :data:`TRIALS` steps) once the classic step there is known, if it
-  could pay at all: at the least it can cost (the dearest narrower step
-  measured) and the acceptance known so far, it must beat every K measured
-  there, the classic step included; K = 1 first while nothing is known of the
-  drafts or the first is mostly rejected, else the most promising such K (the
-  largest, where the drafts agree), so that once it has been measured the
-  narrower ones, which can no longer win, are never run;
-- it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`),
-  and every :data:`LOOK_AROUND` steps measures a neighbouring K once, so the
-  costs it compares stay current;
-- when the classic step wins, or a K keeps losing to it as measured, speculation
-  parks at that width and band for a cooldown that doubles with every park (up
-  to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again clearly
-  (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than
-  when it parked (:data:`RISEN`); where it only ties, the looks after each
-  cooldown are what it costs, and they grow rarer. Then each K is measured
-  once more.
+- a width not seen yet in a depth band starts from the costs of the nearest width measured in that band, each in use
+  until measured here: the classic step first, trusted at once; a verify by trials of its own (its first step at a
+  new width is a new shape and pays one-off costs); only costs measured at a width are persisted, and a restored
+  verify is measured anew alike;
+- the step picks the K that maximises width x E(K) / cost(K), against width / cost(0); a K not measured yet at this
+  width and band is tried first (each for :data:`TRIALS` steps) once the classic step there is known, if it could
+  pay at all: at the least it can cost (the dearest narrower step measured) and the acceptance known so far, it must
+  beat every K measured there, the classic step included; K = 1 first while nothing is known of the drafts or the
+  first is mostly rejected, else the most promising such K (the largest, where the drafts agree), so that once it
+  has been measured the narrower ones, which can no longer win, are never run;
+- it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`), and every :data:`LOOK_AROUND`
+  steps measures a neighbouring K once, so the costs it compares stay current;
+- when the classic step wins, or a K keeps losing to it as measured, speculation parks at that width and band for a
+  cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again
+  clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when it parked
+  (:data:`RISEN`); where it only ties, the looks after each cooldown are what it costs, and they grow rarer. Then
+  each K is measured once more.
 
-The same rule decides for a lone request (width 1: the B=1 burst, round by
-round) once the policy lets the burst run and is not profiling: the policy's
-verdict says whether the burst may run at all (the contract's B=1 verdict), this
-says at which K, round by round, from the costs measured at width 1 and that
-depth (the profiling window's rounds and classic steps are its first). The
-verdict's ``depth_limit`` (where the window's lines of round and step time
-cross) is its prior: at that depth or deeper, a depth band where no
-speculative step was measured yet starts parked, and is measured after the
-cooldown as any parked cell is. (A batch left with one row decodes at width 1
-too: the same physics, one row's verify against one row's step, the same
-cells.)
+The same rule decides for a lone request (width 1: the B=1 burst, round by round) once the policy lets the burst run
+and is not profiling: the policy's verdict says whether the burst may run at all (the contract's B=1 verdict), this
+says at which K, round by round, from the costs measured at width 1 and that depth (the profiling window's rounds
+and classic steps are its first). The verdict's ``depth_limit`` (where the window's lines of round and step time
+cross) is its prior: at that depth or deeper, a depth band where no speculative step was measured yet starts parked,
+and is measured after the cooldown as any parked cell is. (A batch left with one row decodes at width 1 too: the
+same physics, one row's verify against one row's step, the same cells.)
 """
 
 from __future__ import annotations
