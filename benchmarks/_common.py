@@ -130,7 +130,7 @@ def compact_memory() -> str:
     get memory alike; what was done, for the benchmark's header.
 
     Measured (2026-12-05, docs/benchmarks.md): three identical servers started in turn on a machine whose memory
-    earlier runs had churned decoded 3-5% slower the earlier each was started; after this, within 1%.
+    earlier runs had churned decoded 3-5% slower the earlier each was started; after this, within 2%, in no order.
     """
     try:
         subprocess.run(["sync"], check=False)
