@@ -197,8 +197,9 @@ class DraftLength:
                     self._park(cell)
             elif self._yields(drafts, len(kept) / width):  # a step that yields next to nothing is no success
                 cell.losses = 0
-                risen = self.expected_tokens(self.max_drafts) > 1 + RISEN * cell.parked_yield
-                if rate > SWITCH_GAIN / classic or risen:  # a tie is no reason to look again sooner after a park
+                # A tie is no reason to look again sooner after a park (the acceptance worked out only if need be).
+                if rate > SWITCH_GAIN / classic or \
+                        self.expected_tokens(self.max_drafts) > 1 + RISEN * cell.parked_yield:
                     cell.cooldown = FIRST_COOLDOWN
 
     # -- the decision --------------------------------------------------------------
