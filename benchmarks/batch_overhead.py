@@ -13,8 +13,9 @@ hidden-state tap (the target adapter's forward), pairing each row's hidden state
 its next token for the drafter (and reading them every 64 steps), the eligibility
 check and the rule's choice. Passes alternate; prints the median milliseconds a step of each and the ratio.
 ``--depth N``: every row starts from the same N-token prompt, prefilled once and its cache copied into each
-row (a resumed prompt's way in), so that the steps read N keys a row. ``--released``: the pairing's layers
-shaped as Qwen3.5-0.8B's (``benchmarks/batch_mtp.py``).
+row (a resumed prompt's way in), its drafter's cache too (the head has read the whole prompt, as a row that ran
+alone first has), so that the steps, and the drafters' reads every 64 of them, read N keys a row.
+``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (``benchmarks/batch_mtp.py``).
 """
 
 from __future__ import annotations
@@ -65,12 +66,17 @@ def main() -> None:
         stream = mx.default_stream(mx.default_device())
         drafts = args.k - 1
         context = [5 + i % 400 for i in range(args.depth)]
-        prefilled = None
-        if context:  # once: each row starts from a copy of its cache
+        prefilled = read = None
+        if context:  # once: each row starts from a copy of its cache, its drafter from a copy of what it read
             prefilled = make_prompt_cache(model)
+            hiddens = []
             for start in range(0, len(context), 512):
-                model(mx.array([context[start:start + 512]]), cache=prefilled)
-                mx.eval([c.state for c in prefilled])
+                _, hidden = target.forward(mx.array([context[start:start + 512]]), prefilled)
+                mx.eval(hidden, [c.state for c in prefilled])
+                hiddens.append(hidden)
+            alone = head.new_sequence(prefilled)
+            alone.catch_up(mx.concatenate(hiddens, axis=1)[:, :-1], mx.array([context[1:]]))
+            read = alone.snapshot()
 
         def batch(speculating: bool) -> ContinuousBatch[object]:
             speculation = rule = None
@@ -86,7 +92,11 @@ def main() -> None:
                 cache = copy.deepcopy(prefilled) if prefilled is not None else None
                 uid = made.insert(object(), [5 + i, 7, 9, 11 + i], cache, list(context), 100_000, None, [], ())
                 if speculation is not None:
-                    speculation.join(uid, None, None, BurstStats(), True)
+                    drafter = None
+                    if read is not None:
+                        drafter = head.new_sequence(cache)
+                        drafter.restore(read)
+                    speculation.join(uid, drafter, None, BurstStats(), True)
             for _ in range(8):  # prefill, and the first steps' one-off work
                 made.step()
             return made

@@ -21,8 +21,10 @@ from mlxcel.checkpoints import inspect_checkpoint, inspect_drafter, load_drafter
 from mlxcel.engine.batch import ContinuousBatch
 from mlxcel.engine.batch_speculation import BatchSpeculation
 from mlxcel.engine.requests import BurstStats
+from mlxcel.families.qwen3_5.mtp import Qwen35MTP, text_args
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models.drafters.own_cache import OwnCacheSequence
+from mlxcel.models.drafters.own_cache import OwnCacheBatch, OwnCacheSequence, _chain
+from mlxcel.testing.checkpoints import CONFIGS
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
 
@@ -80,7 +82,7 @@ def test_a_rows_queue_keeps_its_last_positions_only() -> None:
     """A long prompt's hidden states wait for its row to decode: the queue keeps the last MAX_QUEUED of them."""
     from types import SimpleNamespace
 
-    from mlxcel.models.drafters.own_cache import MAX_QUEUED, OwnCacheBatch
+    from mlxcel.models.drafters.own_cache import MAX_QUEUED
 
     drafts = OwnCacheBatch(SimpleNamespace(head=SimpleNamespace(make_cache=list)))
     drafts.join(7, None)
@@ -93,3 +95,58 @@ def test_a_rows_queue_keeps_its_last_positions_only() -> None:
     assert queued[0, 0].item() == last - MAX_QUEUED and queued[0, -1].item() == last - 1
     drafts.catch_up(8, positions.reshape(1, -1, 1), positions.reshape(1, -1))  # a row not joined: ignored
     assert drafts.pending(8) == 0
+
+
+def _head(kind: str) -> tuple[Any, int]:
+    """A random head of *kind* and its hidden size: Qwen 3.5's of one layer or two, GLM-4.7-Flash's."""
+    if kind == "glm":
+        from mlxcel.families.glm4_moe_lite.mtp import _new_head
+        from mlxcel.families.glm4_moe_lite.tiny import EXTRA, TEXT
+
+        return _new_head({**TEXT, **EXTRA}), TEXT["hidden_size"]
+    args = text_args(CONFIGS["qwen3_5"])
+    return Qwen35MTP(args, num_layers=2 if kind == "qwen-2" else 1), args.hidden_size
+
+
+@pytest.mark.parametrize("kind", ["qwen", "qwen-2", "glm"])
+def test_catching_up_writes_the_keys_and_values_a_whole_forward_writes(kind: str) -> None:
+    """A head catching up reads its output at the last position only: ``remember`` writes the other positions'
+    keys and values alone. The same positions read whole, then the last one: the same cache to the bit, and the
+    same output (the last position's forward is the same one-position forward either way). With two layers
+    the first runs whole (the second's keys depend on its output); GLM's layer keeps compressed keys."""
+    head, hidden_size = _head(kind)
+    mx.eval(head.parameters())
+    rng = np.random.default_rng(len(kind))
+    embeddings, hidden = (mx.array(rng.normal(size=(1, 9, hidden_size)).astype(np.float32)) for _ in range(2))
+    whole, caught_up = head.make_cache(), head.make_cache()
+    head(embeddings[:, :5], hidden[:, :5], whole)  # an earlier read: the new positions are written after it
+    head(embeddings[:, :5], hidden[:, :5], caught_up)
+    head(embeddings[:, 5:8], hidden[:, 5:8], whole)
+    head.remember(embeddings[:, 5:8], hidden[:, 5:8], caught_up)
+    expected = head(embeddings[:, 8:], hidden[:, 8:], whole)
+    out = head(embeddings[:, 8:], hidden[:, 8:], caught_up)
+    assert caught_up[-1].offset == whole[-1].offset == 9
+    for a, b in zip(whole, caught_up, strict=True):
+        assert np.array_equal(np.array(a.keys[..., :9, :]), np.array(b.keys[..., :9, :]))
+        assert np.array_equal(np.array(a.values[..., :9, :]), np.array(b.values[..., :9, :]))
+    assert np.array_equal(np.array(expected), np.array(out))
+
+
+def test_a_batch_of_rows_catching_up_drafts_as_each_row_read_whole(pairing: tuple[Any, Any, Any]) -> None:
+    """Rows with different numbers of queued positions (right-padded, then rotated to the left) draft, after a
+    catch-up that writes all but each row's last position by ``remember``, what each would draft having read
+    every position whole, alone."""
+    model, target, head = pairing
+    drafts = OwnCacheBatch(head)
+    states = {}
+    for uid, prompt in enumerate(PROMPTS):
+        cache = make_prompt_cache(model)
+        _, hidden = target.forward(mx.array([prompt]), cache)
+        states[uid] = (hidden[:, :-1], mx.array([prompt[1:]]))
+        drafts.join(uid, None)
+        drafts.catch_up(uid, *states[uid])
+    batched = drafts.draft([0, 1], 3, []).tolist()
+    for uid, (hidden, tokens) in states.items():
+        alone = head.head.make_cache()
+        last = head.head(head.embed(tokens), hidden, alone)[:, -1:, :]  # every position read whole
+        assert _chain(head, last, alone, 3).tolist()[0] == batched[uid]

@@ -66,6 +66,23 @@ class Glm4MoeLiteMTP(nn.Module):
         out: mx.array = body.mtp_block(x, mask, cache[0])
         return out
 
+    def remember(self, embeddings: mx.array, hidden: mx.array, cache: list[Any]) -> list[mx.array]:
+        """Write these positions into *cache* as :meth:`__call__` would, without their outputs (a drafter
+        catching up reads its last position's alone): the layer's compressed keys and rotary keys are its
+        input's projections, the bytes :meth:`__call__` writes; its attention and mixture of experts over
+        these positions are skipped. The arrays to evaluate."""
+        body = self.model
+        x = body.eh_proj(mx.concatenate([body.enorm(embeddings), body.hnorm(hidden)], axis=-1))
+        attention = body.mtp_block.self_attn
+        batch, length, _ = x.shape
+        compressed, rotary = mx.split(attention.kv_a_proj_with_mqa(body.mtp_block.input_layernorm(x)),
+                                      [attention.kv_lora_rank], axis=-1)
+        rotary = attention.rope(rotary.reshape(batch, length, 1, attention.qk_rope_head_dim).transpose(0, 2, 1, 3),
+                                cache[0].offset)
+        latent, rotary = cache[0].update_and_fetch(mx.expand_dims(attention.kv_a_layernorm(compressed), axis=1),
+                                                   rotary)
+        return [latent, rotary]
+
     def logits(self, x: mx.array) -> mx.array:
         out: mx.array = self.lm_head(self.model.shared_head_norm(x))
         return out

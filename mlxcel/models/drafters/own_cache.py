@@ -55,6 +55,10 @@ class OwnCacheSequence:
             hidden = mx.concatenate([h for h, _ in self._pending], axis=1)
             tokens = mx.concatenate([t for _, t in self._pending], axis=1)
             self._pending = []
+            remember = getattr(d.head, "remember", None)
+            if remember is not None and tokens.shape[1] > 1:  # only the last position's output is read
+                remember(d.embed(tokens[:, :-1]), hidden[:, :-1], self._cache)
+                hidden, tokens = hidden[:, -1:], tokens[:, -1:]
             self._last = d.head(d.embed(tokens), hidden, self._cache)[:, -1:, :]
         return [] if self._last is None else [self._last]
 
@@ -177,26 +181,43 @@ class OwnCacheBatch:
                 self._read.add(uid)
         like = next(iter(read.values()))[0]
         nothing = (mx.zeros((1, 0, like.shape[-1]), like.dtype), mx.zeros((1, 0), mx.int32))
-        for start in range(0, max(counts), SETTLE_CHUNK):  # a long prompt's positions in bounded forwards
-            pieces = [min(max(count - start, 0), SETTLE_CHUNK) for count in counts]
-            longest = max(pieces)
-            hiddens, tokens = [], []
-            for uid, piece in zip(uids, pieces, strict=True):
-                h, t = read.get(uid, nothing)
-                h, t = h[:, start:start + piece], t[:, start:start + piece]
-                pad = longest - piece
-                hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
-                tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
-            padding = [longest - piece for piece in pieces]
-            out = d.head(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0), self._cache)
-            if any(padding):  # as mlx-lm's right-padded prompts: the padding ends up as each row's left padding
-                mx.eval(out)  # the forward done first, so that the rotation writes its rows in place
-                rotate_rows(self._cache, padding)
+        rows = [read.get(uid, nothing) for uid in uids]
+        # Only each row's last position's output is read: a head that can write the others' keys and values
+        # alone (``remember``) runs whole for that one position only.
+        remember = getattr(d.head, "remember", None)
+        whole = [min(count, 1) for count in counts] if remember is not None else counts
+        ahead = [count - own for count, own in zip(counts, whole, strict=True)]
+        if remember is not None:
+            self._feed(rows, [0] * len(rows), ahead, lambda e, h: remember(e, h, self._cache))
+        for out, pieces in self._feed(rows, ahead, whole, lambda e, h: d.head(e, h, self._cache)):
             read_now = mx.array(pieces)
             last = mx.take_along_axis(out, mx.maximum(read_now - 1, 0)[:, None, None], axis=1)
             if self._last is not None:
                 last = mx.where((read_now > 0)[:, None, None], last, self._last)
             self._last = last
+
+    def _feed(self, rows: list[tuple[mx.array, mx.array]], first: list[int], counts: list[int],
+              forward: Any) -> list[tuple[Any, list[int]]]:
+        """Row i's pairs ``first[i]`` to ``first[i] + counts[i]`` through *forward* (embeddings, hidden), all
+        rows at once, right-padded to the longest and in pieces of at most :data:`SETTLE_CHUNK` (a long
+        prompt's positions in bounded forwards); each piece's output with how many positions each row fed."""
+        d, fed = self._drafter, []
+        for start in range(0, max(counts, default=0), SETTLE_CHUNK):
+            pieces = [min(max(count - start, 0), SETTLE_CHUNK) for count in counts]
+            longest = max(pieces)
+            hiddens, tokens = [], []
+            for (h, t), at, piece in zip(rows, first, pieces, strict=True):
+                h, t = h[:, at + start:at + start + piece], t[:, at + start:at + start + piece]
+                pad = longest - piece
+                hiddens.append(mx.pad(h, [(0, 0), (0, pad), (0, 0)]) if pad else h)
+                tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
+            padding = [longest - piece for piece in pieces]
+            out = forward(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0))
+            if any(padding):  # as mlx-lm's right-padded prompts: the padding ends up as each row's left padding
+                mx.eval(out)  # the forward done first, so that the rotation writes its rows in place
+                rotate_rows(self._cache, padding)
+            fed.append((out, pieces))
+        return fed
 
     def _merge(self, uids: list[int]) -> None:
         """The head caches and last outputs of *uids*, in that order, as one batch."""
