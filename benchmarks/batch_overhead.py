@@ -2,7 +2,7 @@
 speculation attached and parked.
 
     python -m benchmarks.batch_overhead [--layers 24 --hidden 1024 | --layers 12 --released] [--width 8]
-        [--steps 32] [--passes 4] [--depth TOKENS]
+        [--steps 64] [--passes 4] [--depth TOKENS]
 
 In process, on the MLX thread, one Qwen 3.5 pairing with its MTP head. ``plain``: a
 ``ContinuousBatch`` without speculation (the classic step, as a server without ``--mtp``
@@ -10,8 +10,9 @@ runs it). ``parked``: the same batch with speculation attached, its rule restore
 costs under which every K loses, so its steps are classic (its look at K = 1 after
 each cooldown is left out of the timing) and pay what speculation adds to them: the
 hidden-state tap (the target adapter's forward), pairing each row's hidden state with
-its next token for the drafter (and reading them every 64 steps), the eligibility
-check and the rule's choice. Passes alternate; prints the median milliseconds a step of each and the ratio.
+its next token for the drafter (and reading them every 64 steps: *steps* of 64 or more hold one such
+read a pass; fewer, none), the eligibility check and the rule's choice. Passes alternate; prints the median
+milliseconds a step of each and the ratio.
 ``--depth N``: every row starts from the same N-token prompt, prefilled once and its cache copied into each
 row (a resumed prompt's way in), its drafter's cache too (the head has read the whole prompt, as a row that ran
 alone first has), so that the steps, and the drafters' reads every 64 of them, read N keys a row.
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--width", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--passes", type=int, default=4)
     parser.add_argument("--k", type=int, default=4, help="verify width (drafts per row: K - 1)")
     parser.add_argument("--depth", type=int, default=0, help="tokens of context in every row")

@@ -62,7 +62,7 @@ class Qwen35MTP(nn.Module):
         *whole, last = self.layers
         if whole:
             mask = create_attention_mask(x, cache[0])
-            for layer, layer_cache in zip(whole, cache, strict=False):
+            for layer, layer_cache in zip(whole, cache[:len(whole)], strict=True):
                 x = layer(x, mask, layer_cache)
         attention, layer_cache = last.self_attn, cache[len(whole)]
         normed = last.input_layernorm(x)

@@ -32,7 +32,9 @@ class OwnCacheSequence:
     pairs it has not read yet, and the head's output at the last position it read.
 
     Any such head (Qwen's, GLM's) drives it through *drafter*'s ``head(embeddings, hidden, cache)``
-    (the output fed back as the next hidden), ``head.make_cache()``, ``embed`` and ``lm_head``.
+    (the output fed back as the next hidden), ``head.make_cache()``, ``embed`` and ``lm_head``; and, where the
+    head has it, ``head.remember(embeddings, hidden, cache)``, which writes positions into the cache without
+    their outputs: a catch-up runs the head whole for its last position only.
     """
 
     def __init__(self, drafter: Any) -> None:
