@@ -42,7 +42,11 @@ def pairing(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
         inspect_drafter(info, mtp=True, draft_model=None), info, model)
 
 
-def test_a_batch_prefilled_rows_head_holds_its_whole_prompt(pairing: tuple[Any, Any, Any]) -> None:
+@pytest.mark.parametrize("piece", [None, 8], ids=["read-at-first-draft", "read-while-prefilling"])
+def test_a_batch_prefilled_rows_head_holds_its_whole_prompt(pairing: tuple[Any, Any, Any], piece: int | None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if piece is not None:  # pieces smaller than the prompts: each row reads its prompt alone as it arrives
+        monkeypatch.setattr("mlxcel.models.drafters.own_cache.SETTLE_CHUNK", piece)
     model, target, head = pairing
     speculation = BatchSpeculation(model, target, head, "wide")
     batch: ContinuousBatch[object] = ContinuousBatch(model, frozenset(), 2, CHUNK,
@@ -78,22 +82,32 @@ def test_a_batch_prefilled_rows_head_holds_its_whole_prompt(pairing: tuple[Any, 
                                        np.array(own.keys[..., :own.offset, :]), rtol=1e-4, atol=1e-5)
 
 
-def test_a_rows_queue_keeps_its_last_positions_only() -> None:
-    """A long prompt's hidden states wait for its row to decode: the queue keeps the last MAX_QUEUED of them."""
-    from types import SimpleNamespace
+def test_a_prefilling_rows_long_prompt_is_read_as_it_arrives(pairing: tuple[Any, Any, Any]) -> None:
+    """A row still prefilling reads each whole SETTLE_CHUNK of its prompt's hidden states as the chunks arrive:
+    its queue stays under a chunk, and the state it joins the drafting rows with holds every position before
+    that, the keys and values a lone sequence's head holds after the same positions."""
+    from mlxcel.models.drafters.own_cache import SETTLE_CHUNK
 
-    from mlxcel.models.drafters.own_cache import MAX_QUEUED
-
-    drafts = OwnCacheBatch(SimpleNamespace(head=SimpleNamespace(make_cache=list)))
-    drafts.join(7, None)
-    for start in range(0, MAX_QUEUED + 1000, 300):  # chunks of 300 positions, as a prefill hands them over
-        positions = mx.arange(start, start + 300)
-        drafts.catch_up(7, positions.reshape(1, -1, 1).astype(mx.float32), positions.reshape(1, -1))
-    assert drafts.pending(7) == MAX_QUEUED
-    queued = mx.concatenate([tokens for _, tokens in drafts._pending[7]], axis=1)
-    last = (MAX_QUEUED + 1000 + 299) // 300 * 300
-    assert queued[0, 0].item() == last - MAX_QUEUED and queued[0, -1].item() == last - 1
-    drafts.catch_up(8, positions.reshape(1, -1, 1), positions.reshape(1, -1))  # a row not joined: ignored
+    model, target, head = pairing
+    length = 2 * SETTLE_CHUNK + 100
+    prompt = [3 + (7 * i) % 97 for i in range(length + 1)]
+    _, hidden = target.forward(mx.array([prompt[:-1]]), make_prompt_cache(model))
+    tokens = mx.array([prompt[1:]])
+    drafts = OwnCacheBatch(head)
+    joined = OwnCacheSequence(head)
+    drafts.join(7, joined)
+    for start in range(0, length, 300):  # pieces of 300 positions, as a prefill hands them over
+        drafts.catch_up(7, hidden[:, start:start + 300], tokens[:, start:start + 300])
+        assert drafts.pending(7) < SETTLE_CHUNK
+    assert drafts.pending(7) == length - 2 * SETTLE_CHUNK and drafts.ready(7)
+    alone = OwnCacheSequence(head)
+    alone.catch_up(hidden[:, :2 * SETTLE_CHUNK], tokens[:, :2 * SETTLE_CHUNK])
+    alone.settle()
+    for read, own in zip(joined._cache, alone._cache, strict=True):
+        assert read.offset == own.offset == 2 * SETTLE_CHUNK
+        np.testing.assert_allclose(np.array(read.keys[..., :own.offset, :]), np.array(own.keys[..., :own.offset, :]),
+                                   rtol=1e-4, atol=1e-5)
+    drafts.catch_up(8, hidden[:, :300], tokens[:, :300])  # a row not joined: ignored
     assert drafts.pending(8) == 0
 
 

@@ -9,12 +9,9 @@ import mlx.core as mx
 
 from ..batch_rollback import rotate_rows
 
-#: A batch's drafter reads at most this many queued positions a row in one head forward (a long prompt's
-#: hidden states, read once its row decodes, go in pieces).
+#: A batch's drafter reads at most this many queued positions a row in one head forward; a row still
+#: prefilling reads its prompt in pieces of this many as they arrive, alone, so what it queues stays below it.
 SETTLE_CHUNK = 512
-#: ... and queues at most this many a row: a long prompt's earlier positions are dropped (the head then holds
-#: its last 4,096; drafts lose a little context, the memory a row's queue holds stays bounded).
-MAX_QUEUED = 4096
 
 
 def _chain(drafter: Any, last: mx.array, cache: list[Any], count: int) -> mx.array:
@@ -129,21 +126,25 @@ class OwnCacheBatch:
         return sum(t.shape[1] for _, t in self._pending.get(uid, ()))
 
     def catch_up(self, uid: int, hidden: mx.array, tokens: mx.array) -> None:
-        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S), read at the next draft
-        (of a row's queue, the last :data:`MAX_QUEUED` positions)."""
+        """Row *uid*'s target hidden states (1, S, H) with the tokens after them (1, S), read at the next draft;
+        a row that has not drafted in the batch yet (its prompt still prefilling) reads each whole
+        :data:`SETTLE_CHUNK` of them now, into the state it joined with: a long prompt is read as it arrives,
+        every position of it (as a lone sequence's head reads it), and never waits whole in the queue."""
         queue = self._pending.get(uid)
         if queue is None:
             return
         queue.append((hidden, tokens))
-        excess = self.pending(uid) - MAX_QUEUED
-        while excess > 0:
-            first_hidden, first_tokens = queue[0]
-            if first_tokens.shape[1] <= excess:
-                excess -= first_tokens.shape[1]
-                queue.pop(0)
-            else:
-                queue[0] = (first_hidden[:, excess:], first_tokens[:, excess:])
-                excess = 0
+        sequence = self._joining.get(uid)
+        if sequence is None or self.pending(uid) < SETTLE_CHUNK:
+            return
+        hidden = mx.concatenate([h for h, _ in queue], axis=1)
+        tokens = mx.concatenate([t for _, t in queue], axis=1)
+        whole = tokens.shape[1] // SETTLE_CHUNK * SETTLE_CHUNK
+        for start in range(0, whole, SETTLE_CHUNK):
+            sequence.catch_up(hidden[:, start:start + SETTLE_CHUNK], tokens[:, start:start + SETTLE_CHUNK])
+            mx.async_eval(sequence.settle())  # the chunk's hidden states freed once read
+        self._read.add(uid)
+        queue[:] = [(hidden[:, whole:], tokens[:, whole:])] if whole < tokens.shape[1] else []
 
     def draft(self, uids: list[int], count: int, cache: list[Any]) -> mx.array:
         """*count* greedy drafts for each row of *uids* (the batch's order), (B, count), on device."""
