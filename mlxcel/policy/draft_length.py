@@ -10,8 +10,9 @@ goodput, with the classic step measured directly, never as "speculation with no 
 - a step's cost is kept per (batch width, context-depth band, K) as an exponential moving average of its measured
   seconds;
 - acceptance is kept per draft position j, pooled over rows: the chance that draft j is kept given drafts 1..j-1
-  were (a position seldom drafted judged like the one before it until its own rows say otherwise); a row then yields
-  E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
+  were (a position seldom drafted judged like the one before it until its own rows say otherwise), over about the
+  last twenty steps that drafted it, fading while speculation is parked (:data:`ACCEPTANCE_DECAY`); a row then
+  yields E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
 - a width not seen yet in a depth band starts from the costs of the nearest width measured in that band, each in use
   until measured here: the classic step first, trusted at once; a verify by trials of its own (its first step at a
   new width is a new shape and pays one-off costs); only costs measured at a width are persisted, and a restored
@@ -46,9 +47,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .batch_view import BatchCell
+from .cost_table import read_table
 
-#: At most this many (width, band) cells are restored from a persisted table.
-MAX_CELLS = 4096
 #: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
 FIRST_BAND_TOKENS = 1024
 #: Steps each K is measured for before the rule trusts its cost.
@@ -69,9 +69,15 @@ FIRST_COOLDOWN = 16
 #: the cell last parked (their acceptance has moved: the next look comes soon).
 RISEN = 1.25
 MAX_COOLDOWN = 4096
-#: A draft position's acceptance counts decay by this factor at every step that drafts it, so the rule
-#: follows the traffic (about the last ten such steps' rows weigh in).
-ACCEPTANCE_DECAY = 0.9
+ACCEPTANCE_DECAY = 0.95
+"""Acceptance counts decay by this factor at every step that drafts their position (about the last twenty such
+steps' rows weigh in), and at every parked step (to :data:`FADED_ROWS`). Rows that share a text (one prompt to
+every stream; an agent's sub-tasks) keep or reject a draft together, so a step is one sample however many rows
+it has: over ten steps, two rejecting steps read 89% as 0.66-0.75 and parked 16 rows, and the dip outlived the
+park (219 of 235 steps parked, two drafts 10% ahead by the steps' own rates: docs/benchmarks.md, 2026-12-05)."""
+FADED_ROWS = 8
+"""Rows' worth a position's acceptance keeps while parked (four times the prior's): a head known to fail is
+judged at a tenth at most after a cooldown, and a look at a batch's rows outweighs what came before the park."""
 #: Rows' worth of weight a draft position's prior (the chance at the position before it) carries.
 PRIOR_ROWS = 2
 #: Once the first draft is kept at least this often, the most promising K is tried first, not K = 1.
@@ -176,9 +182,7 @@ class DraftLength:
         (a lone burst while the policy profiles): its cost and acceptance count, a loss does not park."""
         cell = self._cell(width, depth)
         cell.add(drafts, seconds)
-        for j in range(1, drafts + 1):  # only the positions this step drafted: the others keep what they knew
-            self._tried[j] *= ACCEPTANCE_DECAY
-            self._kept[j] *= ACCEPTANCE_DECAY
+        self._fade(range(1, drafts + 1))  # only the positions this step drafted: the others keep what they knew
         for count in kept:
             for j in range(1, drafts + 1):
                 self._tried[j] += 1
@@ -248,6 +252,7 @@ class DraftLength:
             cell.prior_taken = True  # once: after the cooldown this depth band is measured as any other
             self._park(cell)
         if cell.parked_for > 0:
+            self._fade(range(1, self.max_drafts + 1), floor=FADED_ROWS)
             cell.parked_for -= 1
             if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and
                 for k in range(1, self.max_drafts + 1):  # K = 1 in any case (the drafts' acceptance may have moved)
@@ -300,6 +305,15 @@ class DraftLength:
         best = max(self._rate(cell, j, share) for j in range(self.max_drafts + 1)
                    if cell.samples.get(j, 0) >= TRIALS and (j == 0 or self._yields(j, share)))
         return self.expected_tokens(k, share) / self._floor(cell, k) > SWITCH_GAIN * best
+
+    def _fade(self, positions: range, floor: float = 0.0) -> None:
+        """What was learnt of draft *positions* weighs less, by :data:`ACCEPTANCE_DECAY` (a step has passed), but
+        no less than *floor* rows' worth."""
+        for j in positions:
+            if self._tried[j] > floor:
+                factor = max(ACCEPTANCE_DECAY, floor / self._tried[j])
+                self._tried[j] *= factor
+                self._kept[j] *= factor
 
     @staticmethod
     def _floor(cell: _Cell, k: int) -> float:
@@ -364,29 +378,13 @@ class DraftLength:
 
     def restore(self, table: object) -> str | None:
         """Take the step costs of *table* (from :meth:`export`) as measured; why not, when they do not fit
-        (then nothing is taken)."""
-        if not isinstance(table, dict) or set(table) != {"max_drafts", "cells"}:
-            return "not a table of step costs"
-        if table["max_drafts"] != self.max_drafts:
-            return f"measured for up to {table['max_drafts']!r} drafts, this server drafts up to {self.max_drafts}"
-        cells: dict[tuple[int, int], _Cell] = {}
-        entries = table["cells"]
-        if not isinstance(entries, list) or len(entries) > MAX_CELLS:
-            return "its cells are not a list of at most 4096"
-        for entry in entries:
-            if not isinstance(entry, dict) or set(entry) != {"width", "band", "seconds"}:
-                return "a cell is not a width, a band and its seconds"
-            width, band, seconds = entry["width"], entry["band"], entry["seconds"]
-            if not (type(width) is int and 1 <= width <= 1 << 16 and type(band) is int and 0 <= band <= 64
-                    and isinstance(seconds, dict)):
-                return "a cell's width, band or seconds is out of range"
-            cell = _Cell()
-            for k, value in seconds.items():
-                if not (isinstance(k, str) and k.isdigit() and int(k) <= self.max_drafts
-                        and isinstance(value, float) and math.isfinite(value) and value > 0):
-                    return "a cell's seconds are not positive numbers by K"
-                cell.costs[int(k)], cell.samples[int(k)] = value, TRIALS
-                cell.restored.add(int(k))
-            cells[(width, band)] = cell
-        self._cells.update(cells)
+        (then nothing is taken: :func:`~.cost_table.read_table`)."""
+        cells = read_table(table, self.max_drafts)
+        if isinstance(cells, str):
+            return cells
+        for key, costs in cells.items():
+            cell = self._cells[key] = _Cell()
+            for k, seconds in costs.items():
+                cell.costs[k], cell.samples[k] = seconds, TRIALS
+                cell.restored.add(k)
         return None
