@@ -80,9 +80,11 @@ def context_model(family: str, hidden: int, layers: int, context: int) -> Path:
 def mtp_model(drafter: str, context_scale: float, layers: int = 12, hidden: int = 256, positions: int = 4096,
               released: bool = False) -> Path:
     """A Qwen 3.5 target with an in-checkpoint MTP head of chosen quality (see mlxcel/families/qwen3_5/tiny.py),
-    whose context window is *positions*; *released*: its layers shaped as Qwen3.5-0.8B's (hidden 1024)."""
+    whose context window is *positions*; *released*: its layers shaped as Qwen3.5-0.8B's (hidden 1024, whatever
+    *hidden* says)."""
     from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
+    hidden = 1024 if released else hidden
     window = "" if positions == 4096 else f"-c{positions}"
     shapes = "-08b" if released else ""
     directory = BENCH_DIR / f"qwen35-{drafter}-{context_scale}-l{layers}-h{hidden}{shapes}{window}"

@@ -104,8 +104,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also `on` as this source tree (a git worktree) serves it")
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
-    hidden = 1024 if args.released else args.hidden
-    model = args.model or mtp_model(args.drafter, args.context, args.layers, hidden, positions, args.released)
+    model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
     prompts = list(PROMPTS)
     if args.depth:
         import random

@@ -58,7 +58,7 @@ def main() -> None:
     from mlxcel.policy.draft_length import DraftLength
 
     positions = context_window(args.depth, 4096)
-    path = mtp_model("aligned", 0.0, args.layers, 1024 if args.released else args.hidden, positions, args.released)
+    path = mtp_model("aligned", 0.0, args.layers, args.hidden, positions, args.released)
     with mlx_thread():
         info = inspect_checkpoint(path)
         model, _ = load(str(path))
