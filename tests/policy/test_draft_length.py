@@ -2,60 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import random
-from collections.abc import Callable
-
 import pytest
 
 from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, LOOK_AROUND, DraftLength, depth_band
 
-Cost = Callable[[int, int, int], float]  # (width, depth, K) -> seconds of a step
-
-
-def linear_cost(classic: float, per_draft: float, depth_cost: float = 0.0) -> Cost:
-    """A step's cost: the classic step's, plus *per_draft* per draft per row, plus a depth term that a verify
-    pays once per verified position (its attention) and a classic step once."""
-    def cost(width: int, depth: int, k: int) -> float:
-        return classic * width ** 0.5 + per_draft * width * k + depth_cost * depth * (k + 1)
-    return cost
-
-
-def run(rule: DraftLength, cost: Cost, acceptance: Callable[[int], float], steps: int, width: int = 4,
-        depth: int = 100, seed: int = 0, shared: bool = False) -> tuple[float, list[int]]:
-    """Drive *rule* for *steps* steps; (tokens per second over the run, the K chosen at each step). *shared*: the
-    rows share one text, so each step's drafts are kept or rejected in every row alike."""
-    rng = random.Random(seed)
-    tokens, seconds, chosen = 0, 0.0, []
-    for step in range(steps):
-        k = rule.choose(width, depth)
-        chosen.append(k)
-        took = cost(width, depth, k)
-        if k == 0:
-            rule.classic(width, depth, took)
-            tokens += width
-        else:
-            kept = []
-            for _ in range(1 if shared else width):
-                count = 0
-                while count < k and rng.random() < acceptance(step):
-                    count += 1
-                kept.append(count)
-            kept *= width // len(kept)
-            rule.speculative(width, depth, k, took, kept)
-            tokens += width + sum(kept)
-        seconds += took
-    return tokens / seconds, chosen
-
-
-def classic_rate(cost: Cost, width: int = 4, depth: int = 100) -> float:
-    return width / cost(width, depth, 0)
-
-
-def best_fixed_rate(cost: Cost, alpha: float, max_k: int, width: int = 4, depth: int = 100) -> float:
-    def expected(k: int) -> float:
-        return sum(alpha ** j for j in range(k + 1))
-    return max(width * expected(k) / cost(width, depth, k) for k in range(max_k + 1))
+from .simulated import best_fixed_rate, classic_rate, linear_cost, run, sixteen_rows_at_2k
 
 
 def test_a_head_that_always_agrees_runs_the_largest_k_that_pays() -> None:
@@ -89,11 +40,6 @@ def test_speculation_comes_back_when_the_drafts_start_to_agree() -> None:
     run(rule, cost, lambda _: 0.0, 300)
     _, chosen = run(rule, cost, lambda _: 1.0, 600, seed=1)
     assert chosen[-100:].count(3) >= 100 - 100 // LOOK_AROUND - 1
-
-
-def sixteen_rows_at_2k(width: int, depth: int, k: int) -> float:
-    """A step's seconds at 16 rows over 2k keys of the released shapes (docs/benchmarks.md, 2026-12-05, sixth)."""
-    return (0.442, 0.81, 1.10, 1.45)[k]
 
 
 def test_rows_that_share_a_text_do_not_park_a_head_that_pays() -> None:
@@ -268,27 +214,6 @@ def test_positions_not_drafted_keep_what_was_learnt_of_them() -> None:
     assert rule.acceptance(3) == pytest.approx(learnt, abs=0.005) and learnt > 0.9
 
 
-def test_the_step_costs_round_trip_and_a_bad_table_is_refused_whole() -> None:
-    rule = DraftLength(3)
-    run(rule, linear_cost(0.010, 0.001), lambda _: 1.0, 100)
-    table = rule.export()
-    fresh = DraftLength(3)
-    assert fresh.restore(json.loads(json.dumps(table))) is None
-    assert fresh.export() == table
-    # Restored costs are trusted: no classic or K trial before the rule runs the K that pays.
-    fresh.speculative(4, 100, 3, 0.014, [3, 3, 3, 3])
-    assert fresh.choose(4, 100) == 3
-    cell = table["cells"][0]  # type: ignore[index]
-    for bad in [None, [], {"max_drafts": 3}, {**table, "max_drafts": 4},
-                {**table, "cells": [{**cell, "width": 0}]}, {**table, "cells": [{**cell, "seconds": {"0": -1.0}}]},
-                {**table, "cells": [{**cell, "seconds": {"9": 0.1}}]},
-                {**table, "cells": [{**cell, "seconds": {"0": float("nan")}}]},
-                {**table, "cells": [{**cell, "extra": 1}]}, {**table, "cells": [cell] * 5000}]:
-        other = DraftLength(3)
-        assert other.restore(bad) is not None
-        assert other.export() == {"max_drafts": 3, "cells": []}
-
-
 def test_once_the_drafts_are_known_to_fail_a_new_width_does_not_try_them() -> None:
     cost = linear_cost(0.010, 0.004)
     rule = DraftLength(3)
@@ -328,28 +253,6 @@ def test_a_head_that_never_agrees_parks_even_where_a_verify_costs_about_a_classi
 
     _, chosen = run(DraftLength(3), cost, lambda _: 0.02, 800)
     assert chosen[-300:].count(0) >= 285
-
-
-def test_a_restored_cost_is_replaced_by_the_first_measurement_of_this_run() -> None:
-    """Restored costs are trusted (no trial), but one that an earlier run measured badly (K = 3 at nearly twice
-    its cost) is replaced by the first look at it, not averaged with it: the rule moves to K = 3 at once."""
-    cost = linear_cost(0.010, 0.001)  # width 4: K = 3 pays best with drafts that always agree
-    table = {"max_drafts": 3, "cells": [{"width": 4, "band": depth_band(100), "seconds": {
-        "0": cost(4, 100, 0), "1": cost(4, 100, 1), "2": cost(4, 100, 2), "3": 0.06}}]}
-    rule = DraftLength(3)
-    assert rule.restore(table) is None
-    _, chosen = run(rule, cost, lambda _: 1.0, 40)
-    assert chosen[-20:].count(3) >= 19, chosen
-
-
-def test_a_restored_classic_cost_is_replaced_by_its_first_measurement_and_a_verify_by_its_trials() -> None:
-    rule = DraftLength(3)
-    assert rule.restore({"max_drafts": 3, "cells": [{"width": 4, "band": 0, "seconds": {"0": 0.5, "3": 0.9}}]}) \
-        is None
-    rule.classic(4, 100, 0.01)
-    rule.speculative(4, 100, 3, 0.05, [3] * 4)  # the verify's first step here: one-off costs
-    rule.speculative(4, 100, 3, 0.02, [3] * 4)  # its second trial replaces it
-    assert rule.export()["cells"] == [{"width": 4, "band": 0, "seconds": {"0": 0.01, "3": 0.02}}]
 
 
 def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pinned() -> None:
@@ -448,26 +351,3 @@ def test_steps_the_rule_did_not_choose_count_their_cost_but_never_park() -> None
     for _ in range(4):
         rule.speculative(1, 100, 3, 0.040, [0])
     assert rule._cells[(1, 0)].parked_for > 0
-
-
-def test_restored_costs_look_at_the_drafts_before_judging_any_k() -> None:
-    # A restart restores the step costs, not the acceptance (the traffic's). Judged by a guessed acceptance of
-    # one half, three drafts would lose to this classic step (1.875 tokens in 0.02 s against 1 in 0.01 s) and
-    # the rule would park a head that always agrees; it looks with K = 1 first, then K = 3 once (the deeper
-    # drafts' acceptance), and runs K = 3 once it knows they agree.
-    measured = DraftLength(3)
-    costs = {0: 0.010, 1: 0.012, 2: 0.013, 3: 0.020}  # as measured; K = 3 costs 0.014 this run
-    for k, seconds in costs.items():
-        for _ in range(2):
-            if k:
-                measured.speculative(1, 100, k, seconds, [k])
-            else:
-                measured.classic(1, 100, seconds)
-    rule = DraftLength(3)
-    assert rule.restore(json.loads(json.dumps(measured.export()))) is None
-    assert rule.choose(1, 100) == 1
-    rule.speculative(1, 100, 1, 0.012, [1])
-    assert rule.choose(1, 100) == 3
-    rule.speculative(1, 100, 3, 0.014, [3])
-    _, chosen = run(rule, lambda width, depth, k: {**costs, 3: 0.014}[k], lambda _: 1.0, 24, width=1)
-    assert chosen[0] == 3 and chosen.count(3) >= 22  # (and a look at a neighbouring K now and then)
