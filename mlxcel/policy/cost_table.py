@@ -1,7 +1,7 @@
 """The persisted table of batch step costs (:meth:`~.draft_length.DraftLength.export`), read back at a start.
 
-Pure Python. The file is the server's own, but a crash mid-write, a disk error or a hand edit can leave anything
-in it: a table is taken whole or not at all, and what is wrong with it is said in words.
+Pure Python. The file is written atomically (:meth:`~.hints.HintStore.save_batch`), but a disk error or a hand
+edit can leave anything in it: a table is taken whole or not at all, and what is wrong with it is said in words.
 """
 
 from __future__ import annotations
