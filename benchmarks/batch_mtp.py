@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
-        [--against-mlx-lm] [--before TREE] [--warm]
+        [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...]] [--warm] [--step-log]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -15,7 +15,10 @@ and the steps the ``on`` server took at each K (its ``/metrics``). The regret
 of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
 fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``git worktree`` of an earlier
-commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``.
+commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``;
+``--before-env``: settings only that server gets (``--before . --before-env MLXCEL_HEAP=system``: this tree with
+glibc's own heap). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts kept) to
+its log in ``.bench/``.
 ``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
 as a server does once per machine: its costs persist; every server's first steps at a width pay for new
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
@@ -102,6 +105,10 @@ def main() -> None:
     parser.add_argument("--warm", action="store_true", help="each width's first round untimed, on every server")
     parser.add_argument("--against-mlx-lm", action="store_true")
     parser.add_argument("--before", type=Path, help="also `on` as this source tree (a git worktree) serves it")
+    parser.add_argument("--step-log", action="store_true",
+                        help="servers log every step (--log-level debug) to their files in .bench/")
+    parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE",
+                        help="environment settings of `before` (with `--before .`: this tree, other settings)")
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
@@ -116,20 +123,22 @@ def main() -> None:
         # server prefills the context once (in the warm-up), not once per stream.
         prompts = [filler + "\n" + PROMPTS[0]]
     widest = max(args.streams)
+    parallel = ("--parallel", str(widest), *(("--log-level", "debug") if args.step_log else ()))
     env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}
     print(f"model: {model.name}, K = {args.k}, {args.tokens} tokens a request, {args.rounds} rounds"
           f"{f', after {args.depth} tokens of context' if args.depth else ''}"
           f"{', each width after an untimed round' if args.warm else ''}")
     print(f"memory: {compact_memory()}")
     with ExitStack() as stack:
-        urls = {"off": stack.enter_context(server(model, "--parallel", str(widest), env=env)),
-                "on": stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics", env=env))}
+        urls = {"off": stack.enter_context(server(model, *parallel, env=env)),
+                "on": stack.enter_context(server(model, "--mtp", *parallel, "--metrics", env=env))}
         if args.always:
-            urls["always"] = stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics",
+            urls["always"] = stack.enter_context(server(model, "--mtp", *parallel, "--metrics",
                                                         env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}))
         if args.before:
-            own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory())}
-            urls["before"] = stack.enter_context(server(model, "--mtp", "--parallel", str(widest), "--metrics",
+            own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory()),
+                   **dict(setting.split("=", 1) for setting in args.before_env)}
+            urls["before"] = stack.enter_context(server(model, "--mtp", *parallel, "--metrics",
                                                         env=own, tree=args.before))
         if args.against_mlx_lm:
             urls["mlx_lm"] = stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))

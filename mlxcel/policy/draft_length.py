@@ -239,8 +239,8 @@ class DraftLength:
         which speculation is estimated to lose (a lone request's ``depth_limit``): at that depth or deeper, a
         depth band where no speculative step was measured yet parks once, before anything is tried there.
         *measurable*: whether the step's cost will be reported (not when the batch's rows just changed: that
-        step pays for reshaping its caches); a new width's first step, usually such a step, then runs the K
-        its borrowed costs say rather than a classic step whose measurement would not count."""
+        step pays for reshaping its caches); one that will not runs the K of the nearest width settled
+        (:meth:`_settled`), with no trial or look spent on it, rather than a classic step that teaches nothing."""
         if width in self.inexact:
             return 0
         if self.forced:
@@ -259,8 +259,10 @@ class DraftLength:
                     cell.samples[k] = min(cell.samples.get(k, 0), TRIALS - 1)
                 cell.retry = True
             return 0
+        if not measurable:  # it teaches nothing: no trial or look is spent on it
+            return self._settled(width, depth_band(depth))
         if cell.samples.get(0, 0) < TRIALS:  # the classic step is what everything is measured against
-            return cell.running if not measurable and cell.running in cell.borrowed else 0
+            return 0
         # Nothing judged of the drafts yet (costs restored at a start): look before judging any K by a guess at
         # their acceptance, K = 1 first, then, if the first is mostly kept, the deepest once (the later
         # positions' acceptance is known only from a step that drafts them).
@@ -295,6 +297,19 @@ class DraftLength:
             if 1 <= neighbour <= self.max_drafts and (neighbour in measured or self._may_pay(cell, neighbour, share)):
                 return neighbour
         return cell.running
+
+    def _settled(self, width: int, band: int) -> int:
+        """The K run at the nearest width in *band* (*width* itself first) whose choice is settled: its classic step
+        measured, and it parked (0) or runs a K; 0 where none is. A width met only while rows join or leave (every
+        step there reshapes the batch's caches, so none is measured) runs what its neighbours do, as they do it
+        now: frozen at the K its neighbour ran when it was first met, before anything ran at 16 rows, the widths
+        of a round's joins ran classic steps in every round after (docs/benchmarks.md, 2026-12-05, seventh)."""
+        settled = [(abs(w - width), w, cell) for (w, b), cell in self._cells.items()
+                   if b == band and cell.samples.get(0, 0) >= TRIALS and (cell.parked_for or cell.running)]
+        if not settled:
+            return 0
+        cell = min(settled, key=lambda entry: entry[:2])[2]
+        return 0 if cell.parked_for else cell.running
 
     def _may_pay(self, cell: _Cell, k: int, share: float = 1.0) -> bool:
         """Whether K could beat every K measured here (the classic step included) even at the least it can

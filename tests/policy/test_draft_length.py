@@ -307,6 +307,23 @@ def test_a_new_widths_first_step_that_cannot_be_measured_runs_the_borrowed_k() -
     assert DraftLength(3).choose(3, 100, measurable=False) == 0  # nothing borrowed: the classic step
 
 
+def test_widths_met_only_while_rows_join_or_leave_run_what_their_neighbours_run_now() -> None:
+    """Rows join one a step at a round's start and leave one a step at its end, so the widths in between are met
+    only in steps that reshape the batch (never measured): they run the K settled at the nearest width as it is
+    now, not what that width ran when they were first met (a lone request's profiling window: nothing chosen)."""
+    cost = linear_cost(0.010, 0.001)
+    rule = DraftLength(3)
+    for _ in range(4):  # the B=1 policy's profiling window: its steps count, none was chosen by the rule
+        rule.classic(1, 100, cost(1, 100, 0))
+        rule.speculative(1, 100, 3, cost(1, 100, 3), [3], chosen=False)
+    assert [rule.choose(width, 100, measurable=False) for width in range(2, 16)] == [0] * 14  # nothing settled
+    run(rule, cost, lambda _: 0.9, 100, width=16)
+    k = rule.choose(16, 100)
+    assert k > 0
+    for widths in (range(2, 16), range(15, 1, -1)):  # the next round's joins, then its rows leaving
+        assert [rule.choose(width, 100, measurable=False) for width in widths] == [k] * 14
+
+
 def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks() -> None:
     """A width's borrowed costs do not hold it on a K that loses there: a verify's cost grows with the width much
     faster than a classic step's, so the new width measures its own classic step first and its K at once."""
