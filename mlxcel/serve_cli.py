@@ -44,7 +44,6 @@ BUNDLED_BLOCK_SIZE = 2
 def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
     """Validate everything and build the config; :class:`UsageError` for the first problem."""
     from .blas import BlasError, load_fast_blas
-    from .heap import HeapError, keep_freed_memory
 
     try:
         env = load_env()
@@ -52,11 +51,9 @@ def build_serve_config(args: argparse.Namespace) -> ServeConfig | FleetConfig:
         chosen_block_size = (parse_draft_block_size("--draft-block-size", args.draft_block_size)
                              if args.draft_block_size is not None else env.draft_block_size)
         blas = load_fast_blas()  # before anything imports mlx
-        heap = keep_freed_memory()  # before the model loads and the engine's thread starts
-    except (ConfigError, BlasError, HeapError) as exc:
+    except (ConfigError, BlasError) as exc:
         raise UsageError(str(exc)) from exc
     logger.info("BLAS: %s", blas)
-    logger.info("heap: %s", heap)
 
     from .checkpoints import inspect_checkpoint
     from .http.auth import KeyFileError, read_keys

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..policy.draft_length import depth_band
+from ..policy.cost_table import depth_band
 
 if TYPE_CHECKING:
     from ..policy.draft_length import DraftLength

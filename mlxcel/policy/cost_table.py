@@ -1,4 +1,5 @@
-"""The persisted table of batch step costs (:meth:`~.draft_length.DraftLength.export`), read back at a start.
+"""The persisted table of batch step costs (:meth:`~.draft_length.DraftLength.export`), read back at a start, and
+the context-depth bands its cells are kept by.
 
 Pure Python. The file is written atomically (:meth:`~.hints.HintStore.save_batch`), but a disk error or a hand
 edit can leave anything in it: a table is taken whole or not at all, and what is wrong with it is said in words.
@@ -10,6 +11,20 @@ import math
 
 #: At most this many (width, band) cells are read from a persisted table.
 MAX_CELLS = 4096
+#: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
+FIRST_BAND_TOKENS = 1024
+
+
+def depth_band(depth: int) -> int:
+    """The context-depth band of *depth* tokens: 0 below 1,024, then one per doubling."""
+    return 0 if depth < FIRST_BAND_TOKENS else int(math.log2(depth / FIRST_BAND_TOKENS)) + 1
+
+
+def band_bounds(band: int) -> tuple[int, int]:
+    """The first and last depth (tokens) of *band*."""
+    if band == 0:
+        return 0, FIRST_BAND_TOKENS - 1
+    return FIRST_BAND_TOKENS << (band - 1), (FIRST_BAND_TOKENS << band) - 1
 
 
 def read_table(table: object, max_drafts: int) -> dict[tuple[int, int], dict[int, float]] | str:

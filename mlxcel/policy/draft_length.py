@@ -24,7 +24,8 @@ goodput, with the classic step measured directly, never as "speculation with no 
   first is mostly rejected, else the most promising such K (the largest, where the drafts agree), so that once it
   has been measured the narrower ones, which can no longer win, are never run;
 - it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`), and every :data:`LOOK_AROUND`
-  steps measures a neighbouring K once, so the costs it compares stay current;
+  steps measures a neighbouring K, so the costs it compares stay current (a step at more drafts than the step
+  before it is not timed: it pays one-off costs);
 - when the classic step wins, or a K keeps losing to it as measured, speculation parks at that width and band for a
   cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again
   clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when it parked
@@ -47,15 +48,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .batch_view import BatchCell
-from .cost_table import read_table
+from .cost_table import band_bounds, depth_band, read_table
 
-#: Depth bands: below 1,024 tokens of context, then each doubling (1k-2k, 2k-4k, ...).
-FIRST_BAND_TOKENS = 1024
 #: Steps each K is measured for before the rule trusts its cost.
 TRIALS = 2
-#: Every this many steps at a K (sooner in a cell's first steps), one step at a neighbouring K keeps its
-#: cost current.
 LOOK_AROUND = 32
+"""Every this many steps at a K (sooner in a cell's first steps), a step at a neighbouring K keeps its cost
+current; two at the larger, the first not timed: a step at more drafts than the step before it pays one-off costs
+(16 rows' verify of three drafts: 1.5-2.2 s after steps of fewer, 1.2 s after its own kind), and looks measured so
+held the rule on fewer drafts where three paid (docs/benchmarks.md, 2026-12-05, seventh)."""
 #: Weight of the newest measurement in a cost's moving average.
 COST_WEIGHT = 0.25
 #: Switch from the K being run only when another promises this much more throughput.
@@ -88,18 +89,6 @@ never agrees adds next to nothing, and where a verify costs about what a classic
 a noisy clock) its measured rate could still edge past the classic step's and keep a useless K running."""
 
 
-def depth_band(depth: int) -> int:
-    """The context-depth band of *depth* tokens: 0 below 1,024, then one per doubling."""
-    return 0 if depth < FIRST_BAND_TOKENS else int(math.log2(depth / FIRST_BAND_TOKENS)) + 1
-
-
-def band_bounds(band: int) -> tuple[int, int]:
-    """The first and last depth (tokens) of *band*."""
-    if band == 0:
-        return 0, FIRST_BAND_TOKENS - 1
-    return FIRST_BAND_TOKENS << (band - 1), (FIRST_BAND_TOKENS << band) - 1
-
-
 @dataclass(slots=True)
 class _Cell:
     """What one (width, band) has measured."""
@@ -112,6 +101,8 @@ class _Cell:
     """Steps chosen here since the last look at a neighbour of the K being run."""
     looked: int = 0
     """Which neighbour was looked at last (1: the larger K)."""
+    looking: int = 0
+    """The K of the last step here if it was not timed (0: it was, or none ran)."""
     looks: int = 0
     prior_taken: bool = False
     """:meth:`DraftLength.choose`'s *parked_from* parked it once already."""
@@ -176,12 +167,16 @@ class DraftLength:
         self._cell(width, depth).add(0, seconds)
 
     def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int],
-                    chosen: bool = True) -> None:
+                    chosen: bool = True, timed: bool = True) -> None:
         """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each drafting
         row's leading drafts accepted (rows that rode along at K=0 are left out). Not *chosen* by this rule
-        (a lone burst while the policy profiles): its cost and acceptance count, a loss does not park."""
+        (a lone burst while the policy profiles): its cost and acceptance count, a loss does not park. Not
+        *timed* (more drafts than the step before it, which pays one-off costs: :data:`LOOK_AROUND`): its
+        acceptance counts, its cost and a loss do not, and its K runs once more."""
         cell = self._cell(width, depth)
-        cell.add(drafts, seconds)
+        if timed:
+            cell.add(drafts, seconds)
+        cell.looking = 0 if timed else drafts
         self._fade(range(1, drafts + 1))  # only the positions this step drafted: the others keep what they knew
         for count in kept:
             for j in range(1, drafts + 1):
@@ -191,7 +186,7 @@ class DraftLength:
                 else:
                     break
         classic = cell.costs.get(0)
-        if classic is not None and kept and chosen:
+        if classic is not None and kept and chosen and timed:
             # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
             # yields at this K by the pooled acceptance (one step's few rows would be noise).
             rate = self.expected_tokens(drafts, len(kept) / width) / seconds
@@ -263,6 +258,8 @@ class DraftLength:
             return self._settled(width, depth_band(depth))
         if cell.samples.get(0, 0) < TRIALS:  # the classic step is what everything is measured against
             return 0
+        if cell.looking and self._yields(cell.looking, share):  # the last step here was not timed: its K again
+            return cell.looking
         # Nothing judged of the drafts yet (costs restored at a start): look before judging any K by a guess at
         # their acceptance, K = 1 first, then, if the first is mostly kept, the deepest once (the later
         # positions' acceptance is known only from a step that drafts them).
@@ -341,7 +338,7 @@ class DraftLength:
         return self.expected_tokens(k, share) - 1 >= MIN_DRAFT_YIELD
 
     def _park(self, cell: _Cell) -> None:
-        cell.parked_for, cell.losses, cell.running = cell.cooldown, 0, 0
+        cell.parked_for, cell.losses, cell.running, cell.looking = cell.cooldown, 0, 0, 0
         cell.parked_yield = self.expected_tokens(self.max_drafts) - 1
         cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)
 

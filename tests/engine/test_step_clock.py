@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from mlxcel.engine.step_clock import RUN_STEPS, StepClock
-from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, TRIALS, DraftLength
+from mlxcel.policy.cost_table import FIRST_BAND_TOKENS
+from mlxcel.policy.draft_length import TRIALS, DraftLength
 
 CLASSIC, VERIFY = 0.10, 0.25  # the device's seconds for a classic forward and a speculative step (K = 2)
 

@@ -19,15 +19,17 @@ def linear_cost(classic: float, per_draft: float, depth_cost: float = 0.0) -> Co
 
 
 def run(rule: DraftLength, cost: Cost, acceptance: Callable[[int], float], steps: int, width: int = 4,
-        depth: int = 100, seed: int = 0, shared: bool = False) -> tuple[float, list[int]]:
+        depth: int = 100, seed: int = 0, shared: bool = False, step_up: float = 0.0) -> tuple[float, list[int]]:
     """Drive *rule* for *steps* steps; (tokens per second over the run, the K chosen at each step). *shared*: the
-    rows share one text, so each step's drafts are kept or rejected in every row alike."""
+    rows share one text, so each step's drafts are kept or rejected in every row alike. *step_up*: the share a step at
+    more drafts than the step before it costs on top (one-off costs: reported not timed, as the engine does)."""
     rng = random.Random(seed)
     tokens, seconds, chosen = 0, 0.0, []
     for step in range(steps):
         k = rule.choose(width, depth)
+        up = k > (chosen[-1] if chosen else 0)
         chosen.append(k)
-        took = cost(width, depth, k)
+        took = cost(width, depth, k) * (1 + step_up * up)
         if k == 0:
             rule.classic(width, depth, took)
             tokens += width
@@ -39,7 +41,7 @@ def run(rule: DraftLength, cost: Cost, acceptance: Callable[[int], float], steps
                     count += 1
                 kept.append(count)
             kept *= width // len(kept)
-            rule.speculative(width, depth, k, took, kept)
+            rule.speculative(width, depth, k, took, kept, timed=not up)
             tokens += width + sum(kept)
         seconds += took
     return tokens / seconds, chosen

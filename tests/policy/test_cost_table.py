@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from mlxcel.policy.draft_length import DraftLength, depth_band
+from mlxcel.policy.cost_table import depth_band
+from mlxcel.policy.draft_length import DraftLength
 
 from .simulated import linear_cost, run
 

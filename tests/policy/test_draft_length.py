@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.policy.draft_length import FIRST_BAND_TOKENS, LOOK_AROUND, DraftLength, depth_band
+from mlxcel.policy.cost_table import FIRST_BAND_TOKENS, depth_band
+from mlxcel.policy.draft_length import LOOK_AROUND, DraftLength
 
 from .simulated import best_fixed_rate, classic_rate, linear_cost, run, sixteen_rows_at_2k
 
@@ -62,6 +63,19 @@ def test_drafts_that_start_to_agree_after_a_long_park_bring_speculation_back() -
     run(rule, sixteen_rows_at_2k, lambda _: 0.0, 300, width=16)
     _, chosen = run(rule, sixteen_rows_at_2k, lambda _: 0.9, 900, width=16, seed=1)
     assert sum(k > 0 for k in chosen[-300:]) >= 290
+
+
+def test_a_step_at_more_drafts_than_the_one_before_it_is_not_what_that_k_costs() -> None:
+    """A step at more drafts than the step before it pays one-off costs (16 rows' verify of three drafts took
+    1.5-2.2 s after steps of fewer, 1.2 s after its own kind): the rule learns a K's cost from its later steps, so
+    looks from a narrower K do not make the wider one that pays look dear."""
+    def cost(width: int, depth: int, k: int) -> float:
+        return (0.43, 0.70, 0.95, 1.12)[k]  # 16 rows at depth 0 (docs/benchmarks.md, 2026-12-05, seventh)
+
+    for seed in range(4):
+        rate, chosen = run(DraftLength(3), cost, lambda _: 0.9, 400, width=16, seed=seed, step_up=0.4)
+        assert chosen[-200:].count(3) >= 180, (seed, chosen[-200:])
+        assert rate >= 0.97 * best_fixed_rate(cost, 0.9, 3, width=16)
 
 
 def test_two_nearly_equal_choices_do_not_flap() -> None:
@@ -267,13 +281,14 @@ def test_a_width_the_exactness_probe_declined_runs_the_classic_step_even_when_pi
 
 def test_where_the_drafts_agree_the_widest_k_is_tried_first_and_the_narrower_ones_are_not_run() -> None:
     """The exploration a short run pays for: the classic step, one look at K = 1 (nothing is known of the drafts
-    yet), then K = 3; K = 2, which cannot beat K = 3 at any cost it could have, is never run. A head that never
-    agrees is still looked at with K = 1 first, as before."""
+    yet), then K = 3, each twice (a step at more drafts than the one before it is not timed); K = 2, which cannot
+    beat K = 3 at any cost it could have, is never run. A head that never agrees is still looked at with K = 1
+    first, as before."""
     def cost(width: int, depth: int, k: int) -> float:
         return 0.010 * (1 + 0.1 * k)  # a verify costs little more than a classic step: the widest K pays most
 
     _, chosen = run(DraftLength(3), cost, lambda _: 1.0, 60, width=2)
-    assert chosen[:4] == [0, 0, 1, 3] and 2 not in chosen[:20]
+    assert chosen[:6] == [0, 0, 1, 1, 3, 3] and 2 not in chosen[:20]
     _, never = run(DraftLength(3), cost, lambda _: 0.0, 60, width=2)
     assert never[:4] == [0, 0, 1, 1]
 
@@ -334,7 +349,7 @@ def test_a_wider_batch_where_the_verify_grows_faster_than_the_classic_step_parks
     run(rule, cost, lambda _: 0.5, 200, width=2)
     assert rule.choose(2, 100) > 0  # speculation pays at two rows
     rate, chosen = run(rule, cost, lambda _: 0.5, 400, width=8)
-    assert chosen[-200:].count(0) >= 190  # and not at eight
+    assert chosen[-200:].count(0) >= 185  # and not at eight (each look after a cooldown: two steps, one timed)
     assert rate >= 0.95 * best_fixed_rate(cost, 0.5, 3, width=8)
 
 

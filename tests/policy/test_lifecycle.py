@@ -18,7 +18,8 @@ from mlxcel.policy import (
     PairingKey,
     PolicySettings,
 )
-from mlxcel.policy.draft_length import TRIALS, DraftLength, band_bounds, depth_band
+from mlxcel.policy.cost_table import band_bounds, depth_band
+from mlxcel.policy.draft_length import TRIALS, DraftLength
 from mlxcel.policy.estimator import estimate_speedup
 from tests.conftest import APPLE_M5, LINUX_CPU, validate_wire
 from tests.policy.helpers import deep_sample, sample

@@ -121,8 +121,7 @@ def test_bad_model_directory_exits_2_before_binding(llama: Path, tmp_path: Path,
 @pytest.mark.slow
 @pytest.mark.parametrize(("variable", "value"), [("MLXCEL_DRAFT_BLOCK_SIZE", "abc"),
                                                   ("MLXCEL_MTP_ADAPTIVE", "perhaps"),
-                                                  ("MLXCEL_BLAS", "/no/such/libblas.so"),
-                                                  ("MLXCEL_HEAP", "plenty")])
+                                                  ("MLXCEL_BLAS", "/no/such/libblas.so")])
 def test_bad_environment_exits_2(llama: Path, variable: str, value: str) -> None:
     result = mlxcel("serve", "--model", str(llama), "--port", str(free_port()),
                     env={variable: value})

@@ -15,7 +15,7 @@ from mlxcel.blas import load_fast_blas
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.hardware import detect_host, kernel_versions
 from mlxcel.policy import Hint, HintStore, PairingKey
-from mlxcel.policy.draft_length import FIRST_BAND_TOKENS
+from mlxcel.policy.cost_table import FIRST_BAND_TOKENS
 from tests.conftest import validate_wire
 from tests.server.conftest import running_server
 
