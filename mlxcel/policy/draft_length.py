@@ -54,9 +54,8 @@ from .cost_table import band_bounds, depth_band, read_table
 TRIALS = 2
 LOOK_AROUND = 32
 """Every this many steps at a K (sooner in a cell's first steps), a step at a neighbouring K keeps its cost
-current; two at the larger, the first not timed: a step at more drafts than the step before it pays one-off costs
-(16 rows' verify of three drafts: 1.5-2.2 s after steps of fewer, 1.2 s after its own kind), and looks measured so
-held the rule on fewer drafts where three paid (docs/benchmarks.md, 2026-12-05, seventh)."""
+current; two at the larger, the first not timed (a step at more drafts than the step before it pays one-off costs:
+1.5-2.2 s against 1.2 s at 16 rows, three drafts; docs/benchmarks.md, 2026-12-05, seventh)."""
 #: Weight of the newest measurement in a cost's moving average.
 COST_WEIGHT = 0.25
 #: Switch from the K being run only when another promises this much more throughput.
@@ -297,10 +296,9 @@ class DraftLength:
 
     def _settled(self, width: int, band: int) -> int:
         """The K run at the nearest width in *band* (*width* itself first) whose choice is settled: its classic step
-        measured, and it parked (0) or runs a K; 0 where none is. A width met only while rows join or leave (every
-        step there reshapes the batch's caches, so none is measured) runs what its neighbours do, as they do it
-        now: frozen at the K its neighbour ran when it was first met, before anything ran at 16 rows, the widths
-        of a round's joins ran classic steps in every round after (docs/benchmarks.md, 2026-12-05, seventh)."""
+        measured, and it parked (0) or runs a K; 0 where none is. A width met only while rows join or leave (none
+        of its steps is measured) runs what its neighbours do now: held at what one ran when it was first met, the
+        widths a round's rows joined through ran classic steps in every round (docs/benchmarks.md, seventh)."""
         settled = [(abs(w - width), w, cell) for (w, b), cell in self._cells.items()
                    if b == band and cell.samples.get(0, 0) >= TRIALS and (cell.parked_for or cell.running)]
         if not settled:
