@@ -355,8 +355,8 @@ class DraftLength:
         and each replaced by the first step measured here): rows join and leave a batch all the time, and a
         width measured from nothing would run its classic step twice and every K it tries before it pays. Its
         first step is a classic one (a borrowed classic cost, rescaled by how a verify's cost grows with the
-        width, would misjudge every K: classic steps grow more slowly), then the K its neighbour runs, measured
-        at once."""
+        width, would misjudge every K: classic steps grow more slowly), then the K its neighbour runs, timed from
+        its second step (the first, at more drafts than the classic step, is not)."""
         near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
         cell = _Cell()
         if near:
