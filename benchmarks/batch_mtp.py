@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
-        [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...]] [--warm] [--step-log]
+        [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...]] [--warm] [--step-log] [--processes N]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -18,7 +18,10 @@ fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``g
 commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``;
 ``--before-env``: settings only that server gets (``--before . --before-env MLXCEL_HEAP=system``: this tree with
 glibc's own heap). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts kept) to
-its log in ``.bench/``.
+its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
+r-th mod N), so that a side's figure is not one process's: two processes of one build can differ by 3-8% for
+their whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a
+server of ``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free).
 ``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
 as a server does once per machine: its costs persist; every server's first steps at a width pay for new
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
@@ -80,10 +83,19 @@ def settle(client: httpx.Client, url: str, prompt: str, tokens: int) -> str:
     return f"{policy['state']} ({policy['verdict']})"
 
 
-def steps_by_k(client: httpx.Client, url: str) -> dict[int, int]:
-    text = client.get(f"{url}/metrics").text
-    return {int(m[1]): int(float(m[2]))
-            for m in re.finditer(r'^mlxcel_batch_steps_total\{drafts="(\d+)"\} (\S+)$', text, re.M)}
+def steps_by_k(client: httpx.Client, urls: list[str]) -> dict[int, int]:
+    """Batch steps taken at each K, summed over the servers at *urls* (their ``/metrics``)."""
+    steps: dict[int, int] = {}
+    for url in urls:
+        text = client.get(f"{url}/metrics").text
+        for m in re.finditer(r'^mlxcel_batch_steps_total\{drafts="(\d+)"\} (\S+)$', text, re.M):
+            steps[int(m[1])] = steps.get(int(m[1]), 0) + int(float(m[2]))
+    return steps
+
+
+def each(urls: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """Every (side, server URL), a side's processes in order."""
+    return [(side, url) for side, processes in urls.items() for url in processes]
 
 
 def main() -> None:
@@ -109,6 +121,8 @@ def main() -> None:
                         help="servers log every step (--log-level debug) to their files in .bench/")
     parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE",
                         help="environment settings of `before` (with `--before .`: this tree, other settings)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="servers for each side, taking rounds in turn (mlx_lm.server: one)")
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
@@ -130,39 +144,48 @@ def main() -> None:
           f"{', each width after an untimed round' if args.warm else ''}")
     print(f"memory: {compact_memory()}")
     with ExitStack() as stack:
-        urls = {"off": stack.enter_context(server(model, *parallel, env=env)),
-                "on": stack.enter_context(server(model, "--mtp", *parallel, "--metrics", env=env))}
+        def servers(*flags: str, env: dict[str, str] = env, tree: Path | None = None) -> list[str]:
+            return [stack.enter_context(server(model, *flags, *parallel, env=env, tree=tree))
+                    for _ in range(args.processes)]
+
+        urls = {"off": servers(), "on": servers("--mtp", "--metrics")}
         if args.always:
-            urls["always"] = stack.enter_context(server(model, "--mtp", *parallel, "--metrics",
-                                                        env={**env, "MLXCEL_ENABLE_MTP_B1": "1"}))
+            urls["always"] = servers("--mtp", "--metrics", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"})
         if args.before:
             own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory()),
                    **dict(setting.split("=", 1) for setting in args.before_env)}
-            urls["before"] = stack.enter_context(server(model, "--mtp", *parallel, "--metrics",
-                                                        env=own, tree=args.before))
+            urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
         if args.against_mlx_lm:
-            urls["mlx_lm"] = stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))
+            urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
         client = stack.enter_context(httpx.Client(timeout=7200))
-        for side, url in urls.items():  # compile and fill caches before anything is timed
-            aggregate(client, url, prompts[:2], 8, str(model) if side == "mlx_lm" else None)
+
+        def named(side: str) -> str | None:
+            return str(model) if side == "mlx_lm" else None
+
+        for side, url in each(urls):  # compile and fill caches before anything is timed
+            aggregate(client, url, prompts[:2], 8, named(side))
             if args.depth:  # and the batch's first steps at that depth
-                aggregate(client, url, prompts[:1] * 2, 8, str(model) if side == "mlx_lm" else None)
+                aggregate(client, url, prompts[:1] * 2, 8, named(side))
         for side in ("on", "before") if args.before else ("on",):
-            print(f"the B=1 policy of `{side}`: {settle(client, urls[side], prompts[0], args.tokens)}")
+            for url in urls[side]:
+                print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
               + (f" {'on/bef':>7}" if args.before else "")
               + "  steps by K (on)")
         for streams in args.streams:
             batch = [prompts[i % len(prompts)] for i in range(streams)]
-            for side, url in urls.items() if args.warm else ():
-                aggregate(client, url, batch, args.tokens, str(model) if side == "mlx_lm" else None)
+            for side, url in each(urls) if args.warm else ():
+                aggregate(client, url, batch, args.tokens, named(side))
             before = steps_by_k(client, urls["on"])
             rates: dict[str, list[float]] = {side: [] for side in urls}
-            for _ in range(args.rounds):
-                for side, url in urls.items():
-                    rates[side].append(aggregate(client, url, batch, args.tokens,
-                                                 str(model) if side == "mlx_lm" else None))
+            by_process: dict[str, list[float]] = {url: [] for _, url in each(urls)}
+            for turn in range(args.rounds):
+                for side, processes in urls.items():
+                    url = processes[turn % len(processes)]
+                    rate = aggregate(client, url, batch, args.tokens, named(side))
+                    rates[side].append(rate)
+                    by_process[url].append(rate)
             after = steps_by_k(client, urls["on"])
             steps = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)}
             mid = {side: median(values) for side, values in rates.items()}
@@ -175,6 +198,10 @@ def main() -> None:
             if args.before:
                 line += f" {mid['on'] / mid['before']:>7.2f}"
             print(line + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
+            if args.processes > 1:
+                print("        each process: " + "; ".join(
+                    f"{side} " + " ".join(f"{median(by_process[url]):.1f}" for url in processes)
+                    for side, processes in urls.items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -51,7 +51,6 @@ class ContinuousBatch(Generic[T]):
         self.speculation = speculation
         self.rule = rule
         self._clock = StepClock(rule, self._finish) if speculation is not None and rule is not None else None
-        self._drafts_before = 0  # the last step's drafts per row (0: a classic step)
         self._by_uid: dict[int, T] = {}
         self._uids: dict[int, int] = {}  # id(sequence) -> uid
         self._marks: dict[int, set[int]] = {}  # uid -> marks still to pass, counted in the tokens it feeds
@@ -103,16 +102,10 @@ class ContinuousBatch(Generic[T]):
         self._admission()
         if drafts:
             assert speculation is not None and rule is not None and clock is not None
-            clock.start()
+            clock.start(drafts)
             with mx.stream(self._stream):
                 speculated = speculation.step(generation, drafts)
-            seconds = clock.seconds()
-            timed = drafts <= self._drafts_before  # more drafts than the step before: buffers of a new size
-            if steady:
-                rule.speculative(width, depth, drafts, seconds, speculation.last_kept, timed=timed)
-            logger.debug("step: %d rows at depth %d, %d drafts, %.4f s%s, kept %s", width, depth, drafts, seconds,
-                         " (rows changed: not measured)" if not steady else "" if timed else
-                         " (more drafts than the step before: not timed)", speculation.last_kept)
+            clock.speculative_done(width, depth, speculation.last_kept, steady)
             generation.next = list  # this step's tokens are made: mlx-lm's step does the prompts' side only
             try:
                 prompts, responses = self._generator.next()
@@ -122,14 +115,10 @@ class ContinuousBatch(Generic[T]):
         else:
             timed = ready and steady and not waiting  # a classic step the rule chose, on the same rows, alone
             if clock is not None:
-                if timed:
-                    clock.classic(width, depth)
-                else:
-                    clock.end_run()
+                clock.classic(width, depth, measured=timed)
             prompts, responses = self._generator.next()
             if clock is not None and timed:
                 clock.classic_done(len(self._generator._generation_batch))
-        self._drafts_before = drafts
         if waiting > 1:
             prompts = prompts + self._prompts_alone(waiting - 1)
         if speculation is not None:

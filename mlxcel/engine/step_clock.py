@@ -26,7 +26,13 @@ So :class:`StepClock`:
   K runs.)
 - starts a speculative step's clock with the work in flight done
   (:meth:`~.batch_speculation.BatchSpeculation.step` ends with its own done);
-- measures no step whose rows are not the rows the step before began with.
+- measures no step whose rows are not the rows the step before began with;
+- reports a speculative step at more drafts than the step before it as not
+  timed (its acceptance counts, its cost does not): mlx's CPU backend
+  allocates every buffer per step and glibc hands big blocks back to the
+  kernel, so a step that needs bigger ones than the last takes them back a
+  page fault at a time, 3-25% more at 16 rows (docs/benchmarks.md,
+  2026-12-05, seventh).
 
 Pure Python (no MLX, no clock of its own): waiting for the device is the caller's.
 """
@@ -70,6 +76,8 @@ class StepClock:
         self._rows: list[int] | None = None
         self._run: _Run | None = None
         self._started = 0.0
+        self._drafts = 0  # the last step's drafts per row (0: a classic step)
+        self._step_up = False  # the speculative step timed now has more drafts than the step before it
 
     def begin(self, rows: Sequence[int], depth: int) -> bool:
         """A step of *rows* (the batch's uids, in order) at *depth* begins: whether its cost will be its own
@@ -82,9 +90,14 @@ class StepClock:
             self.end_run()
         return steady
 
-    def classic(self, width: int, depth: int) -> None:
-        """A classic step the rule may learn from is about to run: it joins the run (one begins, the work in
-        flight done first, if none runs)."""
+    def classic(self, width: int, depth: int, measured: bool = True) -> None:
+        """A classic step is about to run. One the rule may learn from (*measured*: it chose it, on the rows the
+        step before began with, no prompt waiting) joins the run (one begins, the work in flight done first, if
+        none runs), and :meth:`classic_done` follows; another ends the run."""
+        self._drafts = 0
+        if not measured:
+            self.end_run()
+            return
         if self._run is None:
             self._finish()
             self._run = _Run(width, depth)
@@ -114,18 +127,26 @@ class StepClock:
                      run.steps)
 
     def forget(self) -> None:
-        """The batch was rebuilt (a step failed): no run to report, no rows to compare with."""
-        self._rows, self._run = None, None
+        """The batch was rebuilt (a step failed): no run to report, no rows to compare with, no step before."""
+        self._rows, self._run, self._drafts = None, None, 0
 
-    def start(self) -> None:
-        """A speculative step begins: the classic run reported (which waits for the work in flight), or else
-        the work in flight done, its clock started."""
+    def start(self, drafts: int) -> None:
+        """A speculative step of *drafts* drafts per row begins: the classic run reported (which waits for the
+        work in flight), or else the work in flight done, its clock started."""
         if self._run is not None:
             self.end_run()
         else:
             self._finish()
+        self._step_up, self._drafts = drafts > self._drafts, drafts
         self._started = self._clock()
 
-    def seconds(self) -> float:
-        """Seconds since :meth:`start`."""
-        return self._clock() - self._started
+    def speculative_done(self, width: int, depth: int, kept: Sequence[int], steady: bool) -> None:
+        """The speculative step :meth:`start` began is done (its own work waited for); *kept*: each drafting
+        row's drafts accepted; *steady*: what :meth:`begin` answered. Reported to the rule if *steady*, timed
+        unless it was a step up."""
+        seconds = self._clock() - self._started
+        if steady:
+            self._rule.speculative(width, depth, self._drafts, seconds, kept, timed=not self._step_up)
+        logger.debug("step: %d rows at depth %d, %d drafts, %.4f s%s, kept %s", width, depth, self._drafts, seconds,
+                     " (rows changed: not measured)" if not steady else
+                     " (more drafts than the step before: not timed)" if self._step_up else "", list(kept))

@@ -41,35 +41,38 @@ class Recorder(DraftLength):
         super().__init__(3)
         self.classics: list[tuple[int, int, float]] = []
         self.speculatives: list[float] = []
+        self.timed: list[bool] = []
 
     def classic(self, width: int, depth: int, seconds: float) -> None:
         self.classics.append((width, depth, seconds))
         super().classic(width, depth, seconds)
 
     def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: object,
-                    chosen: bool = True) -> None:
+                    chosen: bool = True, timed: bool = True) -> None:
         self.speculatives.append(seconds)
-        super().speculative(width, depth, drafts, seconds, [2, 2], chosen)
+        self.timed.append(timed)
+        super().speculative(width, depth, drafts, seconds, [2, 2], chosen, timed)
 
 
 def drive(pattern: str, rule: Recorder | None = None, rows: list[int] | None = None, depth: int = 100,
           device: Device | None = None) -> tuple[Recorder, StepClock, Device]:
-    """Steps *pattern* (C: a classic step the rule may learn from, S: a speculative one) on the same rows."""
+    """Steps *pattern* (C: a classic step the rule may learn from, c: one it may not, S: a speculative one at two
+    drafts, 1 or 3: at that many) on the same rows."""
     rule = rule or Recorder()
     device = device or Device()
     clock = StepClock(rule, device.finish, lambda: device.now)
     rows = rows or [1, 2]
     for kind in pattern:
         steady = clock.begin(rows, depth)
-        if kind == "C":
-            clock.classic(len(rows), depth)
+        if kind in "Cc":
+            clock.classic(len(rows), depth, measured=kind == "C")
             device.classic_step()
-            clock.classic_done(len(rows))
+            if kind == "C":
+                clock.classic_done(len(rows))
         else:
-            clock.start()
+            clock.start(2 if kind == "S" else int(kind))
             device.speculative_step()
-            if steady:
-                rule.speculative(len(rows), depth, 2, clock.seconds(), [2, 2])
+            clock.speculative_done(len(rows), depth, [2, 2], steady)
         depth += 1
     clock.end_run()
     return rule, clock, device
@@ -81,6 +84,7 @@ def test_each_step_is_charged_its_own_work_whatever_ran_before_it() -> None:
     rule, _, device = drive("CC" + "SCSCCSCCCSCCCCS" + "C" * 20 + "S")
     assert [seconds for _, _, seconds in rule.classics] == pytest.approx([CLASSIC] * len(rule.classics))
     assert rule.speculatives == pytest.approx([VERIFY] * 6)
+    assert rule.timed == [False] * 6  # each came after a classic step: a step up
     classic_steps = sum(steps == "C" for steps in "CC" + "SCSCCSCCCSCCCCS" + "C" * 20 + "S")
     assert device.now == pytest.approx(classic_steps * CLASSIC + 6 * VERIFY)  # nothing was run twice or lost
 
@@ -147,3 +151,10 @@ def test_a_rebuilt_batch_reports_nothing_of_the_run_that_failed() -> None:
     clock.end_run()
     assert rule.classics == []
     assert clock.begin([1], 10) is False
+
+
+def test_a_step_at_more_drafts_than_the_step_before_it_is_reported_not_timed() -> None:
+    """Its buffers are bigger than the last step's, and glibc gave those back: it pays page faults once. A step at
+    as many drafts or fewer is timed, a classic step counts as none, and so does one the rule may not learn from."""
+    rule, _, _ = drive("C" * TRIALS + "1" + "1" + "3" + "3" + "S" + "3" + "c" + "1" + "C" + "S")
+    assert rule.timed == [False, True, False, True, True, False, False, False]
