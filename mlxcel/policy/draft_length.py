@@ -26,11 +26,12 @@ goodput, with the classic step measured directly, never as "speculation with no 
 - it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`), and every :data:`LOOK_AROUND`
   steps measures a neighbouring K, so the costs it compares stay current (a step at more drafts than the step
   before it is not timed: it pays one-off costs);
-- when the classic step wins, or a K keeps losing to it as measured, speculation parks at that width and band for a
-  cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once speculation wins again
-  clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when it parked
-  (:data:`RISEN`); where it only ties, the looks after each cooldown are what it costs, and they grow rarer. Then
-  each K is measured once more.
+- when the classic step wins, or a K keeps losing to it as measured, and the steps run there have made
+  :data:`DEFICIT` fewer tokens a row than classic steps would have in their time, speculation parks at that width
+  and band for a cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once
+  speculation wins again clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when
+  it parked (:data:`RISEN`); where it only ties, the looks after each cooldown are what it costs, and they grow
+  rarer. Then each K is measured once more.
 
 The same rule decides for a lone request (width 1: the B=1 burst, round by round) once the policy lets the burst run
 and is not profiling: the policy's verdict says whether the burst may run at all (the contract's B=1 verdict), this
@@ -69,6 +70,13 @@ FIRST_COOLDOWN = 16
 #: the cell last parked (their acceptance has moved: the next look comes soon).
 RISEN = 1.25
 MAX_COOLDOWN = 4096
+DEFICIT = 16.0
+"""Tokens a row a cell's speculative steps must have made fewer of than classic steps would have in their seconds
+(net, since they were last ahead: a CUSUM of what they made) before the estimates may park it. Rows that share a text
+reject together, in bursts: two or three such steps drop the acceptance, which about twenty steps weigh, below the
+classic step's break-even while the steps' own tokens stay ahead (16 rows at 2k: 0.85 of always-on, parked 120 of
+180 steps; docs/benchmarks.md, 2026-12-06). Sixteen is seven such steps at three drafts (a simulated 16 rows with such
+bursts: no park, against 2-347 steps of 600 parked); a head that stops agreeing falls that far behind in as many."""
 ACCEPTANCE_DECAY = 0.95
 """Acceptance counts decay by this factor at every step that drafts their position (about the last twenty such
 steps' rows weigh in), and at every parked step (to :data:`FADED_ROWS`). Rows that share a text (one prompt to
@@ -112,6 +120,8 @@ class _Cell:
     parked_yield: float = 0.0
     """Tokens the drafts were expected to add to a row at the most drafts when the cell last parked."""
     cooldown: int = FIRST_COOLDOWN
+    deficit: float = 0.0
+    """Tokens a row the speculative steps here made fewer of than classic steps would have (:data:`DEFICIT`)."""
     restored: set[int] = field(default_factory=set)
     """The Ks whose cost an earlier run or another width measured, not measured here yet: used as measured
     until then. Once measured here a verify's cost is this run's own, by :data:`TRIALS` trials that replace
@@ -185,13 +195,15 @@ class DraftLength:
                 else:
                     break
         classic = cell.costs.get(0)
+        if classic is not None and chosen and timed:  # the tokens a row made against a classic step's in its time
+            cell.deficit = max(0.0, cell.deficit + seconds / classic - 1 - sum(kept) / width)
         if classic is not None and kept and chosen and timed:
             # Losing: fewer tokens per second than the classic step, this step's time against the tokens a row
             # yields at this K by the pooled acceptance (one step's few rows would be noise).
             rate = self.expected_tokens(drafts, len(kept) / width) / seconds
             if rate < LOSS_MARGIN / classic:
                 cell.losses += 1
-                if cell.losses >= PATIENCE:
+                if cell.losses >= PATIENCE and cell.deficit >= DEFICIT:
                     self._park(cell)
             elif self._yields(drafts, len(kept) / width):  # a step that yields next to nothing is no success
                 cell.losses = 0
@@ -277,6 +289,8 @@ class DraftLength:
         measured = [k for k in range(self.max_drafts + 1)
                     if cell.samples.get(k, 0) >= TRIALS and (k == 0 or self._yields(k, share))]
         best = max(measured, key=lambda k: self._rate(cell, k, share))
+        if best == 0 and len(measured) > 1 and cell.deficit < DEFICIT:  # the steps made more than estimated
+            best = max(measured[1:], key=lambda k: self._rate(cell, k, share))
         if cell.running not in measured or \
                 self._rate(cell, best, share) > SWITCH_GAIN * self._rate(cell, cell.running, share):
             cell.running = best
