@@ -71,18 +71,14 @@ FIRST_COOLDOWN = 16
 RISEN = 1.25
 MAX_COOLDOWN = 4096
 DEFICIT = 16.0
-"""Tokens a row a cell's speculative steps must have made fewer of than classic steps would have in their seconds
-(net, since they were last ahead: a CUSUM of what they made) before the estimates may park it. Rows that share a text
-reject together, in bursts: two or three such steps drop the acceptance, which about twenty steps weigh, below the
-classic step's break-even while the steps' own tokens stay ahead (16 rows at 2k: 0.85 of always-on, parked 120 of
-180 steps; docs/benchmarks.md, 2026-12-06). Sixteen is seven such steps at three drafts (a simulated 16 rows with such
-bursts: no park, against 2-347 steps of 600 parked); a head that stops agreeing falls that far behind in as many."""
+"""Tokens a row a cell's speculative steps must have made fewer of than classic steps would have in their time (net,
+since last ahead: a CUSUM) before the estimates may park it. Rows of one text reject together, in bursts that drop the
+acceptance below break-even while the steps stay ahead: 16 rows at 2k ran at 0.85 of always-on (docs/benchmarks.md,
+2026-12-06). Seven rejecting steps at three drafts; a head that stops agreeing falls that far behind in as many."""
 ACCEPTANCE_DECAY = 0.95
-"""Acceptance counts decay by this factor at every step that drafts their position (about the last twenty such
-steps' rows weigh in), and at every parked step (to :data:`FADED_ROWS`). Rows that share a text (one prompt to
-every stream; an agent's sub-tasks) keep or reject a draft together, so a step is one sample however many rows
-it has: over ten steps, two rejecting steps read 89% as 0.66-0.75 and parked 16 rows, and the dip outlived the
-park (219 of 235 steps parked, two drafts 10% ahead by the steps' own rates: docs/benchmarks.md, 2026-12-05)."""
+"""Acceptance counts decay by this factor at every step that drafts their position (about twenty such steps weigh
+in), and at every parked step (to :data:`FADED_ROWS`). Rows that share a text keep or reject a draft together, so a
+step is one sample: over ten steps, two rejecting ones parked 16 rows for good (docs/benchmarks.md, 2026-12-05)."""
 FADED_ROWS = 8
 """Rows' worth a position's acceptance keeps while parked (four times the prior's): a head known to fail is
 judged at a tenth at most after a cooldown, and a look at a batch's rows outweighs what came before the park."""
@@ -123,11 +119,9 @@ class _Cell:
     deficit: float = 0.0
     """Tokens a row the speculative steps here made fewer of than classic steps would have (:data:`DEFICIT`)."""
     restored: set[int] = field(default_factory=set)
-    """The Ks whose cost an earlier run or another width measured, not measured here yet: used as measured
-    until then. Once measured here a verify's cost is this run's own, by :data:`TRIALS` trials that replace
-    each other (its first step at this width, a new shape, pays one-off costs: one such step trusted held the
-    rule on a narrower K for a whole request), then averaged; the classic step's first measurement here is
-    trusted at once (a new width's first step, :meth:`DraftLength._borrowed`)."""
+    """The Ks whose cost an earlier run or another width measured, used as measured until measured here: a
+    verify's by :data:`TRIALS` trials that replace each other (a new shape's first step pays one-off costs), then
+    averaged; the classic step's first measurement is trusted at once (:meth:`DraftLength._borrowed`)."""
     borrowed: dict[int, float] = field(default_factory=dict)
     """K -> the cost another width measured (:meth:`DraftLength._borrowed`), until trusted here: then a
     verify's cost here over its borrowed one rescales the verifies still only borrowed, so the verifies
@@ -222,10 +216,8 @@ class DraftLength:
     def acceptance(self, position: int) -> float:
         """The pooled chance that draft *position* (1-based) is kept given the ones before it were: what was
         seen there, with :data:`PRIOR_ROWS` rows' worth of a prior, the chance at the position before (0.5 for
-        the first: a Laplace estimate). A position seldom drafted (while a narrower K runs) is judged like the
-        one before it, not as a coin toss: with the first two drafts always kept, one look at the third left it
-        at 0.67 and held two rows on K = 2 where K = 3 paid 11% more; where it does worse, its own rows say so
-        within a few steps of drafting it."""
+        the first: a Laplace estimate). A position seldom drafted is judged like the one before it, not as a coin
+        toss (which held two rows on K = 2 where K = 3 paid 11% more); its own rows correct it within a few steps."""
         prior = 0.5 if position == 1 else self.acceptance(position - 1)
         return (self._kept[position] + PRIOR_ROWS * prior) / (self._tried[position] + PRIOR_ROWS)
 
@@ -365,12 +357,11 @@ class DraftLength:
         return cell
 
     def _borrowed(self, width: int, band: int) -> _Cell:
-        """A new cell, holding the costs of the nearest width measured in its band as if restored (trusted,
-        and each replaced by the first step measured here): rows join and leave a batch all the time, and a
-        width measured from nothing would run its classic step twice and every K it tries before it pays. Its
-        first step is a classic one (a borrowed classic cost, rescaled by how a verify's cost grows with the
-        width, would misjudge every K: classic steps grow more slowly), then the K its neighbour runs, timed from
-        its second step (the first, at more drafts than the classic step, is not)."""
+        """A new cell, holding the costs of the nearest width measured in its band as if restored: rows join
+        and leave a batch all the time, and a width measured from nothing would run its classic step twice and
+        every K it tries before it pays. Its first step is a classic one (classic steps grow more slowly with the
+        width than verifies: a borrowed one would misjudge every K), then the K its neighbour runs, timed from its
+        second step (the first is a step up)."""
         near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
         cell = _Cell()
         if near:
