@@ -149,4 +149,4 @@ class StepClock:
             self._rule.speculative(width, depth, self._drafts, seconds, kept, timed=not self._step_up)
         logger.debug("step: %d rows at depth %d, %d drafts, %.4f s%s, kept %s", width, depth, self._drafts, seconds,
                      " (rows changed: not measured)" if not steady else
-                     " (more drafts than the step before: not timed)" if self._step_up else "", list(kept))
+                     " (more drafts than the step before: not timed)" if self._step_up else "", kept)

@@ -87,9 +87,8 @@ PRIOR_ROWS = 2
 #: Once the first draft is kept at least this often, the most promising K is tried first, not K = 1.
 PROMISING = 0.5
 MIN_DRAFT_YIELD = 0.1
-"""Tokens a row's drafts must be expected to add to a step for its K to run at all. A head that (almost)
-never agrees adds next to nothing, and where a verify costs about what a classic step does (a small model,
-a noisy clock) its measured rate could still edge past the classic step's and keep a useless K running."""
+"""Tokens a row's drafts must be expected to add to a step for its K to run at all: where a verify costs about
+what a classic step does, a head that never agrees could edge past the classic step on a noisy clock."""
 
 
 @dataclass(slots=True)
@@ -171,11 +170,9 @@ class DraftLength:
 
     def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int],
                     chosen: bool = True, timed: bool = True) -> None:
-        """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each drafting
-        row's leading drafts accepted (rows that rode along at K=0 are left out). Not *chosen* by this rule
-        (a lone burst while the policy profiles): its cost and acceptance count, a loss does not park. Not
-        *timed* (more drafts than the step before it, which pays one-off costs: :data:`LOOK_AROUND`): its
-        acceptance counts, its cost and a loss do not, and its K runs once more."""
+        """A step verifying *drafts* drafts for each of *width* rows took *seconds*; *kept*: each drafting row's
+        leading drafts accepted (not the rows riding at K=0). Not *chosen* (a lone burst while the policy profiles):
+        a loss does not park. Not *timed* (a step up: :data:`LOOK_AROUND`): only its acceptance counts."""
         cell = self._cell(width, depth)
         if timed:
             cell.add(drafts, seconds)
@@ -236,9 +233,8 @@ class DraftLength:
         able to draft (all, if not given: the others would ride along at K=0). *parked_from*: the depth from
         which speculation is estimated to lose (a lone request's ``depth_limit``): at that depth or deeper, a
         depth band where no speculative step was measured yet parks once, before anything is tried there.
-        *measurable*: whether the step's cost will be reported (not when the batch's rows just changed: that
-        step pays for reshaping its caches); one that will not runs the K of the nearest width settled
-        (:meth:`_settled`), with no trial or look spent on it, rather than a classic step that teaches nothing."""
+        *measurable*: whether the step's cost will be reported (not when the rows just changed); one that will
+        not runs the K of the nearest width settled (:meth:`_settled`), spending no trial or look."""
         if width in self.inexact:
             return 0
         if self.forced:
@@ -302,9 +298,8 @@ class DraftLength:
 
     def _settled(self, width: int, band: int) -> int:
         """The K run at the nearest width in *band* (*width* itself first) whose choice is settled: its classic step
-        measured, and it parked (0) or runs a K; 0 where none is. A width met only while rows join or leave (none
-        of its steps is measured) runs what its neighbours do now: held at what one ran when it was first met, the
-        widths a round's rows joined through ran classic steps in every round (docs/benchmarks.md, seventh)."""
+        measured, and it parked (0) or runs a K; 0 where none is. A width met only while rows join or leave runs
+        what its neighbours do now (held at what they ran when it was first met, it ran classic steps for good)."""
         settled = [(abs(w - width), w, cell) for (w, b), cell in self._cells.items()
                    if b == band and cell.samples.get(0, 0) >= TRIALS and (cell.parked_for or cell.running)]
         if not settled:
