@@ -16,12 +16,12 @@ of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
 fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``git worktree`` of an earlier
 commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``;
-``--before-env``: settings only that server gets (``--before . --before-env MLXCEL_HEAP=system``: this tree with
-glibc's own heap). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts kept) to
-its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
-r-th mod N), so that a side's figure is not one process's: two processes of one build can differ by 3-8% for
-their whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a
-server of ``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free).
+``--before-env``: settings only that server gets (``--before . --before-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
+this tree on huge pages). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts
+kept) to its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
+r-th mod N), so that a side's figure is not one process's: two processes of one build can differ by 3-8% for their
+whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a server of
+``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free).
 ``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
 as a server does once per machine: its costs persist; every server's first steps at a width pay for new
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
