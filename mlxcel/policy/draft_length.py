@@ -9,10 +9,8 @@ goodput, with the classic step measured directly, never as "speculation with no 
   draft agrees, the most drafts once;
 - a step's cost is kept per (batch width, context-depth band, K) as an exponential moving average of its measured
   seconds;
-- acceptance is kept per draft position j, pooled over rows: the chance that draft j is kept given drafts 1..j-1
-  were (a position seldom drafted judged like the one before it until its own rows say otherwise), over about the
-  last twenty steps that drafted it, fading while speculation is parked (:data:`ACCEPTANCE_DECAY`); a row then
-  yields E(K) = 1 + sum over k <= K of the product of those chances for j <= k tokens;
+- a row yields E(K) tokens at K, from the chance of each draft position j that draft j is kept given drafts
+  1..j-1 were, pooled over rows and Ks, over about the last twenty steps that drafted it (:mod:`.acceptance`);
 - a width not seen yet in a depth band starts from the costs of the nearest width measured in that band, each in use
   until measured here: the classic step first, trusted at once; a verify by trials of its own (its first step at a
   new width is a new shape and pays one-off costs); only costs measured at a width are persisted, and a restored
@@ -48,6 +46,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .acceptance import Acceptance
 from .batch_view import BatchCell
 from .cost_table import band_bounds, depth_band, read_table
 
@@ -75,15 +74,6 @@ DEFICIT = 16.0
 since last ahead: a CUSUM) before the estimates may park it. Rows of one text reject together, in bursts that drop the
 acceptance below break-even while the steps stay ahead: 16 rows at 2k ran at 0.85 of always-on (docs/benchmarks.md,
 2026-12-06). Seven rejecting steps at three drafts; a head that stops agreeing falls that far behind in as many."""
-ACCEPTANCE_DECAY = 0.95
-"""Acceptance counts decay by this factor at every step that drafts their position (about twenty such steps weigh
-in), and at every parked step (to :data:`FADED_ROWS`). Rows that share a text keep or reject a draft together, so a
-step is one sample: over ten steps, two rejecting ones parked 16 rows for good (docs/benchmarks.md, 2026-12-05)."""
-FADED_ROWS = 8
-"""Rows' worth a position's acceptance keeps while parked (four times the prior's): a head known to fail is
-judged at a tenth at most after a cooldown, and a look at a batch's rows outweighs what came before the park."""
-#: Rows' worth of weight a draft position's prior (the chance at the position before it) carries.
-PRIOR_ROWS = 2
 #: Once the first draft is kept at least this often, the most promising K is tried first, not K = 1.
 PROMISING = 0.5
 MIN_DRAFT_YIELD = 0.1
@@ -158,8 +148,7 @@ class DraftLength:
         self.inexact = dict(inexact or {})
         """Widths the exactness probe declined (width -> why): the classic step, pinned or not."""
         self._cells: dict[tuple[int, int], _Cell] = {}
-        self._tried = [0.0] * (max_drafts + 1)  # index j: draft j proposed with 1..j-1 kept (pooled)
-        self._kept = [0.0] * (max_drafts + 1)
+        self.acceptance = Acceptance(max_drafts)
         self._looked_deep = False  # whether a step drafted the most once the first draft was known to agree
 
     # -- what the engine reports -------------------------------------------------
@@ -177,14 +166,7 @@ class DraftLength:
         if timed:
             cell.add(drafts, seconds)
         cell.looking = 0 if timed else drafts
-        self._fade(range(1, drafts + 1))  # only the positions this step drafted: the others keep what they knew
-        for count in kept:
-            for j in range(1, drafts + 1):
-                self._tried[j] += 1
-                if j <= count:
-                    self._kept[j] += 1
-                else:
-                    break
+        self.acceptance.record(drafts, kept)
         classic = cell.costs.get(0)
         if classic is not None and chosen and timed:  # the tokens a row made against a classic step's in its time
             cell.deficit = max(0.0, cell.deficit + seconds / classic - 1 - sum(kept) / width)
@@ -210,22 +192,10 @@ class DraftLength:
         cell = self._cells.get((width, depth_band(depth)))
         return cell is None or cell.samples.get(0, 0) < TRIALS
 
-    def acceptance(self, position: int) -> float:
-        """The pooled chance that draft *position* (1-based) is kept given the ones before it were: what was
-        seen there, with :data:`PRIOR_ROWS` rows' worth of a prior, the chance at the position before (0.5 for
-        the first: a Laplace estimate). A position seldom drafted is judged like the one before it, not as a coin
-        toss (which held two rows on K = 2 where K = 3 paid 11% more); its own rows correct it within a few steps."""
-        prior = 0.5 if position == 1 else self.acceptance(position - 1)
-        return (self._kept[position] + PRIOR_ROWS * prior) / (self._tried[position] + PRIOR_ROWS)
-
     def expected_tokens(self, drafts: int, share: float = 1.0) -> float:
-        """Tokens a row yields in a step of *drafts* drafts: the target's own, and the drafts expected kept;
-        *share*: the fraction of the step's rows that draft (the others yield their own token alone)."""
-        total, reach = 0.0, 1.0
-        for j in range(1, drafts + 1):
-            reach *= self.acceptance(j)
-            total += reach
-        return 1.0 + share * total
+        """Tokens a row yields in a step of *drafts* drafts (:meth:`.Acceptance.tokens`); *share*: the fraction of
+        the step's rows that draft (the others yield their own token alone)."""
+        return self.acceptance.tokens(drafts, share)
 
     def choose(self, width: int, depth: int, drafting: int | None = None, parked_from: int | None = None,
                measurable: bool = True) -> int:
@@ -246,7 +216,7 @@ class DraftLength:
             cell.prior_taken = True  # once: after the cooldown this depth band is measured as any other
             self._park(cell)
         if cell.parked_for > 0:
-            self._fade(range(1, self.max_drafts + 1), floor=FADED_ROWS)
+            self.acceptance.parked(self.max_drafts)
             cell.parked_for -= 1
             if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and
                 for k in range(1, self.max_drafts + 1):  # K = 1 in any case (the drafts' acceptance may have moved)
@@ -262,16 +232,16 @@ class DraftLength:
         # Nothing judged of the drafts yet (costs restored at a start): look before judging any K by a guess at
         # their acceptance, K = 1 first, then, if the first is mostly kept, the deepest once (the later
         # positions' acceptance is known only from a step that drafts them).
-        if self._tried[1] == 0:
+        if not self.acceptance.judged:
             return 1
-        if not self._looked_deep and self.acceptance(1) >= PROMISING:
+        if not self._looked_deep and self.acceptance.position(1) >= PROMISING:
             self._looked_deep = True
             return self.max_drafts
         trials = [k for k in range(1, self.max_drafts + 1)
                   if cell.samples.get(k, 0) < TRIALS and (self._may_pay(cell, k, share) or (k == 1 and cell.retry))]
         if trials:  # a trial: the K run (and published) stays what it was
             cell.retry = False
-            if self._tried[1] == 0 or self.acceptance(1) < PROMISING:
+            if self.acceptance.position(1) < PROMISING:
                 return min(trials)  # the drafts unknown, or mostly rejected: the cheapest look at them first
             return max(trials, key=lambda k: self.expected_tokens(k, share) / self._floor(cell, k))
         measured = [k for k in range(self.max_drafts + 1)
@@ -316,15 +286,6 @@ class DraftLength:
         best = max(self._rate(cell, j, share) for j in range(self.max_drafts + 1)
                    if cell.samples.get(j, 0) >= TRIALS and (j == 0 or self._yields(j, share)))
         return self.expected_tokens(k, share) / self._floor(cell, k) > SWITCH_GAIN * best
-
-    def _fade(self, positions: range, floor: float = 0.0) -> None:
-        """What was learnt of draft *positions* weighs less, by :data:`ACCEPTANCE_DECAY` (a step has passed), but
-        no less than *floor* rows' worth."""
-        for j in positions:
-            if self._tried[j] > floor:
-                factor = max(ACCEPTANCE_DECAY, floor / self._tried[j])
-                self._tried[j] *= factor
-                self._kept[j] *= factor
 
     @staticmethod
     def _floor(cell: _Cell, k: int) -> float:

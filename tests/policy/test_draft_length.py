@@ -158,10 +158,10 @@ def test_acceptance_is_per_position_and_conditional() -> None:
         rule.speculative(2, 0, 3, 0.01, [1, 3])  # position 1: 2 of 2 kept; 2: 1 of 2; 3: 1 of 1
     # Estimates over the last twenty or so steps' rows: near the rates, shrunk towards the position before's (the
     # first towards 0.5): two rows' worth of prior against about forty rows at positions 1 and 2, twenty at 3.
-    assert rule.acceptance(1) == pytest.approx(1.0, abs=0.03)
-    assert rule.acceptance(2) == pytest.approx((20 + 2 * rule.acceptance(1)) / 42, abs=0.01)
-    assert rule.acceptance(2) == pytest.approx(0.5, abs=0.05)
-    assert rule.acceptance(3) == pytest.approx(1.0, abs=0.1)
+    assert rule.acceptance.position(1) == pytest.approx(1.0, abs=0.03)
+    assert rule.acceptance.position(2) == pytest.approx((20 + 2 * rule.acceptance.position(1)) / 42, abs=0.01)
+    assert rule.acceptance.position(2) == pytest.approx(0.5, abs=0.05)
+    assert rule.acceptance.position(3) == pytest.approx(1.0, abs=0.1)
 
 
 def test_a_position_seldom_drafted_is_judged_like_the_one_before_it() -> None:
@@ -172,16 +172,16 @@ def test_a_position_seldom_drafted_is_judged_like_the_one_before_it() -> None:
     for _ in range(30):
         rule.speculative(2, 0, 2, 0.01, [2, 2])
     rule.speculative(2, 0, 3, 0.01, [3, 3])
-    assert rule.acceptance(3) > 0.95
+    assert rule.acceptance.position(3) > 0.95
     failing = DraftLength(3)
     for _ in range(30):
         failing.speculative(2, 0, 2, 0.01, [2, 2])
     for _ in range(3):
         failing.speculative(2, 0, 3, 0.01, [2, 2])
-    assert failing.acceptance(3) < 0.3
+    assert failing.acceptance.position(3) < 0.3
     assert rule.expected_tokens(0) == 1.0
-    reach = [rule.acceptance(1), rule.acceptance(1) * rule.acceptance(2)]
-    assert rule.expected_tokens(3) == pytest.approx(1 + reach[0] + reach[1] + reach[1] * rule.acceptance(3))
+    reach = [rule.acceptance.position(1), rule.acceptance.position(1) * rule.acceptance.position(2)]
+    assert rule.expected_tokens(3) == pytest.approx(1 + reach[0] + reach[1] + reach[1] * rule.acceptance.position(3))
 
 
 def test_depth_band_edges() -> None:
@@ -230,11 +230,11 @@ def test_positions_not_drafted_keep_what_was_learnt_of_them() -> None:
     rule = DraftLength(3)
     for _ in range(20):
         rule.speculative(2, 0, 3, 0.01, [3, 3])
-    learnt = rule.acceptance(3)
+    learnt = rule.acceptance.position(3)
     for _ in range(50):
         rule.speculative(2, 0, 1, 0.01, [1, 1])  # K = 1 for a while: position 3 is not drafted
     # Its own rows are kept (its prior, the chance at position 2, moves only with what position 1 learns).
-    assert rule.acceptance(3) == pytest.approx(learnt, abs=0.005) and learnt > 0.9
+    assert rule.acceptance.position(3) == pytest.approx(learnt, abs=0.005) and learnt > 0.9
 
 
 def test_rows_riding_along_at_k0_yield_their_own_token_only() -> None:
