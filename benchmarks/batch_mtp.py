@@ -98,6 +98,14 @@ def each(urls: dict[str, list[str]]) -> list[tuple[str, str]]:
     return [(side, url) for side, processes in urls.items() for url in processes]
 
 
+def setting(text: str) -> tuple[str, str]:
+    """``NAME=VALUE`` as a pair, or an argparse error that says what was expected."""
+    name, equals, value = text.partition("=")
+    if not name or not equals:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", type=Path, help="a checkpoint with an in-checkpoint MTP head "
@@ -119,7 +127,7 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also `on` as this source tree (a git worktree) serves it")
     parser.add_argument("--step-log", action="store_true",
                         help="servers log every step (--log-level debug) to their files in .bench/")
-    parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE",
+    parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE", type=setting,
                         help="environment settings of `before` (with `--before .`: this tree, other settings)")
     parser.add_argument("--processes", type=int, default=1,
                         help="servers for each side, taking rounds in turn (mlx_lm.server: one)")
@@ -153,7 +161,7 @@ def main() -> None:
             urls["always"] = servers("--mtp", "--metrics", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"})
         if args.before:
             own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory()),
-                   **dict(setting.split("=", 1) for setting in args.before_env)}
+                   **dict(args.before_env)}
             urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
         if args.against_mlx_lm:
             urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
