@@ -4,6 +4,13 @@ Pure Python. :class:`~.draft_length.DraftLength` reports each step's drafts kept
 yields at a K: E(K) = 1 + sum over k <= K of the product of the chances at positions j <= k. The chance at j is
 that draft j is kept given drafts 1..j-1 were, over about the last twenty steps that drafted it (any K's: a K never
 run is judged from the others' steps), fading while speculation is parked.
+
+The chances depend on the K run: in a text that repeats, its hard token falls at the same draft position step after
+step, and the draft a step drafts last read lowest under K = 2 and K = 3 alike (8 rows at depth 0: the second draft
+kept 0.83 of the time while K = 2 ran, 0.945 while K = 3 ran). So a wider K judged from a narrower one's steps looks
+worse than it is (3.21-3.25 tokens a row against its own 3.40). Judging each K by the tokens its own steps made was
+tried and not kept: a step is one sample where rows share a text, and the few steps of a K not run locked the rule
+on whichever drew lucky ones (docs/benchmarks.md, 2026-12-06, ninth).
 """
 
 from __future__ import annotations

@@ -125,11 +125,6 @@ class _Cell:
         if restored and k > 0:
             self.samples[k] = 0
         old, count = self.costs.get(k), self.samples.get(k, 0)
-        if k in self.borrowed and count + 1 >= TRIALS:
-            factor = seconds / self.borrowed.pop(k)
-            if k > 0:
-                for j in (self.restored & self.borrowed.keys()) - {0}:
-                    self.costs[j] *= factor
         # A verify's trials keep the least: a new shape's first steps pay one-off costs (allocation, page faults) on
         # and off, and noise only adds (a step runs 4% under its K's median at the 10th percentile, 7-19% over at
         # the 90th). 8 rows' K = 3 took 0.69 and 0.91 s in its first two timed steps, 0.70-0.72 s run steadily.
@@ -141,6 +136,11 @@ class _Cell:
             self.costs[k] = min(old, seconds)
         else:
             self.costs[k] = old + COST_WEIGHT * (seconds - old)
+        if k in self.borrowed and count + 1 >= TRIALS:
+            factor = self.costs[k] / self.borrowed.pop(k)
+            if k > 0:
+                for j in (self.restored & self.borrowed.keys()) - {0}:
+                    self.costs[j] *= factor
         self.stale.discard(k)
         self.samples[k] = count + 1
 
