@@ -51,9 +51,9 @@ class Acceptance:
                 else:
                     break
 
-    def parked(self, max_drafts: int) -> None:
+    def parked(self) -> None:
         """A step parked: what was learnt fades (the traffic may have changed), to :data:`FADED_ROWS` rows' worth."""
-        self._fade(range(1, max_drafts + 1), FADED_ROWS)
+        self._fade(range(1, len(self._tried)), FADED_ROWS)
 
     def position(self, j: int) -> float:
         """The pooled chance that draft *j* (1-based) is kept given the ones before it were: what was seen there,

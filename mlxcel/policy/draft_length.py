@@ -228,7 +228,7 @@ class DraftLength:
             cell.prior_taken = True  # once: after the cooldown this depth band is measured as any other
             self._park(cell)
         if cell.parked_for > 0:
-            self.acceptance.parked(self.max_drafts)
+            self.acceptance.parked()
             cell.parked_for -= 1
             if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and
                 for k in range(1, self.max_drafts + 1):  # K = 1 in any case (the drafts' acceptance may have moved)
