@@ -18,7 +18,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from tests.page.conftest import console_errors
+from tests.page.conftest import leave_page
 from tests.server.conftest import server_on_a_thread
 
 pytestmark = pytest.mark.browser
@@ -69,7 +69,7 @@ def test_the_statechart_follows_the_policy_from_profiling_to_settled(browser: An
         rows = browser.find_elements(By.CSS_SELECTOR, "#samples-table tr")
         assert len(rows) >= 2  # a header and the samples seen (the page watched the last one arrive)
         assert "Tokens\n" in browser.find_element(By.ID, "server-facts").text
-    assert console_errors(browser) == []
+        assert leave_page(browser) == []
 
 
 def test_the_key_is_asked_for_once_and_a_wrong_one_is_refused(browser: Any, mtp_model: Path,
@@ -96,7 +96,7 @@ def test_the_key_is_asked_for_once_and_a_wrong_one_is_refused(browser: Any, mtp_
         assert not browser.find_element(By.ID, "key-form").is_displayed()
         assert _lit(browser) == ["unavailable", "unavailable/no_mtp_dispatch"]
         assert "sesame" not in browser.current_url and browser.get_cookies() == []
-    errors = console_errors(browser)
+        errors = leave_page(browser)
     # The wrong key's 401s are the only errors the console may hold (Chromium logs a failed fetch).
     assert all("401" in entry["message"] for entry in errors), errors
 
@@ -111,7 +111,7 @@ def test_a_model_name_holding_markup_is_shown_as_text(browser: Any, mtp_model: P
         assert name in browser.find_element(By.ID, "models-table").text
         assert browser.find_elements(By.TAG_NAME, "img") == []
         assert browser.execute_script("return document.querySelectorAll('[onerror]').length") == 0
-    assert console_errors(browser) == []
+        assert leave_page(browser) == []
 
 
 def test_a_routers_page_lists_its_nodes(browser: Any, mtp_model: Path, tmp_path: Path) -> None:
@@ -130,9 +130,9 @@ def test_a_routers_page_lists_its_nodes(browser: Any, mtp_model: Path, tmp_path:
             rows = browser.find_elements(By.CSS_SELECTOR, "#nodes-table tr")
             assert len(rows) == 2 and rows[1].text.startswith("node-0 yes 0 0 0 unavailable")
             assert "1 of 1 healthy" in browser.find_element(By.ID, "router-facts").text
+            assert leave_page(browser) == []
         finally:
             router.stop()
-    assert console_errors(browser) == []
 
 
 def test_with_several_models_the_menu_picks_whose_policy_is_shown(browser: Any, mtp_model: Path,
@@ -158,4 +158,4 @@ def test_with_several_models_the_menu_picks_whose_policy_is_shown(browser: Any, 
         menu.select_by_visible_text(mtp_model.name)
         _until(lambda: browser.execute_script("return document.body.dataset.policyState") == "unavailable/"
                "no_mtp_dispatch", what="the default model's policy")
-    assert console_errors(browser) == []
+        assert leave_page(browser) == []
