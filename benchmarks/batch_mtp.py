@@ -3,6 +3,7 @@
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
         [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...]] [--warm] [--step-log] [--processes N]
+        [--distinct] [--prompt-cache-bytes SIZE]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -27,9 +28,16 @@ as a server does once per machine: its costs persist; every server's first steps
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
 a full-attention layer in four, gated-delta heads of 128; 12 layers of them are ~1 GB in fp32), not the
 synthetic 16-wide heads ``--hidden`` gives. ``--depth N`` sends one prompt to every stream, N tokens of words
-then a line of code (each server prefills it once, while warming up). Before anything is timed, ``on`` serves
-lone requests until its B=1 policy has settled (a server's first few lone requests, once per machine). The
-machine's free memory is compacted before the servers start, where this process may (``compact_memory``).
+then a line of code (each server prefills it once, while warming up): at temperature 0 every row then writes the
+same text, and keeps or rejects each draft with the others. With ``--distinct``, each stream's prompt is the same
+N tokens (a long system prompt, as the sub-agents of one coding agent share) and then its own line, as token ids;
+each server prefills the shared part once, sent alone while warming up (a hybrid model's prefix cache resumes a
+prompt from the state kept at the end of an earlier one), and each stream's line on top of it. A server then holds
+one prompt's caches per stream: at 2k and 16 streams, 4.2-5.0 GB each with the default prefix-cache bound (an
+eighth of memory), and six of them did not fit in 23 GB (``--prompt-cache-bytes``; ``--processes 1``). Before
+anything is timed, ``on`` serves lone requests until its B=1 policy has settled (a server's first few lone
+requests, once per machine). The machine's free memory is compacted before the servers start, where this process
+may (``compact_memory``).
 """
 
 from __future__ import annotations
@@ -56,14 +64,18 @@ PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sy
            "async def fetch(url):"]
 
 
-def one(client: httpx.Client, url: str, prompt: str, tokens: int, model: str | None) -> int:
+Prompt = str | list[int]
+"""A prompt as text, or as token ids (a shared context, then a stream's own line: its ids are the context's)."""
+
+
+def one(client: httpx.Client, url: str, prompt: Prompt, tokens: int, model: str | None) -> int:
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, **({"model": model} if model else {})}
     response = client.post(f"{url}/v1/completions", json=body)
     response.raise_for_status()
     return int(response.json()["usage"]["completion_tokens"])
 
 
-def aggregate(client: httpx.Client, url: str, prompts: list[str], tokens: int, model: str | None = None) -> float:
+def aggregate(client: httpx.Client, url: str, prompts: list[Prompt], tokens: int, model: str | None = None) -> float:
     """Completion tokens per second of *prompts* sent at once."""
     with ThreadPoolExecutor(len(prompts)) as pool:
         start = time.perf_counter()
@@ -71,7 +83,7 @@ def aggregate(client: httpx.Client, url: str, prompts: list[str], tokens: int, m
         return total / (time.perf_counter() - start)
 
 
-def settle(client: httpx.Client, url: str, prompt: str, tokens: int) -> str:
+def settle(client: httpx.Client, url: str, prompt: Prompt, tokens: int) -> str:
     """Lone requests to the ``--mtp`` server at *url* until its B=1 policy has settled (what a server does in
     its first few lone requests, once per machine: its verdict persists), so that one stream measures the
     settled policy and the rule, not the profiling window; the verdict it reached."""
@@ -120,7 +132,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--released", action="store_true", help="layers shaped as Qwen3.5-0.8B's (hidden 1024)")
-    parser.add_argument("--depth", type=int, default=0, help="tokens of context before every prompt")
+    parser.add_argument("--depth", type=int, default=0, help="tokens of context every prompt shares")
+    parser.add_argument("--distinct", action="store_true",
+                        help="with --depth: each stream its own line after the shared context (rows of their own "
+                             "texts), not one prompt for all")
     parser.add_argument("--always", action="store_true", help="also MTP pinned on (for the rule's regret)")
     parser.add_argument("--warm", action="store_true", help="each width's first round untimed, on every server")
     parser.add_argument("--against-mlx-lm", action="store_true")
@@ -129,26 +144,40 @@ def main() -> None:
                         help="servers log every step (--log-level debug) to their files in .bench/")
     parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE", type=setting,
                         help="environment settings of `before` (with `--before .`: this tree, other settings)")
+    parser.add_argument("--prompt-cache-bytes", metavar="SIZE",
+                        help="every mlxcel server's prefix cache bound (its default is an eighth of memory: six "
+                             "servers at 2k, 16 streams of their own prompts held 4.2-5.0 GB each, and one was "
+                             "killed for memory)")
     parser.add_argument("--processes", type=int, default=1,
                         help="servers for each side, taking rounds in turn (mlx_lm.server: one)")
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
-    prompts = list(PROMPTS)
+    if args.against_mlx_lm and args.depth and args.distinct:
+        parser.error("--against-mlx-lm does not take --depth with --distinct (mlx_lm.server reads prompts as text, "
+                     "and would prefill the shared context once a stream)")
+    prompts: list[Prompt] = list(PROMPTS)
+    shared: list[Prompt] = []  # what each server prefills once, while warming up
     if args.depth:
         import random
 
         from transformers import AutoTokenizer
 
-        filler = words(AutoTokenizer.from_pretrained(model), args.depth, random.Random(0))
-        # One prompt for every stream: a hybrid model's prefix cache resumes only an exact prompt, so each
-        # server prefills the context once (in the warm-up), not once per stream.
-        prompts = [filler + "\n" + PROMPTS[0]]
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        filler = words(tokenizer, args.depth, random.Random(0))
+        if not args.distinct:  # one prompt for every stream
+            prompts = shared = [filler + "\n" + PROMPTS[0]]
+        else:  # ids, so that each stream's prompt starts with exactly the context's tokens
+            context = tokenizer.encode(filler, add_special_tokens=False)
+            shared = [context]
+            prompts = [context + tokenizer.encode("\n" + line, add_special_tokens=False) for line in PROMPTS]
     widest = max(args.streams)
-    parallel = ("--parallel", str(widest), *(("--log-level", "debug") if args.step_log else ()))
+    parallel = ("--parallel", str(widest), *(("--log-level", "debug") if args.step_log else ()),
+                *(("--prompt-cache-bytes", args.prompt_cache_bytes) if args.prompt_cache_bytes else ()))
     env = {"MLXCEL_DRAFT_BLOCK_SIZE": str(args.k)}
     print(f"model: {model.name}, K = {args.k}, {args.tokens} tokens a request, {args.rounds} rounds"
           f"{f', after {args.depth} tokens of context' if args.depth else ''}"
+          f"{', each stream its own line after it' if args.distinct else ''}"
           f"{', each width after an untimed round' if args.warm else ''}")
     print(f"memory: {compact_memory()}")
     with ExitStack() as stack:
@@ -171,12 +200,18 @@ def main() -> None:
             return str(model) if side == "mlx_lm" else None
 
         for side, url in each(urls):  # compile and fill caches before anything is timed
-            aggregate(client, url, prompts[:2], 8, named(side))
-            if args.depth:  # and the batch's first steps at that depth
-                aggregate(client, url, prompts[:1] * 2, 8, named(side))
+            if shared:  # the context prefilled once: every stream's prompt resumes from its end
+                aggregate(client, url, shared, 1, named(side))
+            aggregate(client, url, (prompts * 2)[:2], 8, named(side))  # and a batch's first steps (at that depth)
         for side in ("on", "before") if args.before else ("on",):
             for url in urls[side]:
                 print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
+        if args.depth and args.distinct:  # what every stream's prompt takes from the prefix cache
+            last = prompts[-1]
+            body = client.post(f"{urls['on'][0]}/v1/completions",
+                               json={"prompt": last, "max_tokens": 1, "temperature": 0}).raise_for_status().json()
+            print(f"a stream's prompt: {body['usage']['prompt_tokens_details']['cached_tokens']} of {len(last)} "
+                  "tokens from the prefix cache")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
               + (f" {'on/bef':>7}" if args.before else "")
