@@ -30,7 +30,8 @@ goodput, with the classic step measured directly, never as "speculation with no 
   and band for a cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once
   speculation wins again clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when
   it parked (:data:`RISEN`); where it only ties, the looks after each cooldown are what it costs, and they grow
-  rarer. Then each K is measured once more.
+  rarer. Then K = 1 is measured once more, and each wider K that could pay at what it cost before the park, less
+  a margin (:data:`STALE_COST`).
 
 The same rule decides for a lone request (width 1: the B=1 burst, round by round) once the policy lets the burst run
 and is not profiling: the policy's verdict says whether the burst may run at all (the contract's B=1 verdict), this
@@ -75,6 +76,10 @@ DEFICIT = 16.0
 since last ahead: a CUSUM) before the estimates may park it. Rows of one text reject together, in bursts that drop the
 acceptance below break-even while the steps stay ahead: 16 rows at 2k ran at 0.85 of always-on (docs/benchmarks.md,
 2026-12-06). Seven rejecting steps at three drafts; a head that stops agreeing falls that far behind in as many."""
+STALE_COST = 1.1
+"""After a cooldown a K is measured again only where it could pay at its cost before the park over this: costs are
+the machine's (10-15% apart run to run), what the drafts are worth is the traffic's. Measured again whatever it
+cost, every K that loses paid a trial and a step up after every cooldown."""
 #: Once the first draft is kept at least this often, the most promising K is tried first, not K = 1.
 PROMISING = 0.5
 MIN_DRAFT_YIELD = 0.1
@@ -230,7 +235,8 @@ class DraftLength:
         if cell.parked_for > 0:
             self.acceptance.parked()
             cell.parked_for -= 1
-            if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay, and
+            if cell.parked_for == 0:  # the cooldown is over: each K is measured once more where it may pay
+                # (:meth:`_may_pay`, from its cost before the park), and
                 for k in range(1, self.max_drafts + 1):  # K = 1 in any case (the drafts' acceptance may have moved)
                     cell.samples[k] = min(cell.samples.get(k, 0), TRIALS - 1)
                     cell.stale.add(k)
@@ -292,13 +298,17 @@ class DraftLength:
 
     def _may_pay(self, cell: _Cell, k: int, share: float = 1.0) -> bool:
         """Whether K could beat every K measured here (the classic step included) even at the least it can
-        cost. What is known of the drafts' acceptance bounds what it can yield (a head that never agrees is
-        not tried at every K; a narrower K is not tried once a wider one yields more than it ever could)."""
+        cost (after a park, its cost before it over :data:`STALE_COST`). What is known of the drafts' acceptance
+        bounds what it can yield (a head that never agrees is not tried at every K; a narrower K is not tried once a
+        wider one yields more than it ever could)."""
         if not self._yields(k, share):
             return False
         best = max(self._rate(cell, j, share) for j in range(self.max_drafts + 1)
                    if cell.samples.get(j, 0) >= TRIALS and (j == 0 or self._yields(j, share)))
-        return self.expected_tokens(k, share) / self._floor(cell, k) > SWITCH_GAIN * best
+        least = self._floor(cell, k)
+        if k in cell.stale and k in cell.costs:  # measured before the park: costs move less than the drafts' worth
+            least = max(least, cell.costs[k] / STALE_COST)
+        return self.expected_tokens(k, share) / least > SWITCH_GAIN * best
 
     @staticmethod
     def _floor(cell: _Cell, k: int) -> float:

@@ -135,6 +135,24 @@ def test_where_speculation_only_ties_the_classic_step_its_looks_grow_rarer() -> 
     assert rate >= 0.985 * classic_rate(cost)
 
 
+def test_where_every_k_loses_a_cooldowns_end_measures_again_only_what_could_pay() -> None:
+    """Drafts kept 88% of the time, but every K loses to the classic step, by 5% (K = 1) to 15% (K = 3), as
+    16 rows of their own texts did at 2k (docs/benchmarks.md, 2026-12-06, tenth), and a step up pays half a
+    step more. After each cooldown K = 1 is measured again; K = 2 and 3 were not worth a trial at what they cost
+    before the park. (Measured again whatever they cost: 4-6 steps at each of them, 0.93-0.94 of the classic
+    step.)"""
+    relative = {0: 1.0, 1: 0.95, 2: 0.9, 3: 0.85}
+    tokens = {k: sum(0.88 ** j for j in range(k + 1)) for k in range(4)}
+
+    def cost(width: int, depth: int, k: int) -> float:
+        return 0.464 * tokens[k] / relative[k]
+
+    for seed in range(4):
+        rate, chosen = run(DraftLength(3), cost, lambda _: 0.88, 400, width=16, seed=seed, step_up=0.5)
+        assert chosen[40:].count(2) == chosen[40:].count(3) == 0, (seed, chosen)
+        assert rate >= 0.96 * classic_rate(cost, width=16)
+
+
 def test_depth_bands_decide_apart() -> None:
     # The verify pays its attention per verified position: deep contexts make speculation lose.
     cost = linear_cost(0.002, 0.0002, depth_cost=0.000002)
