@@ -108,7 +108,7 @@ def words(tokenizer: Any, tokens: int, rng: random.Random) -> str:
     return " ".join(text)
 
 
-def complete(client: httpx.Client, url: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+def complete(client: httpx.Client, url: str, prompt: str | list[int], max_tokens: int, **extra: Any) -> dict[str, Any]:
     """A greedy completion (with *extra* request fields); its body."""
     response = client.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                             "temperature": 0, **extra})

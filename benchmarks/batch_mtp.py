@@ -56,7 +56,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import httpx  # noqa: E402
 
-from benchmarks._common import compact_memory, context_window, median, mlx_lm_server, mtp_model, server, words  # noqa: E402
+from benchmarks._common import compact_memory, complete, context_window, median, mlx_lm_server, mtp_model, server, words  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':", "x = {}", "    return", "while True:",
@@ -208,8 +208,7 @@ def main() -> None:
                 print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
         if args.depth and args.distinct:  # what every stream's prompt takes from the prefix cache
             last = prompts[-1]
-            body = client.post(f"{urls['on'][0]}/v1/completions",
-                               json={"prompt": last, "max_tokens": 1, "temperature": 0}).raise_for_status().json()
+            body = complete(client, urls["on"][0], last, 1)
             print(f"a stream's prompt: {body['usage']['prompt_tokens_details']['cached_tokens']} of {len(last)} "
                   "tokens from the prefix cache")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
