@@ -119,7 +119,7 @@ class ContinuousBatch(Generic[T]):
             prompts, responses = self._generator.next()
             if clock is not None and timed:
                 clock.classic_done(len(self._generator._generation_batch))
-        if waiting > 1:
+        if waiting:
             prompts = prompts + self._prompts_alone(waiting - 1)
         if speculation is not None:
             speculation.absorb(list(self._generator._generation_batch.uids))
@@ -148,29 +148,40 @@ class ContinuousBatch(Generic[T]):
         meanwhile so that they do not step again.
 
         mlx-lm's prompt batch holds one prompt here (prompts prefilled together, right-padded to the longest,
-        would round with each other), so each of its passes advances one; as many passes as prompts were
+        would round with each other), so each of its passes advances one; as many chunks as prompts were
         waiting give a step the prefill work a batched prefill would, without keeping the batch's rows
-        waiting a step for each prompt. A prompt finished in a pass takes its first step alone and joins the
-        rows.
+        waiting a step for each prompt. A prompt whose chunk left only its last token takes its first step
+        alone in a pass of its own, which prefills nothing and is not counted: so it joins in the step of
+        its last chunk, as in a batched prefill, not one step later. The prompts that finished join the
+        rows together after the last pass (:func:`~mlxcel.models.batch_join.join_rows`): one copy of the
+        batch's caches, not one per prompt.
         """
         from mlx_lm.generate import GenerationBatch
+
+        from ..models.batch_join import join_rows
 
         generator = self._generator
         rows = generator._generation_batch
         prompts: list[Any] = []
+        joined: list[Any] = []
+        chunks = 0
         try:
-            for _ in range(passes):
-                if not (generator._unprocessed_sequences or generator._currently_processing):
+            while generator._unprocessed_sequences or generator._currently_processing:
+                starting = any(len(entry[0]) == 1 and len(entry[0][0]) == 1  # mlx-lm's own test (BatchGenerator)
+                               for entry in generator._currently_processing)
+                if chunks >= passes and not starting:
                     break
+                chunks += not starting
                 # Empty each pass: a row that joined in the last one must not step again before the batch does.
                 generator._generation_batch = GenerationBatch.empty(generator.model, generator.sampler)
                 self._admission()
                 done, _ = generator.next()
                 prompts += done
-                if len(joined := generator._generation_batch):
-                    rows.extend(joined)
+                if len(generator._generation_batch):
+                    joined.append(generator._generation_batch)
         finally:
             generator._generation_batch = rows
+            join_rows(rows, joined)  # one copy of the batch's caches for all of them
         return prompts
 
     def _admission(self) -> None:
@@ -241,7 +252,7 @@ def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_st
 
     # One place more than `parallel`: the scheduler's overflow place (engine/scheduler.py) is the bound that
     # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue. Its prompt batch holds one
-    # prompt (ContinuousBatch._prompts_alone runs a pass for each prompt waiting): prefilled together,
+    # prompt (ContinuousBatch._prompts_alone runs a chunk for each prompt waiting): prefilled together,
     # right-padded to the longest, a prompt's cache would round with the prompts that happened to arrive
     # beside it (products of all their rows, attention over the padded length), and so would every token
     # after it (docs/mtp.md, "A row's bytes are its own").

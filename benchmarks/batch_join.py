@@ -1,0 +1,93 @@
+"""Rows joining the batch in one step: mlx-lm's ``extend``, one row at a time, against ``join_rows``'s one copy.
+
+    python -m benchmarks.batch_join [--rows 2] [--joining 7] [--keys 2048] [--repeats 5]
+
+Layers shaped as Qwen3.5-0.8B's (the ``--released`` pairing of ``benchmarks/batch_mtp.py``, 12 layers):
+three full-attention layers of 2 KV heads of 256 (fp32) and nine gated-delta layers (a convolution state of
+3 x 6144 and a recurrent state of 16 x 128 x 128 a row). A batch of *rows* rows over *keys* tokens of context,
+and *joining* prompts of as many tokens, each prefilled alone (a batch of one row), join it:
+
+- one at a time: ``layer.extend(part)`` for each part, as the batch did before (each call copies the whole
+  batch's arrays);
+- at once: ``mlxcel.models.batch_join.join_layers`` (each layer's arrays concatenated once).
+
+Prints the best of *repeats* seconds of each and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+from mlxcel.blas import load_fast_blas
+
+print(f"BLAS: {load_fast_blas()}")
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
+
+from mlxcel.models.batch_join import join_layers  # noqa: E402
+
+ATTENTION_LAYERS, MIXER_LAYERS = 3, 9
+
+
+def arrays(layer: Any) -> list[mx.array]:
+    if isinstance(layer, BatchKVCache):
+        return [layer.keys, layer.values, layer.offset, layer.left_padding]
+    return [array for array in layer.cache if array is not None]
+
+
+def best(setup: Callable[[], Any], run: Callable[[Any], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        state = setup()
+        started = time.perf_counter()
+        mx.eval(run(state))
+        times.append(time.perf_counter() - started)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=2, help="rows in the batch")
+    parser.add_argument("--joining", type=int, default=7, help="prompts that join it in the step")
+    parser.add_argument("--keys", type=int, default=2048, help="tokens of context of every row")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    def attention(rows: int, keys: int) -> BatchKVCache:
+        layer = BatchKVCache([0] * rows)
+        layer.update_and_fetch(mx.random.normal((rows, 2, keys, 256)), mx.random.normal((rows, 2, keys, 256)))
+        return layer
+
+    def mixer(rows: int) -> ArraysCache:
+        layer = ArraysCache(2)
+        layer.cache = [mx.random.normal((rows, 3, 6144)), mx.random.normal((rows, 16, 128, 128))]
+        return layer
+
+    def parts() -> list[list[Any]]:
+        """Per layer: the batch's, then each joining prompt's (a few tokens shorter: the rows decoded on)."""
+        out = [[attention(args.rows, args.keys + 16), *(attention(1, args.keys) for _ in range(args.joining))]
+               for _ in range(ATTENTION_LAYERS)]
+        out += [[mixer(args.rows), *(mixer(1) for _ in range(args.joining))] for _ in range(MIXER_LAYERS)]
+        mx.eval([arrays(layer) for layers in out for layer in layers])
+        return out
+
+    def one_at_a_time(layers: list[list[Any]]) -> list[Any]:
+        for first, *rest in layers:
+            for part in rest:
+                first.extend(part)
+        return [arrays(first) for first, *_ in layers]
+
+    def at_once(layers: list[list[Any]]) -> list[Any]:
+        return [arrays(join_layers(parts)) for parts in layers]
+
+    print(f"{args.rows} rows over {args.keys} keys, {args.joining} prompts joining")
+    a, b = best(parts, one_at_a_time, args.repeats), best(parts, at_once, args.repeats)
+    print(f"one at a time {a:.4f} s, at once {b:.4f} s, ratio {a / b:.1f}x")
+
+
+if __name__ == "__main__":
+    main()

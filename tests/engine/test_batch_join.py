@@ -1,0 +1,127 @@
+"""Rows that join the batch in one step are merged in with one copy of its caches: what each row then reads is
+what mlx-lm's ``extend``, one batch at a time, leaves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+
+from mlxcel.engine.batch import ContinuousBatch
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.models import batch_join
+
+pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
+
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8, 2], [1, 6, 1, 8, 0, 3, 3, 9, 8, 8, 7], [5, 5], [9, 8, 7, 6, 5, 4],
+           [4, 4, 2], [8, 1, 9, 2, 7, 3, 6], [6, 2, 8]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Qwen 3.5: attention layers (``BatchKVCache``) and gated-delta ones (``ArraysCache``) in one cache."""
+    model, _ = load(str(build_mtp_checkpoint(tmp_path_factory.mktemp("join") / "qwen35", context_scale=1.0)))
+    return model
+
+
+def _part(model: Any, prompts: list[list[int]], decoded: int = 0) -> list[Any]:
+    """A batch's cache of *prompts* (each prefilled alone, merged as mlx-lm merges them), then *decoded* steps
+    of one token a row: its rows at their own lengths, left-padded."""
+    caches = []
+    for prompt in prompts:
+        cache = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=cache)
+        caches.append(cache)
+    merged = [BatchKVCache.merge(list(layers)) if hasattr(layers[0], "offset") else type(layers[0]).merge(list(layers))
+              for layers in zip(*caches, strict=True)]
+    for step in range(decoded):
+        model(mx.array([[7 + step]] * len(prompts)), cache=merged)
+    mx.eval([layer.state for layer in merged])
+    return merged
+
+
+def _rows(cache: list[Any]) -> list[list[bytes]]:
+    """What each row of *cache* holds that any step reads: its keys and values past its padding, at the batch's
+    index, its offset; its recurrent arrays."""
+    rows: list[list[bytes]] = []
+    for layer in cache:
+        if isinstance(layer, BatchKVCache):
+            for i in range(layer.offset.shape[0]):
+                single = layer.extract(i)
+                pad = int(layer.left_padding[i].item())
+                assert pad + single.offset == layer._idx
+                arrays = [single.keys, single.values, layer.offset[i:i + 1]]
+                if i >= len(rows):
+                    rows.append([])
+                rows[i] += [np.array(a).tobytes() for a in arrays]
+        else:
+            assert isinstance(layer, ArraysCache)
+            for i in range(layer.batch_size):
+                if i >= len(rows):
+                    rows.append([])
+                rows[i] += [np.array(a[i]).tobytes() if a is not None else b"" for a in layer.cache]
+    return rows
+
+
+@pytest.mark.parametrize("shape", [[1, 1, 1], [2, 1, 3], [3, 2]], ids=["one-row-each", "mixed", "batch-and-pair"])
+def test_rows_joined_at_once_hold_what_one_join_at_a_time_leaves(model: Any, shape: list[int]) -> None:
+    prompts = iter(PROMPTS * 2)
+    groups = [[next(prompts) for _ in range(rows)] for rows in shape]
+    # The first part decodes some steps (a batch running), the others are fresh prompts of their own lengths.
+    parts = [_part(model, group, decoded=3 if i == 0 else 0) for i, group in enumerate(groups)]
+    again = [_part(model, group, decoded=3 if i == 0 else 0) for i, group in enumerate(groups)]
+    for layers in zip(*again, strict=True):  # mlx-lm's own extend, one part at a time: the reference
+        for layer in layers[1:]:
+            layers[0].extend(layer)
+    joined = [batch_join.join_layers(layers) for layers in zip(*parts, strict=True)]
+    assert _rows(joined) == _rows(again[0])
+    assert [int(layer._idx) for layer in joined if isinstance(layer, BatchKVCache)] == \
+        [int(layer._idx) for layer in again[0] if isinstance(layer, BatchKVCache)]
+    # And the next step reads them alike: the same logits, byte for byte.
+    width = sum(shape)
+    step = mx.array([[11]] * width)
+    assert np.array(model(step, cache=joined)).tobytes() == np.array(model(step, cache=again[0])).tobytes()
+
+
+def _served(model: Any) -> list[list[tuple[int, bytes]]]:
+    """Two rows decoding, then six prompts arriving at once (a prompt takes two passes, a chunk and its first
+    step, and a step as many passes as prompts wait: three join in one step): each row's tokens and
+    log-probabilities' bytes."""
+    batch: ContinuousBatch[int] = ContinuousBatch(model, frozenset(), 8, 512, mx.default_stream(mx.default_device()))
+    out: list[list[tuple[int, bytes]]] = [[] for _ in PROMPTS]
+    for i in range(2):
+        batch.insert(i, PROMPTS[i], None, [], 8, None, [])
+    for step in range(40):
+        if step == 4:
+            for i in range(2, len(PROMPTS)):
+                batch.insert(i, PROMPTS[i], None, [], 8, None, [])
+        for i, response in batch.step().tokens:
+            out[i].append((response.token, np.array(response.logprobs).tobytes()))
+    batch.close()
+    return out
+
+
+def test_a_batch_that_prompts_join_together_writes_what_it_wrote_joined_one_at_a_time(
+        model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    joins: list[int] = []
+    join_rows = batch_join.join_rows
+
+    def counted(batch: Any, joined: list[Any]) -> None:
+        joins.append(len(joined))
+        join_rows(batch, joined)
+
+    monkeypatch.setattr(batch_join, "join_rows", counted)
+    together = _served(model)
+    assert max(joins) >= 2  # several rows did join in one step
+
+    def one_at_a_time(batch: Any, joined: list[Any]) -> None:  # what the batch did before: mlx-lm's extend
+        for part in joined:
+            batch.extend(part)
+
+    monkeypatch.setattr(batch_join, "join_rows", one_at_a_time)
+    assert together == _served(model)
+    assert all(len(tokens) == 8 for tokens in together)
