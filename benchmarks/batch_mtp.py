@@ -2,7 +2,7 @@
 
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
-        [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...] [--before-off]] [--warm] [--step-log]
+        [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...] [--before-sides on off]] [--warm] [--step-log]
         [--processes N]
         [--distinct] [--prompt-cache-bytes SIZE]
 
@@ -18,8 +18,8 @@ of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
 fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``git worktree`` of an earlier
 commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``;
-``--before-off``: ``off`` too as that tree serves it (``off_before``, and ``off/before``: a change to the classic
-batch);
+``--before-sides``: which sides that tree serves (``on``, the default: ``before``; ``off``: ``off_before``, and
+``off/before``, a change to the classic batch);
 ``--before-env``: settings only that server gets (``--before . --before-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
 this tree on huge pages). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts
 kept) to its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
@@ -145,7 +145,8 @@ def main() -> None:
     parser.add_argument("--before", type=Path, help="also `on` as this source tree (a git worktree) serves it")
     parser.add_argument("--step-log", action="store_true",
                         help="servers log every step (--log-level debug) to their files in .bench/")
-    parser.add_argument("--before-off", action="store_true", help="with --before: also `off` as that tree serves it")
+    parser.add_argument("--before-sides", nargs="+", default=["on"], choices=["on", "off"],
+                        help="with --before: the sides that tree serves too (before, off_before)")
     parser.add_argument("--before-env", nargs="+", default=[], metavar="NAME=VALUE", type=setting,
                         help="environment settings of `before` (with `--before .`: this tree, other settings)")
     parser.add_argument("--prompt-cache-bytes", metavar="SIZE",
@@ -195,8 +196,9 @@ def main() -> None:
         if args.before:
             own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory()),
                    **dict(args.before_env)}
-            urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
-            if args.before_off:
+            if "on" in args.before_sides:
+                urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
+            if "off" in args.before_sides:
                 urls["off_before"] = servers(env={**env, **dict(args.before_env)}, tree=args.before)
         if args.against_mlx_lm:
             urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
@@ -209,7 +211,7 @@ def main() -> None:
             if shared:  # the context prefilled once: every stream's prompt resumes from its end
                 aggregate(client, url, shared, 1, named(side))
             aggregate(client, url, (prompts * 2)[:2], 8, named(side))  # and a batch's first steps (at that depth)
-        for side in ("on", "before") if args.before else ("on",):
+        for side in ("on", "before") if "before" in urls else ("on",):
             for url in urls[side]:
                 print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
         if args.depth and args.distinct:  # what every stream's prompt takes from the prefix cache
@@ -219,7 +221,7 @@ def main() -> None:
                   "tokens from the prefix cache")
         print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
-              + (f" {'on/bef':>7}" if args.before else "") + (f" {'off/bef':>7}" if "off_before" in urls else "")
+              + (f" {'on/bef':>7}" if "before" in urls else "") + (f" {'off/bef':>7}" if "off_before" in urls else "")
               + "  steps by K (on)")
         for streams in args.streams:
             batch = [prompts[i % len(prompts)] for i in range(streams)]
@@ -243,7 +245,7 @@ def main() -> None:
                 line += f" {mid['on'] / max(mid['off'], mid['always']):>7.2f}"
             if args.against_mlx_lm:
                 line += f" {mid['on'] / mid['mlx_lm']:>7.2f}"
-            if args.before:
+            if "before" in urls:
                 line += f" {mid['on'] / mid['before']:>7.2f}"
             if "off_before" in urls:
                 line += f" {mid['off'] / mid['off_before']:>7.2f}"

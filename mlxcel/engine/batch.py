@@ -153,12 +153,12 @@ class ContinuousBatch(Generic[T]):
         waiting a step for each prompt. A prompt whose chunk left only its last token takes its first step
         alone in a pass of its own, which prefills nothing and is not counted: so it joins in the step of
         its last chunk, as in a batched prefill, not one step later. The prompts that finished join the
-        rows together after the last pass (:func:`~mlxcel.models.batch_join.join_rows`): one copy of the
+        rows together after the last pass (:func:`~mlxcel.models.batch_rows.join_rows`): one copy of the
         batch's caches, not one per prompt.
         """
         from mlx_lm.generate import GenerationBatch
 
-        from ..models.batch_join import join_rows
+        from ..models.batch_rows import join_rows
 
         generator = self._generator
         rows = generator._generation_batch
@@ -248,7 +248,11 @@ class ContinuousBatch(Generic[T]):
 
 
 def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_step_size: int, stream: Any) -> Any:
+    from types import MethodType
+
     from mlx_lm.generate import BatchGenerator
+
+    from ..models.batch_rows import filter_rows
 
     # One place more than `parallel`: the scheduler's overflow place (engine/scheduler.py) is the bound that
     # counts; mlx-lm would otherwise keep the overflowing sequence in its own queue. Its prompt batch holds one
@@ -256,8 +260,14 @@ def _generator(model: Any, eos_tokens: frozenset[int], parallel: int, prefill_st
     # right-padded to the longest, a prompt's cache would round with the prompts that happened to arrive
     # beside it (products of all their rows, attention over the padded length), and so would every token
     # after it (docs/mtp.md, "A row's bytes are its own").
-    return BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)], completion_batch_size=parallel + 1,
-                          prefill_batch_size=1, prefill_step_size=prefill_step_size, stream=stream)
+    generator = BatchGenerator(model, stop_tokens=[[t] for t in sorted(eos_tokens)],
+                               completion_batch_size=parallel + 1, prefill_batch_size=1,
+                               prefill_step_size=prefill_step_size, stream=stream)
+    # Rows leaving (finished, removed, a speculative step's stops) cost one copy of the caches, not two. The
+    # generator keeps this one GenerationBatch for its life (ContinuousBatch._prompts_alone sets it back).
+    rows = generator._generation_batch
+    rows.filter = MethodType(filter_rows, rows)
+    return generator
 
 
 def batchable(model: Any) -> bool:

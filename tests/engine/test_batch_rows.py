@@ -1,5 +1,5 @@
-"""Rows that join the batch in one step are merged in with one copy of its caches: what each row then reads is
-what mlx-lm's ``extend``, one batch at a time, leaves."""
+"""Rows that join the batch in one step are merged in with one copy of its caches, and rows that leave cost one
+copy: what each row then reads is what mlx-lm's ``extend``, one batch at a time, and ``filter`` leave."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
 
 from mlxcel.engine.batch import ContinuousBatch
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models import batch_join
+from mlxcel.models import batch_rows
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
 
@@ -77,7 +77,7 @@ def test_rows_joined_at_once_hold_what_one_join_at_a_time_leaves(model: Any, sha
     for layers in zip(*again, strict=True):  # mlx-lm's own extend, one part at a time: the reference
         for layer in layers[1:]:
             layers[0].extend(layer)
-    joined = [batch_join.join_layers(layers) for layers in zip(*parts, strict=True)]
+    joined = [batch_rows.join_layers(layers) for layers in zip(*parts, strict=True)]
     assert _rows(joined) == _rows(again[0])
     assert [int(layer._idx) for layer in joined if isinstance(layer, BatchKVCache)] == \
         [int(layer._idx) for layer in again[0] if isinstance(layer, BatchKVCache)]
@@ -108,13 +108,13 @@ def _served(model: Any) -> list[list[tuple[int, bytes]]]:
 def test_a_batch_that_prompts_join_together_writes_what_it_wrote_joined_one_at_a_time(
         model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     joins: list[int] = []
-    join_rows = batch_join.join_rows
+    join_rows = batch_rows.join_rows
 
     def counted(batch: Any, joined: list[Any]) -> None:
         joins.append(len(joined))
         join_rows(batch, joined)
 
-    monkeypatch.setattr(batch_join, "join_rows", counted)
+    monkeypatch.setattr(batch_rows, "join_rows", counted)
     together = _served(model)
     assert max(joins) >= 2  # several rows did join in one step
 
@@ -122,6 +122,64 @@ def test_a_batch_that_prompts_join_together_writes_what_it_wrote_joined_one_at_a
         for part in joined:
             batch.extend(part)
 
-    monkeypatch.setattr(batch_join, "join_rows", one_at_a_time)
+    monkeypatch.setattr(batch_rows, "join_rows", one_at_a_time)
     assert together == _served(model)
     assert all(len(tokens) == 8 for tokens in together)
+
+
+@pytest.mark.parametrize("keep", [[1, 2, 3], [0, 2], [3], [2, 0, 1]], ids=["first-left", "two-left", "one-kept",
+                                                                         "reordered"])
+def test_rows_left_hold_what_mlx_lms_filter_leaves(model: Any, keep: list[int]) -> None:
+    # Row 0 is the longest prompt (no padding): once it leaves, every kept row shares some padding, which both
+    # cut (mlx-lm's after its gather, ours before it).
+    prompts = [PROMPTS[2], PROMPTS[0], PROMPTS[4], PROMPTS[1]]
+    ours, theirs = _part(model, prompts, decoded=2), _part(model, prompts, decoded=2)
+    for layer in ours:
+        batch_rows.filter_layer(layer, keep)
+    for layer in theirs:
+        layer.filter(keep)
+    assert _rows(ours) == _rows(theirs)
+    assert [(layer._idx, layer.keys.shape) for layer in ours if isinstance(layer, BatchKVCache)] == \
+        [(layer._idx, layer.keys.shape) for layer in theirs if isinstance(layer, BatchKVCache)]
+    step = mx.array([[11]] * len(keep))
+    for _ in range(2):  # the next steps write into the caches and read them alike
+        assert np.array(model(step, cache=ours)).tobytes() == np.array(model(step, cache=theirs)).tobytes()
+
+
+def _leaving(model: Any) -> list[list[tuple[int, bytes]]]:
+    """Five rows of their own lengths that leave one or two at a time (their own max_tokens), then two more
+    prompts: each row's tokens and log-probabilities' bytes."""
+    batch: ContinuousBatch[int] = ContinuousBatch(model, frozenset(), 8, 512, mx.default_stream(mx.default_device()))
+    lengths = [3, 9, 5, 12, 3, 7, 6]
+    out: list[list[tuple[int, bytes]]] = [[] for _ in lengths]
+    for i in range(5):
+        batch.insert(i, PROMPTS[i], None, [], lengths[i], None, [])
+    for step in range(40):
+        if step == 6:
+            for i in range(5, 7):
+                batch.insert(i, PROMPTS[i], None, [], lengths[i], None, [])
+        for i, response in batch.step().tokens:
+            out[i].append((response.token, np.array(response.logprobs).tobytes()))
+    batch.close()
+    assert [len(tokens) for tokens in out] == lengths
+    return out
+
+
+def test_a_batch_whose_rows_leave_writes_what_it_wrote_with_mlx_lms_filter(
+        model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    filtered: list[list[int]] = []
+    filter_rows = batch_rows.filter_rows
+
+    def counted(batch: Any, keep: list[int]) -> None:
+        filtered.append(list(keep))
+        filter_rows(batch, keep)
+
+    monkeypatch.setattr(batch_rows, "filter_rows", counted)
+    ours = _leaving(model)
+    assert len(filtered) >= 3  # rows did leave, at several steps
+
+    def theirs(batch: Any, keep: list[int]) -> None:  # what the batch did before: mlx-lm's own filter
+        type(batch).filter(batch, keep)
+
+    monkeypatch.setattr(batch_rows, "filter_rows", theirs)
+    assert ours == _leaving(model)

@@ -1,17 +1,26 @@
-"""Rows joining a batch: every new row's caches merged in with one copy of the batch, not one copy per row.
+"""Rows joining and leaving a batch: each costs one copy of the batch's caches, not several.
 
-mlx-lm's ``GenerationBatch.extend`` takes one batch at a time, and each call
-concatenates every layer's arrays afresh: the batch's whole cache is copied for
-each row that joins. The continuous batch prefills each prompt alone (a row's
-bytes are its own), so the rows that finish their prompts in one step joined one
-by one, and at 16 rows over 2k tokens of context each join copied about 0.6 s of
-caches on the 2-core CPU (docs/benchmarks.md, 2026-12-06, eleventh).
-:func:`join_rows` merges them all at once: each layer's arrays are concatenated
-once over the batch and every new row, the same bytes where any row reads
-(each row right-justified at the batch's shared index, the rest masked as its
-left padding, as mlx-lm's ``extend`` leaves them). A cache kind that is not
-mlx-lm's plain ``BatchKVCache`` or ``ArraysCache`` is extended by its own
-``extend``, one batch at a time. Worker thread only.
+mlx-lm's ``GenerationBatch`` copies a layer's arrays whenever its rows change, and
+at 16 rows over 2k tokens of context on the 2-core CPU a copy of the batch's
+caches costs a quarter of a second or more (docs/benchmarks.md, 2026-12-06,
+eleventh). Two of its copies are avoidable:
+
+- ``extend`` takes one batch at a time and concatenates every layer afresh. The
+  continuous batch prefills each prompt alone (a row's bytes are its own), so
+  the rows that finished their prompts in one step joined one by one, a copy of
+  the whole batch each. :func:`join_rows` merges them all at once: each layer's
+  arrays are concatenated once over the batch and every new row.
+- ``filter`` gathers the kept rows of ``BatchKVCache``'s whole buffer, then
+  slices off the left padding every kept row shares: a view, which the next
+  step's write into the cache copies whole once more. :func:`filter_rows`
+  copies the kept rows' positions past that padding: one copy, a buffer the
+  next write fills in place.
+
+Either way every row holds the same bytes where any step reads (each row
+right-justified at the batch's shared index, the rest masked as its left
+padding), as mlx-lm leaves them. A cache kind that is not mlx-lm's plain
+``BatchKVCache`` or ``ArraysCache`` keeps its own ``extend`` and ``filter``.
+Worker thread only.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 
@@ -100,3 +110,47 @@ def _join_arrays(layers: Sequence[Any]) -> None:
     first.cache = [joined([layer.cache[e] for layer in layers]) for e in range(len(first.cache))]
     first.left_padding = joined([layer.left_padding for layer in layers])
     first.lengths = joined([layer.lengths for layer in layers])
+
+
+def filter_rows(batch: Any, keep: list[int]) -> None:
+    """``GenerationBatch.filter(keep)`` of mlx-lm's *batch*, each layer by :func:`filter_layer`."""
+    cache, batch.prompt_cache = batch.prompt_cache, []
+    try:
+        GenerationBatch.filter(batch, keep)  # its rows' lists and tokens: no cache to filter
+    finally:
+        batch.prompt_cache = cache
+    if not keep:
+        cache.clear()
+        return
+    for layer in cache:
+        filter_layer(layer, keep)
+
+
+def filter_layer(layer: Any, keep: list[int]) -> None:
+    """``layer.filter(keep)``; for a plain ``BatchKVCache``, the kept rows' positions past the padding they all
+    share copied once into a buffer the next write fills in place (mlx-lm gathers the whole buffer, then leaves
+    a view past that padding, which the next write copies whole again; a gather from such a view is slower
+    than copying runs of rows)."""
+    if type(layer) is not BatchKVCache:
+        layer.filter(keep)
+        return
+    rows = mx.array(keep)
+    padding = layer.left_padding[rows]
+    shared = min(padding.tolist())
+    if layer.keys is not None:
+        layer.keys = mx.concatenate([layer.keys[a:b, :, shared:] for a, b in _runs(keep)])
+        layer.values = mx.concatenate([layer.values[a:b, :, shared:] for a, b in _runs(keep)])
+    layer.offset = layer.offset[rows]
+    layer.left_padding = padding - shared
+    layer._idx -= shared
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """*rows* as (start, stop) ranges of consecutive rows, in order."""
+    runs: list[tuple[int, int]] = []
+    for row in rows:
+        if runs and runs[-1][1] == row:
+            runs[-1] = (runs[-1][0], row + 1)
+        else:
+            runs.append((row, row + 1))
+    return runs
