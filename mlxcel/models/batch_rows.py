@@ -26,7 +26,7 @@ Worker thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.generate import GenerationBatch
@@ -136,7 +136,7 @@ def filter_layer(layer: Any, keep: list[int]) -> None:
         return
     rows = mx.array(keep)
     padding = layer.left_padding[rows]
-    shared = min(padding.tolist())
+    shared = min(cast(list[int], padding.tolist()))
     if layer.keys is not None:
         layer.keys = mx.concatenate([layer.keys[a:b, :, shared:] for a, b in _runs(keep)])
         layer.values = mx.concatenate([layer.values[a:b, :, shared:] for a, b in _runs(keep)])
