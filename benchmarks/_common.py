@@ -279,3 +279,16 @@ def median(values: list[float]) -> float:
 def percentile(values: list[float], p: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+
+
+def best_of(setup: Callable[[], Any], run: Callable[[Any], Any], repeats: int) -> float:
+    """The least seconds of *repeats* runs of *run* on a fresh ``setup()`` each, its result evaluated (mlx)."""
+    import mlx.core as mx
+
+    times = []
+    for _ in range(repeats):
+        state = setup()
+        started = time.perf_counter()
+        mx.eval(run(state))
+        times.append(time.perf_counter() - started)
+    return min(times)

@@ -17,8 +17,6 @@ Prints the best of *repeats* seconds of each and the ratio.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 from typing import Any
 
 from mlxcel.blas import load_fast_blas
@@ -28,19 +26,10 @@ print(f"BLAS: {load_fast_blas()}")
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
+from benchmarks._common import best_of  # noqa: E402
 from mlxcel.models.batch_rollback import rollback_kv_rows  # noqa: E402
 
 ATTENTION_LAYERS, MIXER_LAYERS, WIDTH = 3, 9, 4
-
-
-def best(setup: Callable[[], Any], run: Callable[[Any], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        state = setup()
-        started = time.perf_counter()
-        mx.eval(run(state))
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def main() -> None:
@@ -90,7 +79,7 @@ def main() -> None:
     print(f"{rows} rows, {args.keys} keys, {args.moving} rejecting one more draft than the others")
     for name, setup, theirs, mine in (("attention (3 layers)", layers, mlx_lms, ours),
                                       ("gated-delta (9 layers)", states, stacked, by_row)):
-        a, b = best(setup, theirs, args.repeats), best(setup, mine, args.repeats)
+        a, b = best_of(setup, theirs, args.repeats), best_of(setup, mine, args.repeats)
         print(f"{name:>24}: mlx-lm's way {a:.4f} s, ours {b:.4f} s, ratio {a / b:.1f}x")
 
 

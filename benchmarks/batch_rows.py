@@ -24,7 +24,6 @@ Prints the best of *repeats* seconds of each and the ratio.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,6 +34,7 @@ print(f"BLAS: {load_fast_blas()}")
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
 
+from benchmarks._common import best_of  # noqa: E402
 from mlxcel.models.batch_rows import filter_layer, join_layers  # noqa: E402
 
 ATTENTION_LAYERS, MIXER_LAYERS = 3, 9
@@ -44,16 +44,6 @@ def arrays(layer: Any) -> list[mx.array]:
     if isinstance(layer, BatchKVCache):
         return [layer.keys, layer.values, layer.offset, layer.left_padding]
     return [array for array in layer.cache if array is not None]
-
-
-def best(setup: Callable[[], Any], run: Callable[[Any], Any], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        state = setup()
-        started = time.perf_counter()
-        mx.eval(run(state))
-        times.append(time.perf_counter() - started)
-    return min(times)
 
 
 def main() -> None:
@@ -93,7 +83,7 @@ def main() -> None:
         return [arrays(join_layers(parts)) for parts in layers]
 
     print(f"{args.rows} rows over {args.keys} keys, {args.joining} prompts joining")
-    a, b = best(parts, one_at_a_time, args.repeats), best(parts, at_once, args.repeats)
+    a, b = best_of(parts, one_at_a_time, args.repeats), best_of(parts, at_once, args.repeats)
     print(f"one at a time {a:.4f} s, at once {b:.4f} s, ratio {a / b:.1f}x")
 
     keep = list(range(args.leaving, 16))
@@ -115,8 +105,8 @@ def main() -> None:
         return run
 
     print(f"16 rows over {args.keys} keys, {args.leaving} leaving, then a step's write")
-    a = best(batch, left(lambda layer: layer.filter(keep)), args.repeats)
-    b = best(batch, left(lambda layer: filter_layer(layer, keep)), args.repeats)
+    a = best_of(batch, left(lambda layer: layer.filter(keep)), args.repeats)
+    b = best_of(batch, left(lambda layer: filter_layer(layer, keep)), args.repeats)
     print(f"mlx-lm's filter {a:.4f} s, ours {b:.4f} s, ratio {a / b:.1f}x")
 
 

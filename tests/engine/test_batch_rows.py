@@ -87,6 +87,20 @@ def test_rows_joined_at_once_hold_what_one_join_at_a_time_leaves(model: Any, sha
     assert np.array(model(step, cache=joined)).tobytes() == np.array(model(step, cache=again[0])).tobytes()
 
 
+def _calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[Any]:
+    """The second argument of each call of ``batch_rows.<name>`` from now on (the function still does its
+    work)."""
+    calls: list[Any] = []
+    real = getattr(batch_rows, name)
+
+    def counted(batch: Any, argument: Any) -> None:
+        calls.append(list(argument))
+        real(batch, argument)
+
+    monkeypatch.setattr(batch_rows, name, counted)
+    return calls
+
+
 def _served(model: Any) -> list[list[tuple[int, bytes]]]:
     """Two rows decoding, then six prompts arriving at once (a prompt takes two passes, a chunk and its first
     step, and a step as many passes as prompts wait: three join in one step): each row's tokens and
@@ -107,16 +121,9 @@ def _served(model: Any) -> list[list[tuple[int, bytes]]]:
 
 def test_a_batch_that_prompts_join_together_writes_what_it_wrote_joined_one_at_a_time(
         model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    joins: list[int] = []
-    join_rows = batch_rows.join_rows
-
-    def counted(batch: Any, joined: list[Any]) -> None:
-        joins.append(len(joined))
-        join_rows(batch, joined)
-
-    monkeypatch.setattr(batch_rows, "join_rows", counted)
+    joins = _calls(monkeypatch, "join_rows")
     together = _served(model)
-    assert max(joins) >= 2  # several rows did join in one step
+    assert max(len(joined) for joined in joins) >= 2  # several rows did join in one step
 
     def one_at_a_time(batch: Any, joined: list[Any]) -> None:  # what the batch did before: mlx-lm's extend
         for part in joined:
@@ -167,14 +174,7 @@ def _leaving(model: Any) -> list[list[tuple[int, bytes]]]:
 
 def test_a_batch_whose_rows_leave_writes_what_it_wrote_with_mlx_lms_filter(
         model: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    filtered: list[list[int]] = []
-    filter_rows = batch_rows.filter_rows
-
-    def counted(batch: Any, keep: list[int]) -> None:
-        filtered.append(list(keep))
-        filter_rows(batch, keep)
-
-    monkeypatch.setattr(batch_rows, "filter_rows", counted)
+    filtered = _calls(monkeypatch, "filter_rows")
     ours = _leaving(model)
     assert len(filtered) >= 3  # rows did leave, at several steps
 
