@@ -158,6 +158,9 @@ def main() -> None:
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
+    if args.distinct and not args.depth:
+        parser.error("--distinct takes --depth (the context the streams share; without one every stream's prompt is "
+                     "its own line already)")
     if args.against_mlx_lm and args.depth and args.distinct:
         parser.error("--against-mlx-lm does not take --depth with --distinct (mlx_lm.server reads prompts as text, "
                      "and would prefill the shared context once a stream)")

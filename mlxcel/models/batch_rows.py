@@ -138,8 +138,9 @@ def filter_layer(layer: Any, keep: list[int]) -> None:
     padding = layer.left_padding[rows]
     shared = min(cast(list[int], padding.tolist()))
     if layer.keys is not None:
-        layer.keys = mx.concatenate([layer.keys[a:b, :, shared:] for a, b in _runs(keep)])
-        layer.values = mx.concatenate([layer.values[a:b, :, shared:] for a, b in _runs(keep)])
+        runs = _runs(keep)
+        layer.keys = mx.concatenate([layer.keys[a:b, :, shared:] for a, b in runs])
+        layer.values = mx.concatenate([layer.values[a:b, :, shared:] for a, b in runs])
     layer.offset = layer.offset[rows]
     layer.left_padding = padding - shared
     layer._idx -= shared

@@ -9,11 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 from mlxcel.engine.batch import ContinuousBatch
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.models import batch_rows
+from tests.engine.test_batch_rollback import _batch, _row_caches
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
 
@@ -31,13 +32,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def _part(model: Any, prompts: list[list[int]], decoded: int = 0) -> list[Any]:
     """A batch's cache of *prompts* (each prefilled alone, merged as mlx-lm merges them), then *decoded* steps
     of one token a row: its rows at their own lengths, left-padded."""
-    caches = []
-    for prompt in prompts:
-        cache = make_prompt_cache(model)
-        model(mx.array([prompt]), cache=cache)
-        caches.append(cache)
-    merged = [BatchKVCache.merge(list(layers)) if hasattr(layers[0], "offset") else type(layers[0]).merge(list(layers))
-              for layers in zip(*caches, strict=True)]
+    merged = _batch(_row_caches(model, prompts))
     for step in range(decoded):
         model(mx.array([[7 + step]] * len(prompts)), cache=merged)
     mx.eval([layer.state for layer in merged])
