@@ -17,7 +17,7 @@ and the steps the ``on`` server took at each K (its ``/metrics``). The regret
 of the rule is ``on`` against the better of ``off`` and ``always``. With
 ``--against-mlx-lm``, ``mlx_lm.server`` on the same checkpoint and BLAS is a
 fourth column. ``--before TREE``: ``on`` as another source tree serves it (a ``git worktree`` of an earlier
-commit, with its own cache directory, so neither reads the other's measured costs), and ``on/before``;
+commit), and ``on/before``;
 ``--before-sides``: which sides that tree serves (``on``, the default: ``before``; ``off``: ``off_before``, and
 ``off/before``, a change to the classic batch);
 ``--before-env``: settings only that server gets (``--before . --before-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
@@ -40,7 +40,9 @@ one prompt's caches per stream: at 2k and 16 streams, 4.2-5.0 GB each with the d
 eighth of memory), and six of them did not fit in 23 GB (``--prompt-cache-bytes``; ``--processes 1``). Before
 anything is timed, ``on`` serves lone requests until its B=1 policy has settled (a server's first few lone
 requests, once per machine). The machine's free memory is compacted before the servers start, where this process
-may (``compact_memory``).
+may (``compact_memory``). Every server has a cache directory of its own, as servers on separate machines would:
+its own persisted costs, and its own prefix-cache disk tier (one process owns a directory's tier, so on a shared
+one only the first server up wrote its evictions to disk, in its worker's turn until 2026-12-06).
 """
 
 from __future__ import annotations
@@ -190,19 +192,21 @@ def main() -> None:
     print(f"memory: {compact_memory()}")
     with ExitStack() as stack:
         def servers(*flags: str, env: dict[str, str] = env, tree: Path | None = None) -> list[str]:
-            return [stack.enter_context(server(model, *flags, *parallel, env=env, tree=tree))
-                    for _ in range(args.processes)]
+            """Every server a cache directory of its own: its own persisted costs, and its own disk tier (one
+            process owns a directory's tier: on a shared one only the first server up wrote its evictions)."""
+            return [stack.enter_context(server(model, *flags, *parallel, tree=tree, env={
+                **env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory())}))
+                for _ in range(args.processes)]
 
         urls = {"off": servers(), "on": servers("--mtp", "--metrics")}
         if args.always:
             urls["always"] = servers("--mtp", "--metrics", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"})
         if args.before:
-            own = {**env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory()),
-                   **dict(args.before_env)}
+            own = {**env, **dict(args.before_env)}
             if "on" in args.before_sides:
                 urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
             if "off" in args.before_sides:
-                urls["off_before"] = servers(env={**env, **dict(args.before_env)}, tree=args.before)
+                urls["off_before"] = servers(env=own, tree=args.before)
         if args.against_mlx_lm:
             urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
         client = stack.enter_context(httpx.Client(timeout=7200))

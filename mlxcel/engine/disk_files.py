@@ -3,7 +3,9 @@
 The prefix cache's disk tier (:mod:`.prompt_disk`) keeps prompts (their token
 ids in each file's header, their KV state in its arrays) across restarts: its
 directories are made ``0700`` and its files ``0600``, so that no other local
-user reads what the server was sent. Worker thread only.
+user reads what the server was sent. Worker thread only, but for
+:func:`make_private` and :func:`crc32`, which the writer's thread
+(:mod:`.disk_writes`) calls too.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import os
 import stat
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -65,7 +67,7 @@ def is_regular(path: Path) -> bool:
 
 
 def checksum(arrays: Mapping[str, Any]) -> str:
-    """CRC-32 of *arrays*' bytes, in the order of their names, as hex.
+    """CRC-32 of *arrays*' bytes, in the order of their names, as hex (MLX arrays: worker thread).
 
     For damage, not for an attacker (one who can write the file can write its
     checksum): a flipped bit, a block of zeros or of noise, arrays scaled under
@@ -75,9 +77,13 @@ def checksum(arrays: Mapping[str, Any]) -> str:
     """
     import mlx.core as mx
 
+    return crc32((name, memoryview(mx.contiguous(arrays[name]))) for name in sorted(arrays))  # type: ignore[arg-type]
+
+
+def crc32(buffers: Iterable[tuple[str, Any]]) -> str:
+    """CRC-32 of each (name, bytes) in turn, the name's bytes first, as hex (any thread: no MLX)."""
     crc = 0
-    for name in sorted(arrays):
-        array = arrays[name]
+    for name, data in buffers:
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(memoryview(mx.contiguous(array)), crc)  # type: ignore[arg-type]  # mx.array is a buffer
+        crc = zlib.crc32(data, crc)
     return f"{crc:08x}"

@@ -5,18 +5,19 @@ assistant's hidden state and token): a tree of MLX arrays, numbers, ``None``, li
 rebuild themselves with ``from_state`` (mlx-lm's, or a family's). It is written as one safetensors file,
 the tree's shape in its metadata, next to the entry's file (``<sha256 of the tokens>.drafter.safetensors``),
 with the drafter's identity (its name and quantization) and the token after the entry's tokens that it
-has read. It is optional: a file missing, damaged, or of another drafter means the prompt resumes with a
-fresh drafter, as it would without it. Worker thread only.
+has read, by the disk tier's writer thread after the entry's file (:mod:`.disk_writes`). It is optional: a
+file missing, damaged, or of another drafter means the prompt resumes with a fresh drafter, as it would
+without it. Worker thread only (what it hands the writer calls no MLX).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from .disk_files import checksum, is_regular, make_private
+from .disk_files import checksum, is_regular
+from .disk_writes import Tensors, ready
 
 FORMAT = "2"
 """2: the arrays' checksum in the metadata, checked on read."""
@@ -56,22 +57,13 @@ def _decode(node: Any, arrays: dict[str, Any], classes: dict[str, Any]) -> Any:
     return classes[node["cache"]].from_state(_decode(node["state"], arrays, classes))
 
 
-def save(path: Path, drafter: str, token: int, state: Any) -> None:
-    """Write *state* (a drafter's ``snapshot()``, which has read *token* after the entry's tokens) to *path*,
-    through a temporary file; raises what the encoding or the write raises."""
-    import mlx.core as mx
-
+def prepare(drafter: str, token: int, state: Any) -> Tensors:
+    """*state* (a drafter's ``snapshot()``, which has read *token* after the entry's tokens) made ready to be
+    written by the disk tier's writer (:func:`.disk_writes.write`); raises what the encoding raises."""
     arrays: dict[str, Any] = {}
     shape = _encode(state, arrays)
-    temporary = path.with_name(f".{path.name.removesuffix('.safetensors')}.tmp.safetensors")
-    try:
-        mx.save_safetensors(str(temporary), arrays, {"mlxcel_drafter_format": FORMAT, "mlxcel_drafter": drafter,
-                                                     "mlxcel_token": str(token), "mlxcel_shape": json.dumps(shape),
-                                                     "mlxcel_checksum": checksum(arrays)})
-        make_private(temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    return ready(arrays, {"mlxcel_drafter_format": FORMAT, "mlxcel_drafter": drafter, "mlxcel_token": str(token),
+                          "mlxcel_shape": json.dumps(shape)}, checksum_key="mlxcel_checksum")
 
 
 def load(path: Path, drafter: str, classes: dict[str, Any]) -> tuple[int, Any] | None:

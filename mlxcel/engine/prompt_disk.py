@@ -2,9 +2,12 @@
 
 One file per entry, ``<sha256 of its tokens>.safetensors`` under a directory of
 its own per model (the model's identity: its config and its weight files'
-names, sizes and times), written by mlx-lm's ``save_prompt_cache`` with the
-tokens it holds in its metadata, to a temporary name first and then renamed
-(atomic, as the policy hints are). At start the files' headers are read (not
+names, sizes and times), laid out as mlx-lm's ``save_prompt_cache`` lays it
+out with the tokens it holds in its metadata, and written by a thread of its
+own (:mod:`.disk_writes`: an eviction holds the batch for the hand-over, not
+the write), to a temporary name first and then renamed (atomic, as the policy
+hints are). An entry is listed once it is handed over; a prompt it serves
+waits for its write. At start the files' headers are read (not
 their arrays) to know what is there. The tier is bounded by
 ``--prompt-cache-disk-bytes``: the least recently used files go first.
 
@@ -18,19 +21,21 @@ with a warning. The tier keeps prompts: its directories are ``0700``, its files
 ``0600`` (:mod:`.disk_files`). One process owns a model's directory at a time
 (an advisory lock): a second server on the same cache root runs without the
 disk tier, and says so, rather than delete the first one's entries to fit its
-own bound. Worker thread only.
+own bound. Worker thread only (the writer's thread runs only what it is handed).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
 import os
 import struct
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +44,8 @@ import numpy as np
 
 from ..models.loader import CheckpointInfo
 from . import drafter_disk
-from .disk_files import checksum, make_private, open_regular, private_directory
+from .disk_files import checksum, open_regular, private_directory
+from .disk_writes import Writer, cache_tensors, write
 from .messages import WorkerSettings
 from .prefix_cache import PrefixCache, rewindable, usable
 
@@ -47,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "2"
 """2: the arrays' checksum in the header (files of format 1 are not read, and are left alone)."""
+MAX_PENDING_BYTES = 256 << 20
+"""Bytes of evicted entries held in memory at most while they wait for the writer (past it a save waits)."""
 MAX_HEADER = 64 << 20
 """Bytes of a safetensors header read at most (a file claiming more is not one of ours)."""
 
@@ -95,6 +103,11 @@ class _Record:
     size: int
     used: float
     checksum: str
+    """The arrays' checksum in the file's header ("" while the write is pending: the file has it)."""
+    pending: Future[str | None] | None = None
+    """The write, while the writer has not finished it."""
+    tensors: Any = None
+    """What the write reads (the entry's and the drafter's :class:`.disk_writes.Tensors`), held until it is done."""
 
 
 class DiskTier:
@@ -109,6 +122,7 @@ class DiskTier:
         self._classes: dict[str, Any] = classes
         self._layers = [type(layer) for layer in layers]
         self._records: dict[str, _Record] = {}
+        self._writer = Writer(MAX_PENDING_BYTES)
         self._lock: int | None = None
         try:
             private_directory(directory.parent)
@@ -134,7 +148,10 @@ class DiskTier:
                         directory)
 
     def close(self) -> None:
-        """Let another process own the directory (the server is stopping; the files stay)."""
+        """Wait for the writes handed over, then let another process own the directory (the server is
+        stopping; the files stay)."""
+        self._writer.close()
+        self._reap()
         if self._lock is not None:
             os.close(self._lock)
             self._lock = None
@@ -188,7 +205,7 @@ class DiskTier:
             n = usable(record.tokens, record.rewinds, prompt)
             if n > length:
                 best, length = record, n
-        if best is None:
+        if best is None or not self._settle(best):
             return None
         try:
             cache = self._load(best)
@@ -245,45 +262,60 @@ class DiskTier:
 
     def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None:
         """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off; and
-        *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any."""
-        import mlx.core as mx
-        from mlx.utils import tree_flatten
-        from mlx_lm.models.cache import save_prompt_cache
+        *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any.
 
+        Here the arrays are only made ready; the writer's thread writes them (:mod:`.disk_writes`), and the
+        entry is listed at once: a prompt it serves waits for its write."""
+        self._reap()
         name = _name(tokens)
         if self.max_bytes <= 0 or name in self._records:
             return
-        path, temporary = self.directory / name, self.directory / f".{name[:-12]}.tmp.safetensors"
+        path = self.directory / name
         rewinds = rewindable(cache)
         try:
-            # The arrays save_prompt_cache writes as arrays (it turns numbers into arrays too, listed apart).
-            flat: list[tuple[str, Any]] = tree_flatten([layer.state for layer in cache])  # type: ignore[assignment]
-            sums = checksum({key: value for key, value in flat if isinstance(value, mx.array)})
-            save_prompt_cache(str(temporary), cache, {
-                "mlxcel_format": FORMAT, "mlxcel_model": self.identity,
-                "mlxcel_tokens": json.dumps(tokens.tolist(), separators=(",", ":")),
-                "mlxcel_rewinds": "1" if rewinds else "0", "mlxcel_checksum": sums})
-            make_private(temporary)
-            os.replace(temporary, path)
-        except Exception as exc:  # a full disk, a directory gone, state mlx-lm cannot serialise
+            entry = cache_tensors(cache, {"mlxcel_format": FORMAT, "mlxcel_model": self.identity,
+                                           "mlxcel_tokens": json.dumps(tokens.tolist(), separators=(",", ":")),
+                                           "mlxcel_rewinds": "1" if rewinds else "0"})
+        except Exception as exc:  # state mlx-lm could not serialise either
             logger.warning("prompt cache: could not write %s: %s: %s", path, type(exc).__name__, exc)
-            temporary.unlink(missing_ok=True)
             return
+        beside = None
         if drafter is not None and self.drafter is not None:
             try:
-                drafter_disk.save(_drafter_path(path), self.drafter, *drafter)
+                beside = drafter_disk.prepare(self.drafter, *drafter)
             except Exception as exc:  # only the drafter's head start is lost
-                logger.warning("prompt cache: could not write the drafter's state beside %s: %s: %s", path.name,
+                logger.warning("prompt cache: could not write the drafter's state beside %s: %s: %s", name,
                                type(exc).__name__, exc)
-        self._records[name] = _Record(path, tokens, rewinds, path.stat().st_size + _size(_drafter_path(path)),
-                                      time.time(), sums)
+        nbytes = entry.nbytes + (beside.nbytes if beside is not None else 0)
+        pending = self._writer.submit(functools.partial(_write, path, [entry, beside]), nbytes)
+        self._records[name] = _Record(path, tokens, rewinds, nbytes, time.time(), "", pending, (entry, beside))
         self._prune()
+
+    def _reap(self) -> None:
+        """Take in the writes done: a written entry's checksum and size, a failed one's record dropped."""
+        for record in [r for r in self._records.values() if r.pending is not None and r.pending.done()]:
+            self._settle(record)
+
+    def _settle(self, record: _Record) -> bool:
+        """Wait for *record*'s write if it is pending; whether the entry is on disk."""
+        if record.pending is None:
+            return True
+        summed = record.pending.result()
+        record.pending = record.tensors = None  # the arrays are freed here, on the worker's thread
+        if summed is None:
+            self._records.pop(record.path.name, None)
+            return False
+        record.checksum = summed
+        with contextlib.suppress(OSError):
+            record.size = record.path.stat().st_size + _size(_drafter_path(record.path))
+        return True
 
     def _prune(self) -> None:
         """Remove the least recently used files until the tier is within its bound."""
         while self._records and self.bytes > self.max_bytes:
             oldest = min(self._records.values(), key=lambda r: r.used)
-            del self._records[oldest.path.name]
+            self._settle(oldest)
+            self._records.pop(oldest.path.name, None)
             try:
                 oldest.path.unlink(missing_ok=True)
                 _drafter_path(oldest.path).unlink(missing_ok=True)
@@ -313,3 +345,24 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return 0
+
+
+def _write(path: Path, held: list[Any]) -> str | None:
+    """The writer's job: the entry's file, then the drafter's beside it (no MLX here); the entry's checksum,
+    or None when it could not be written. *held*: [the entry's tensors, the drafter's or None], emptied
+    before anything else, and nothing raised: once the job is done the writer's thread holds no reference to
+    the arrays, so that the worker's thread frees them."""
+    entry, drafter = held
+    held.clear()
+    try:
+        summed = write(entry, path)
+    except Exception as exc:  # a full disk, a directory gone
+        logger.warning("prompt cache: could not write %s: %s: %s", path, type(exc).__name__, exc)
+        return None
+    if drafter is not None:
+        try:
+            write(drafter, _drafter_path(path))
+        except Exception as exc:  # only the drafter's head start is lost
+            logger.warning("prompt cache: could not write the drafter's state beside %s: %s: %s", path.name,
+                           type(exc).__name__, exc)
+    return summed
