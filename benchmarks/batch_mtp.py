@@ -4,7 +4,7 @@
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
         [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...] [--before-sides on off]] [--warm] [--step-log]
         [--processes N]
-        [--distinct] [--prompt-cache-bytes SIZE]
+        [--distinct] [--prompt-cache-bytes SIZE] [--fresh]
 
 For each width N, N greedy completions sent at once to each server in turn
 (rounds alternating between them, all servers up side by side in one run):
@@ -40,9 +40,12 @@ one prompt's caches per stream: at 2k and 16 streams, 4.2-5.0 GB each with the d
 eighth of memory), and six of them did not fit in 23 GB (``--prompt-cache-bytes``; ``--processes 1``). Before
 anything is timed, ``on`` serves lone requests until its B=1 policy has settled (a server's first few lone
 requests, once per machine). The machine's free memory is compacted before the servers start, where this process
-may (``compact_memory``). Every server has a cache directory of its own, as servers on separate machines would:
-its own persisted costs, and its own prefix-cache disk tier (one process owns a directory's tier, so on a shared
-one only the first server up wrote its evictions to disk, in its worker's turn until 2026-12-06).
+may (``compact_memory``). ``--fresh``: each round's prompts end with the round's number, so that every request
+leaves entries no server has seen, as an agent's turns do (with ``--prompt-cache-bytes`` small enough, every
+finished request evicts entries to the disk tier). Every server has a cache directory of its own, as servers on
+separate machines would: its own persisted costs, and its own prefix-cache disk tier (one process owns a
+directory's tier, so on a shared one only the first server up wrote its evictions to disk, in its worker's turn
+until 2026-12-06).
 """
 
 from __future__ import annotations
@@ -51,8 +54,11 @@ import argparse
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
+from functools import partial
+from itertools import count
 from pathlib import Path
 
 from mlxcel.blas import load_fast_blas
@@ -141,6 +147,10 @@ def main() -> None:
     parser.add_argument("--distinct", action="store_true",
                         help="with --depth: each stream its own line after the shared context (rows of their own "
                              "texts), not one prompt for all")
+    parser.add_argument("--fresh", action="store_true",
+                        help="each round's prompts end with the round's number: entries no server has seen, as "
+                             "an agent's turns are, so that with the prefix cache's memory full every finished "
+                             "request evicts entries to the disk tier")
     parser.add_argument("--always", action="store_true", help="also MTP pinned on (for the rule's regret)")
     parser.add_argument("--warm", action="store_true", help="each width's first round untimed, on every server")
     parser.add_argument("--against-mlx-lm", action="store_true")
@@ -168,6 +178,7 @@ def main() -> None:
                      "and would prefill the shared context once a stream)")
     prompts: list[Prompt] = list(PROMPTS)
     shared: list[Prompt] = []  # what each server prefills once, while warming up
+    ids: Callable[[str], list[int]] = lambda text: []  # noqa: E731  # text as token ids, where prompts are ids
     if args.depth:
         import random
 
@@ -178,9 +189,10 @@ def main() -> None:
         if not args.distinct:  # one prompt for every stream
             prompts = shared = [filler + "\n" + PROMPTS[0]]
         else:  # ids, so that each stream's prompt starts with exactly the context's tokens
-            context = tokenizer.encode(filler, add_special_tokens=False)
+            ids = partial(tokenizer.encode, add_special_tokens=False)
+            context = ids(filler)
             shared = [context]
-            prompts = [context + tokenizer.encode("\n" + line, add_special_tokens=False) for line in PROMPTS]
+            prompts = [context + ids("\n" + line) for line in PROMPTS]
     widest = max(args.streams)
     parallel = ("--parallel", str(widest), *(("--log-level", "debug") if args.step_log else ()),
                 *(("--prompt-cache-bytes", args.prompt_cache_bytes) if args.prompt_cache_bytes else ()))
@@ -230,14 +242,25 @@ def main() -> None:
               + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
               + (f" {'on/bef':>7}" if "before" in urls else "") + (f" {'off/bef':>7}" if "off_before" in urls else "")
               + "  steps by K (on)")
-        for streams in args.streams:
+        rounds = count()
+
+        def round_of(streams: int) -> list[Prompt]:
+            """The prompts of a round of *streams*; with ``--fresh``, each ends with the round's number."""
             batch = [prompts[i % len(prompts)] for i in range(streams)]
+            if not args.fresh:
+                return batch
+            tag = f"  # round {next(rounds)}"
+            return [p + tag if isinstance(p, str) else p + ids(tag) for p in batch]
+
+        for streams in args.streams:
+            batch = round_of(streams)
             for side, url in each(urls) if args.warm else ():
                 aggregate(client, url, batch, args.tokens, named(side))
             before = steps_by_k(client, urls["on"])
             rates: dict[str, list[float]] = {side: [] for side in urls}
             by_process: dict[str, list[float]] = {url: [] for _, url in each(urls)}
             for turn in range(args.rounds):
+                batch = round_of(streams)
                 for side, processes in urls.items():
                     url = processes[turn % len(processes)]
                     rate = aggregate(client, url, batch, args.tokens, named(side))
