@@ -194,8 +194,45 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
             layer.row_split = split  # a plain attribute: not a parameter, never saved
         elif hasattr(layer, "row_split"):
             layer.row_split = split  # measured again: its shape needs no chunks now
+    if steps:
+        _flatten_pairs(model)
     model.row_split = split
     return split
+
+
+def _flatten_pairs(model: Any) -> None:
+    """Give *model*'s float gathered experts (mlx-lm's ``SwitchLinear``: an MoE's expert products) a
+    (token, expert) pair's bytes in every product on the MLX thread.
+
+    mlx-lm's ``SwitchGLU`` sorts the pairs by expert once they are 64 or more (a batch's step of 16 rows at
+    top 4, a verify) and multiplies each as a flat row; fewer (a lone step, a narrow batch) it multiplies
+    broadcast, a token against its experts, and there this OpenBLAS rounds otherwise for weights up to
+    1024 x 512 (not at 2048 x 512, 2048 x 768 or 2048 x 1536, the released Qwen and GLM MoE shapes:
+    docs/mtp.md). So a row's step was not its bytes alone, and a verify not its steps. Here the broadcast
+    call is made flat too: every pair is multiplied as the sorted path multiplies it. Quantized experts
+    (``gather_qmm``) round alike on both paths and are left alone."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    for _, module in model.named_modules():
+        if type(module) is SwitchLinear:
+            module.__class__ = _flat_pairs()
+
+
+@functools.cache
+def _flat_pairs() -> type:
+    """mlx-lm's ``SwitchLinear`` multiplying every (token, expert) pair as a flat row on the MLX thread."""
+    import mlx.core as mx
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    def call(self: Any, x: Any, indices: Any, sorted_indices: bool = False) -> Any:
+        if sorted_indices or not on_mlx_thread() or x.shape[-2] != 1:
+            return SwitchLinear.__call__(self, x, indices, sorted_indices=sorted_indices)
+        pairs = indices.size  # x: a token against its experts (broadcast), or a pair a row already
+        flat = mx.broadcast_to(x, (*indices.shape, 1, x.shape[-1])).reshape(pairs, 1, x.shape[-1])
+        out = SwitchLinear.__call__(self, flat, indices.reshape(pairs), sorted_indices=False)
+        return out.reshape(*indices.shape, 1, out.shape[-1])
+
+    return type("FlatPairsSwitchLinear", (SwitchLinear,), {"__call__": call})
 
 
 def _plain(layer: Any) -> bool:

@@ -148,3 +148,26 @@ def test_a_shape_padded_and_cut_gives_each_row_the_bytes_of_its_kernel(on_an_mlx
         assert mx.array_equal(layer(x), whole).item()  # cut into 4 + 4
     steps = x.reshape(8, 1, 64)[:5]  # a batch's step of 5 rows: 4 + 1 topped up to 3
     assert mx.array_equal(layer(steps).reshape(1, 5, 512), whole[:, :5]).item()
+
+
+@pytest.mark.requires_openblas  # the broadcast products' rounding is OpenBLAS's; CI requires it
+def test_an_moes_gathered_experts_give_each_row_and_position_its_lone_bytes(on_an_mlx_thread: None) -> None:
+    """mlx-lm's ``SwitchGLU`` (GLM-4.7-Flash's and the Qwen MoE targets' experts) multiplies 64 (token,
+    expert) pairs or more sorted by expert, fewer broadcast, and at this size the two round otherwise: a lone
+    step was not its row's bytes in a batch's step. Measured, the model's experts multiply every pair as the
+    sorted path does, so a row and a verify's position are their lone step's bytes at every width."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    model = nn.Sequential(SwitchGLU(256, 128, 16))
+    experts = model.layers[0]
+    x = mx.random.normal((16, 4, 256), key=mx.random.key(3))
+    chosen = mx.argpartition(-mx.random.normal((16, 4, 16), key=mx.random.key(7)), 3, axis=-1)[..., :4]
+    whole = experts(x, chosen)  # 256 pairs: sorted
+    assert not mx.array_equal(experts(x[:1, :1], chosen[:1, :1]), whole[:1, :1]).item()  # 4 pairs: broadcast
+    row_exact.measure(model, max_rows=4, max_batch=16)
+    assert mx.array_equal(experts(x, chosen), whole).item()
+    for rows, positions in ((1, 1), (3, 1), (16, 1), (2, 4)):  # steps, a verify
+        part = experts(x[:rows, :positions], chosen[:rows, :positions])
+        assert mx.array_equal(part, whole[:rows, :positions]).item(), (rows, positions)
+    alone_elsewhere = _off_the_mlx_thread(lambda v: experts(v, chosen[:1, :1]), x[:1, :1])
+    assert not mx.array_equal(alone_elsewhere, whole[:1, :1]).item()  # off the MLX thread, mlx-lm's own
