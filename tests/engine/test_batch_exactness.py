@@ -63,8 +63,8 @@ def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 def _check(model: Any, target: Any, rows: int, lengths: tuple[int, ...] = ()) -> None:
-    split = measure(model, WIDTH, max_batch=4)
-    assert split.max_batch == 4
+    split = measure(model, WIDTH, max_batch=max(4, rows))
+    assert split.max_batch >= max(4, rows)
     rng = np.random.default_rng(rows)
     base = _batch(model, rows, rng, lengths)
     block = mx.array(rng.integers(0, 200, size=(rows, WIDTH)).tolist())
@@ -84,10 +84,22 @@ def test_a_batch_verify_is_byte_for_byte_its_classic_steps(wide_model: Any, rows
     _check(wide_model, Qwen35Target(wide_model), rows)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 2, 4, 8])
 def test_a_latent_attention_batch_verify_is_byte_for_byte_its_classic_steps(glm_model: Any, rows: int) -> None:
     # GLM-4.7-Flash's verify attends a query row at a time with each row's left padding masked, as its step does.
+    # At 8 rows its 64 (token, expert) pairs a layer are sorted by expert, where the steps' 16 are broadcast.
     _check(glm_model, Glm4MoeLiteTarget(glm_model), rows)
+
+
+def test_an_moe_rows_step_is_its_lone_step_beside_many_rows(glm_model: Any) -> None:
+    """The tiny GLM's experts (32 x 64, top 2) beside 39 rows: 80 pairs, sorted by expert; alone, 2 pairs,
+    broadcast. On this OpenBLAS the two rounded otherwise before ``row_exact`` made every pair flat."""
+    measure(glm_model, 1, max_batch=40)  # steps of up to 40 rows
+    alone = glm_model(mx.array([[7]]), cache=_batch(glm_model, 1, np.random.default_rng(1), (9,)))
+    rng = np.random.default_rng(1)  # our row's prompt again, then 39 others
+    wide = _batch(glm_model, 40, rng, (9,))
+    tokens = mx.array([[7]] + [[int(t)] for t in rng.integers(3, 90, 39)])
+    assert np.array(glm_model(tokens, cache=wide)[0, -1]).tobytes() == np.array(alone[0, -1]).tobytes()
 
 
 @pytest.mark.parametrize("rows", [1, 2, 4])

@@ -7,7 +7,7 @@ Three causes, all mended on the MLX thread: attention over padded keys (``models
 keys in blocks counted from the newest), products whose kernel this BLAS picks by row count
 (``models/row_exact.py`` multiplies those in chunks that give each row its one-row bytes), and an MoE's experts,
 which mlx-lm multiplies broadcast under 64 (token, expert) pairs and sorted from 64 (``row_exact`` multiplies
-every pair as the sorted path does).
+every pair as the sorted path does; an MoE row beside 39 others: ``test_batch_exactness.py``).
 """
 
 from __future__ import annotations
@@ -70,37 +70,3 @@ def test_off_the_mlx_thread_the_same_steps_part(model: Any) -> None:
     alone, batched = _steps(model)
     assert batched[0] == alone  # alone in a batch of one, no padding: the same computation
     assert any(step != alone for step in batched[1:])
-
-
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """A tiny GLM-4.7-Flash: top 2 of 8 float experts of 32 x 64, whose broadcast and sorted products part."""
-    from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
-
-    model, _ = load(str(build_glm_checkpoint(tmp_path_factory.mktemp("invariance") / "glm")))
-    assert measure_steps(model, 40) is not None
-    return model
-
-
-def _wide_step(model: Any) -> tuple[bytes, bytes]:
-    """Our row's next-token logits alone, and beside 39 other rows (80 (token, expert) pairs: mlx-lm sorts
-    them by expert), as bytes."""
-    rng = np.random.default_rng(1)
-    ours = rng.integers(3, 90, 9).tolist()
-    alone = model(mx.array([[7]]), cache=_prefilled(model, ours))
-    caches = [_prefilled(model, ours)] + [_prefilled(model, rng.integers(3, 90, 9).tolist()) for _ in range(39)]
-    batch = [type(layers[0]).merge(list(layers)) for layers in zip(*caches, strict=True)]
-    tokens = mx.array([[7]] + [[int(t)] for t in rng.integers(3, 90, 39)])
-    return np.array(alone[0, -1]).tobytes(), np.array(model(tokens, cache=batch)[0, -1]).tobytes()
-
-
-def test_an_moe_rows_step_is_its_lone_step_beside_many_rows(moe: Any) -> None:
-    with mlx_thread():
-        alone, batched = _wide_step(moe)
-    assert batched == alone
-
-
-@pytest.mark.requires_openblas  # the products that part are OpenBLAS's; CI requires it
-def test_off_the_mlx_thread_an_moe_rows_wide_step_parts(moe: Any) -> None:
-    alone, batched = _wide_step(moe)  # mlx-lm as it ships: 2 pairs broadcast alone, 80 sorted beside the others
-    assert batched != alone
