@@ -7,10 +7,14 @@ mlx-lm's ``SwitchGLU`` multiplies 64 (token, expert) pairs or more sorted by exp
 path, a batch's step of 16 rows at top 4 or a verify the sorted one: where the two round otherwise a row's step is
 not its bytes alone, and a verify not its steps. For each expert shape (in, out: the released GLM-4.7-Flash and
 Qwen MoE shapes, and the tiny ones tests build), on this process's BLAS: whether the broadcast path gives the
-sorted path's bytes, and whether mlxcel's flat pairs (``models/row_exact.py``, on the MLX thread) do.
+sorted path's bytes, and whether mlxcel's flat pairs (``models/row_exact.py``, on the MLX thread) do. Then what
+the flat pairs cost: a ``SwitchGLU`` of GLM-4.7-Flash's expert size (16 of its 64 experts, top 4) at 1, 2 and 8
+rows, mlx-lm's products and the flat pairs taking turns, median milliseconds of 15 calls each.
 """
 
 from __future__ import annotations
+
+import time
 
 from mlxcel.blas import load_fast_blas
 
@@ -18,7 +22,7 @@ print(f"BLAS: {load_fast_blas()}")
 
 import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
-from mlx_lm.models.switch_layers import SwitchLinear  # noqa: E402
+from mlx_lm.models.switch_layers import SwitchGLU, SwitchLinear  # noqa: E402
 
 from mlxcel.models import row_exact  # noqa: E402
 from mlxcel.models.attention import mlx_thread  # noqa: E402
@@ -50,5 +54,28 @@ def main() -> None:
               f"{mx.array_equal(mended, sorted_path).item()!s:>19}")
 
 
+def cost() -> None:
+    experts = SwitchGLU(2048, 1536, 16)
+    mx.eval(experts.parameters())
+    flat = row_exact._flat_pairs()
+    with mlx_thread():
+        for rows in (1, 2, 8):
+            x = mx.random.normal((rows, 1, 2048))
+            chosen = mx.argpartition(-mx.random.normal((rows, 1, 16)), 3, axis=-1)[..., :4]
+            mx.eval(x, chosen)
+            times: dict[type, list[float]] = {SwitchLinear: [], flat: []}
+            for turn in range(30):
+                kind = (SwitchLinear, flat)[turn % 2]
+                for layer in (experts.up_proj, experts.gate_proj, experts.down_proj):
+                    layer.__class__ = kind
+                began = time.perf_counter()
+                mx.eval(experts(x, chosen))
+                times[kind].append(time.perf_counter() - began)
+            ms = {kind: sorted(t)[len(t) // 2] * 1000 for kind, t in times.items()}
+            print(f"{rows} rows: mlx-lm's products {ms[SwitchLinear]:.1f} ms, flat pairs {ms[flat]:.1f} ms "
+                  f"({ms[flat] / ms[SwitchLinear]:.2f}x)")
+
+
 if __name__ == "__main__":
     main()
+    cost()
