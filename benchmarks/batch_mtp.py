@@ -54,12 +54,11 @@ import argparse
 import re
 import tempfile
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from functools import partial
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 from mlxcel.blas import load_fast_blas
 
@@ -178,7 +177,11 @@ def main() -> None:
                      "and would prefill the shared context once a stream)")
     prompts: list[Prompt] = list(PROMPTS)
     shared: list[Prompt] = []  # what each server prefills once, while warming up
-    ids: Callable[[str], list[int]] = lambda text: []  # noqa: E731  # text as token ids, where prompts are ids
+    tokenizer: Any = None  # with --depth: the model's, which the prompts' ids come from
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
     if args.depth:
         import random
 
@@ -189,7 +192,6 @@ def main() -> None:
         if not args.distinct:  # one prompt for every stream
             prompts = shared = [filler + "\n" + PROMPTS[0]]
         else:  # ids, so that each stream's prompt starts with exactly the context's tokens
-            ids = partial(tokenizer.encode, add_special_tokens=False)
             context = ids(filler)
             shared = [context]
             prompts = [context + ids("\n" + line) for line in PROMPTS]

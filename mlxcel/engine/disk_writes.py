@@ -1,9 +1,10 @@
 """The disk tier's files, written by a thread of their own from arrays the worker made ready.
 
-An entry of the prefix cache's disk tier is tens to hundreds of MB (a 2k-token
-prompt of a 0.8B Qwen 3.5 with its MTP head: 44 MB). Written in the worker's
-turn, as mlx-lm's ``save_prompt_cache`` writes it, its checksum and its write
-held every row of the batch for 65 ms (docs/benchmarks.md). Here the worker
+An entry of the prefix cache's disk tier is tens to hundreds of MB (2k tokens
+of Qwen3.5-0.8B's layer shapes with the MTP head's state: 35 MB; 8k: 111 MB).
+Written in the worker's turn, as mlx-lm's ``save_prompt_cache`` writes it, its
+checksum and its write held every row of the batch for 70 ms (335 ms at 8k:
+docs/benchmarks.md, ``benchmarks/disk_writes.py``). Here the worker
 only makes each array contiguous and evaluated (:func:`ready`: MLX stays on its
 one thread) and hands over views of their bytes; :class:`Writer`'s thread sums
 them, lays the file out (safetensors, as ``mx.load`` reads it: the header's
