@@ -200,6 +200,7 @@ class DiskTier:
         """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
         cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
         read."""
+        self._reap()  # the writes done let go of their arrays
         best, length = None, better_than
         for record in self._records.values():
             n = usable(record.tokens, record.rewinds, prompt)
