@@ -171,3 +171,21 @@ def test_an_moes_gathered_experts_give_each_row_and_position_its_lone_bytes(on_a
         assert mx.array_equal(part, whole[:rows, :positions]).item(), (rows, positions)
     alone_elsewhere = _off_the_mlx_thread(lambda v: experts(v, chosen[:1, :1]), x[:1, :1])
     assert not mx.array_equal(alone_elsewhere, whole[:1, :1]).item()  # off the MLX thread, mlx-lm's own
+
+
+def test_an_moes_quantized_experts_round_alike_on_both_paths(on_an_mlx_thread: None) -> None:
+    """Quantized experts (``gather_qmm``) are left as mlx-lm multiplies them: broadcast (a lone step's few pairs)
+    and sorted (a batch's or a verify's 64 or more) give a pair the same bytes."""
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    model = nn.Sequential(SwitchGLU(256, 128, 16))
+    nn.quantize(model, bits=4, group_size=64)
+    experts = model.layers[0]
+    row_exact.measure(model, max_rows=4, max_batch=16)
+    x = mx.random.normal((16, 4, 256), key=mx.random.key(3))
+    chosen = mx.argpartition(-mx.random.normal((16, 4, 16), key=mx.random.key(7)), 3, axis=-1)[..., :4]
+    whole = experts(x, chosen)  # 256 pairs: sorted
+    assert type(experts.up_proj).__name__ == "QuantizedSwitchLinear"  # not swapped
+    for row, position in ((0, 0), (5, 3), (15, 1)):
+        alone = experts(x[row:row + 1, position:position + 1], chosen[row:row + 1, position:position + 1])
+        assert mx.array_equal(alone, whole[row:row + 1, position:position + 1]).item(), (row, position)
