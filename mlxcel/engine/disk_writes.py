@@ -41,12 +41,14 @@ _DTYPES = {"bool": "BOOL", "uint8": "U8", "uint16": "U16", "uint32": "U32", "uin
 
 @dataclass
 class Tensors:
-    """Arrays ready to be written without MLX: *arrays* (name -> MLX array, contiguous and evaluated),
-    *views* of their bytes, the file's *metadata*; the checksum of the arrays named in *summed* (in that
-    order) goes into the metadata under *checksum_key* when the file is written."""
+    """Arrays ready to be written without MLX: *arrays* (name -> MLX array, contiguous and evaluated, held
+    only to keep *views* of their bytes alive), each one's safetensors *header* entry (dtype and shape), the
+    file's *metadata*; the checksum of the arrays named in *summed* (in that order) goes into the metadata
+    under *checksum_key* when the file is written."""
 
     arrays: dict[str, Any]
     views: dict[str, memoryview]
+    header: dict[str, dict[str, Any]]
     metadata: dict[str, str]
     summed: tuple[str, ...]
     checksum_key: str
@@ -64,11 +66,15 @@ def ready(arrays: dict[str, Any], metadata: dict[str, str], checksum_key: str,
 
     contiguous = {name: mx.contiguous(array) for name, array in arrays.items()}
     mx.eval(list(contiguous.values()))
+    header = {}
     for name, array in contiguous.items():
-        if str(array.dtype).removeprefix("mlx.core.") not in _DTYPES:
+        dtype = _DTYPES.get(str(array.dtype).removeprefix("mlx.core."))
+        if dtype is None:
             raise TypeError(f"{name} is of {array.dtype}, which safetensors has no name for")
+        header[name] = {"dtype": dtype, "shape": list(array.shape)}
     views = {name: memoryview(array).cast("B") for name, array in contiguous.items()}  # type: ignore[arg-type]
-    return Tensors(contiguous, views, metadata, tuple(sorted(arrays if summed is None else summed)), checksum_key)
+    return Tensors(contiguous, views, header, metadata, tuple(sorted(arrays if summed is None else summed)),
+                   checksum_key)
 
 
 def cache_tensors(cache: list[Any], metadata: dict[str, str]) -> Tensors:
@@ -111,9 +117,7 @@ def write(tensors: Tensors, path: Path) -> str:
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, view in tensors.views.items():
-        array = tensors.arrays[name]
-        header[name] = {"dtype": _DTYPES[str(array.dtype).removeprefix("mlx.core.")], "shape": list(array.shape),
-                        "data_offsets": [offset, offset + view.nbytes]}
+        header[name] = {**tensors.header[name], "data_offsets": [offset, offset + view.nbytes]}
         offset += view.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the arrays start 8-byte aligned, as the format recommends
