@@ -15,7 +15,7 @@ import trio
 from mlxcel.blas import load_fast_blas
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import b1_verdict, refused, running_server, stream_interrupted
+from tests.server.conftest import b1_verdict, refused, running_server, server_on_a_thread, stream_interrupted
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n"]
 OPENBLAS = load_fast_blas().startswith("OpenBLAS")
@@ -135,8 +135,8 @@ async def test_a_second_request_interrupts_the_burst_without_changing_its_text(
             httpx.AsyncClient(timeout=120) as client:
         # Long enough that the burst is still running when the second request arrives (it is sent as the
         # first text arrives); the handoff counter below says it was.
-        body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
-        alone = await _complete(client, url, PROMPTS[0], 400)
+        body = {"prompt": PROMPTS[0], "max_tokens": 160, "temperature": 0}
+        alone = await _complete(client, url, PROMPTS[0], 160)
         interrupted, second = await stream_interrupted(client, url, body,
                                                        lambda: _complete(client, url, PROMPTS[1], 30))
         assert "mlxcel_solo_handoffs_total 1.0" in (await client.get(f"{url}/metrics")).text
@@ -430,8 +430,11 @@ def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp
            "MLXCEL_DRAFT_BLOCK_SIZE": "3"}
 
     def policy_after(blas: str, request: bool) -> dict[str, object]:
-        with serve_subprocess(["--model", str(model), "--mtp"], {**env, "MLXCEL_BLAS": blas},
-                              tmp_path / f"{blas}.log") as url, httpx.Client(timeout=60) as client:
+        # The reference BLAS in a process of its own; "auto" is this process's choice (conftest loads it).
+        argv = ["--model", str(model), "--mtp"]
+        server = (serve_subprocess(argv, {**env, "MLXCEL_BLAS": blas}, tmp_path / f"{blas}.log") if blas == "off"
+                  else server_on_a_thread(argv, env))
+        with server as url, httpx.Client(timeout=60) as client:
             if request:
                 client.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 40,
                                                            "temperature": 0}).raise_for_status()
