@@ -22,6 +22,7 @@ from .sequence import Sequence
 if TYPE_CHECKING:
     from ..models.speculative import SequenceDrafter, Split
     from .batch_speculation import BatchSpeculation
+    from .probe_memo import ProbeMemo
     from .speculation import Speculation
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ class BatchMtp:
 
     def __init__(self, model: Any, speculation: Speculation | None, layers: list[Any], pin: bool | None,
                  block_size: int, parallel: int, policy: MtpPolicy, hints: HintStore | None,
-                 pairing: PairingKey | None, vocab: int, batching: bool = True) -> None:
+                 pairing: PairingKey | None, vocab: int, batching: bool = True, memo: ProbeMemo | None = None
+                 ) -> None:
         self.policy, self.hints, self.pairing, self.batching = policy, hints, pairing, batching
         self.speculation: BatchSpeculation | None = None
         self.rule: DraftLength | None = None
@@ -58,8 +60,8 @@ class BatchMtp:
         head = cast(BatchDraftHead, speculation.drafter)  # _refusal checked that it batches
         try:
             split = _batch_split(model, speculation, block_size, parallel)
-            inexact = {} if speculation.decline is not None else _probe_widths(model, speculation, layers,
-                                                                                block_size, parallel, split, vocab)
+            inexact = {} if speculation.decline is not None else _probe_widths(
+                model, speculation, layers, block_size, parallel, split, vocab, memo)
         except Exception as exc:  # a probe that cannot run proves nothing: lone requests keep their burst
             # (seen on MLX's CUDA backend: a kernel the batch's shapes launch fails to build its CUDA graph)
             self.refusal = f"the batch's exactness probe could not run: {type(exc).__name__}: {exc}"
@@ -137,23 +139,30 @@ class BatchMtp:
 
 
 def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block_size: int, parallel: int,
-                  split: Split, vocab: int) -> dict[int, str]:
+                  split: Split, vocab: int, memo: ProbeMemo | None) -> dict[int, str]:
     """The batch widths (2 up to the batch's overflow place, ``parallel + 1``) whose verify is not byte for
     byte the batch's classic steps, each with why (logged): the classic step runs there. *vocab*: the token
-    ids the probe's prompts and blocks draw from (the rows of the model's embedding)."""
+    ids the probe's prompts and blocks draw from (the rows of the model's embedding). *memo*: what an earlier
+    start found here, taken instead of probing, and where this one's is kept."""
     import time
 
     from .exactness import probe_batch_widths
 
     started = time.perf_counter()
-    logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
-                parallel + 1)
-    inexact = probe_batch_widths(speculation.target, model, layers, block_size, range(2, parallel + 2), split,
-                                 vocab)
+    widths = range(2, parallel + 2)
+    inexact = memo.batch(widths) if memo is not None else None
+    if inexact is None:
+        logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
+                    parallel + 1)
+        inexact = probe_batch_widths(speculation.target, model, layers, block_size, widths, split, vocab)
+        if memo is not None:
+            memo.save_batch(widths, inexact)
+        done = f"checked in {time.perf_counter() - started:.1f}s"
+    else:
+        done = "as found at an earlier start on this machine, with these files and kernels"
     for width, detail in sorted(inexact.items()):
         logger.warning("MTP in the batch declines width %d: %s", width, detail)
-    logger.info("MTP batch exactness probe: widths 2..%d checked in %.1fs, %d declined", parallel + 1,
-                time.perf_counter() - started, len(inexact))
+    logger.info("MTP batch exactness probe: widths 2..%d %s, %d declined", parallel + 1, done, len(inexact))
     return inexact
 
 

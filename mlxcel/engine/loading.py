@@ -5,17 +5,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoints import load_checkpoint
 from ..families import BATCH_BROKEN
 from ..hardware import HostInfo, detect_host
 from ..models.loader import CheckpointInfo
-from ..policy import PairingKey
+from ..policy import HintStore, PairingKey
 from .batch import batchable
 from .messages import WorkerSettings
 from .scheduler import Capabilities
 from .speculation import Speculation
+
+if TYPE_CHECKING:
+    from .probe_memo import ProbeMemo
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class Loaded:
     grammar_tokenizer: Any = None
     """llguidance's tokenizer for constrained decoding (``engine.grammar``), or a sentence saying why there
     is none."""
+    probe_memo: ProbeMemo | None = None
+    """The exactness probes' outcomes kept for a restart (the batch's probe reads and extends it), or None."""
 
 
 def cache_maker(model: Any, kv_bits: int | None) -> Callable[[], list[Any]]:
@@ -65,8 +70,10 @@ def cache_maker(model: Any, kv_bits: int | None) -> Callable[[], list[Any]]:
 KV_GROUP_SIZE = 64
 
 
-def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None]) -> Loaded:
-    """Load *checkpoint* and set up what serving it needs; *check* raises to abandon (a stop).
+def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[], None],
+         hints: HintStore | None = None) -> Loaded:
+    """Load *checkpoint* and set up what serving it needs; *check* raises to abandon (a stop). *hints*: where
+    the exactness probes' outcomes are kept for a restart (:mod:`.probe_memo`), if anywhere.
 
     With ``settings.sharding`` (rank 0 of ``--distributed``), this rank's shard, wrapped so that
     every call of it is mirrored by the other ranks (:mod:`mlxcel.distributed`).
@@ -81,7 +88,7 @@ def load(settings: WorkerSettings, checkpoint: CheckpointInfo, check: Callable[[
         model, tokenizer = load_leader(checkpoint, sharding)
         release = model.stop
     try:
-        return _set_up(settings, checkpoint, model, tokenizer, release, check)
+        return _set_up(settings, checkpoint, model, tokenizer, release, check, hints)
     except BaseException:
         release()  # the other ranks wait for rank 0's calls: let them go
         raise
@@ -104,7 +111,7 @@ def _measure_products(model: Any, name: str, positions: int, widest: int) -> Non
 
 
 def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, tokenizer: Any,
-            release: Callable[[], None], check: Callable[[], None]) -> Loaded:
+            release: Callable[[], None], check: Callable[[], None], hints: HintStore | None) -> Loaded:
     import mlx.core as mx
 
     _warn_if_slow_here(model, checkpoint.name)
@@ -136,6 +143,7 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
                       settings.parallel + 1 if no_batch is None else 1)  # the batch's overflow place is a row too
     speculation = None
     pairing = None
+    memo = None
     no_burst: str | None = "no drafter configured (--mtp, --draft-model)"
     if settings.drafter is not None and not settings.batch:
         no_burst = "--no-batch"
@@ -146,11 +154,18 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         pairing = PairingKey(checkpoint.name, settings.drafter.name, host.label, settings.block_size)
         no_burst = "the model is sharded across processes (--distributed)"
     elif drafts and settings.drafter is not None:  # with --no-batch no drafter is loaded
+        from .probe_memo import ProbeMemo, fingerprint
         from .speculation import set_up
 
+        if hints is not None:
+            probed = {"kv_bits": settings.kv_bits, "draft_quantize": settings.draft_quantize,
+                      "context_length": checkpoint.context_length}
+            memo = ProbeMemo(hints, PairingKey(checkpoint.name, settings.drafter.name, host.label,
+                                               settings.block_size),
+                             fingerprint(model, checkpoint.path, settings.drafter.path, probed))
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
                              settings.policy.allow_inexact, settings.draft_quantize, check=check,
-                             new_cache=new_cache)
+                             new_cache=new_cache, memo=memo)
         pairing = speculation.pairing
         no_burst = None if speculation.split is not None else speculation.decline or "the exactness probe vetoed it"
     check()
@@ -164,7 +179,7 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     eos = frozenset(tokenizer.eos_token_ids)
     return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab), host, speculation,
                   capabilities, new_cache, pairing, sharding is not None, release,
-                  grammar_tokenizer(tokenizer, vocab, eos))
+                  grammar_tokenizer(tokenizer, vocab, eos), memo)
 
 
 def _check_quantized_cache(model: Any, new_cache: Callable[[], list[Any]], stream: Any, name: str, bits: int

@@ -133,7 +133,7 @@ class Worker:
 
         if self.instrument is not None:
             self.instrument.before_load()
-        loaded = load(self.settings, self.checkpoint, self._check_stopping)
+        loaded = load(self.settings, self.checkpoint, self._check_stopping, self.hints)
         self.model, self.tokenizer, self.stream = loaded.model, loaded.tokenizer, loaded.stream
         self.eos_tokens, self.speculation, self._release = loaded.eos_tokens, loaded.speculation, loaded.release
         self.new_cache = loaded.new_cache
@@ -146,7 +146,8 @@ class Worker:
         layers = self.new_cache()
         self.batch_mtp = BatchMtp(self.model, self.speculation, layers, self.settings.policy.pin,
                                   self.settings.block_size, capabilities.parallel, self.policy, self.hints,
-                                  loaded.pairing, loaded.embedding_rows, batching=capabilities.batching)
+                                  loaded.pairing, loaded.embedding_rows, batching=capabilities.batching,
+                                  memo=loaded.probe_memo)
         if capabilities.batching:
             self.batch = ContinuousBatch(self.model, self.eos_tokens, capabilities.parallel,
                                          self.settings.prefill_step_size, self.stream, self.batch_mtp.speculation,

@@ -37,9 +37,26 @@ HINT_DIR = "mtp-policy"
 # A hint is a few hundred bytes; anything much larger is not one of ours, and
 # is not worth reading into memory to find that out.
 _MAX_HINT_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Beside:
+    """A file kept beside a pairing's hint: its format's version, its payload's field, its size bound."""
+
+    version: int
+    field: str
+    limit: int
+    what: str
+
+
 #: The continuous batch's step costs beside the hint (``<digest>.batch.json``): its own format and version.
 BATCH_VERSION = 1
-_MAX_BATCH_BYTES = 1024 * 1024
+_BATCH = _Beside(BATCH_VERSION, "table", 1024 * 1024, "the batch's step costs")
+#: The exactness probes' outcomes, in a folder beside the hints (``exactness/<digest>.json``): what this
+#: machine's kernels gave the served files, so that a restart does not probe again.
+PROBE_VERSION = 1
+PROBE_DIR = "exactness"
+_PROBE = _Beside(PROBE_VERSION, "record", 256 * 1024, "the exactness probes' outcomes")
 
 _FIELDS = ("version", "target", "drafter", "hardware", "block_size",
            "verdict", "acceptance_rate", "samples", "estimated_speedup", "kernels", "depth_limit")
@@ -155,18 +172,44 @@ class HintStore:
     def load_batch(self, key: PairingKey) -> dict[str, Any] | None:
         """The continuous batch's measured step costs stored for *key* under these kernels, or None (missing,
         unreadable, foreign, measured under other kernels: a warning says which, once)."""
-        path = self.batch_path_for(key)
+        return self._load_beside(self.batch_path_for(key), key, _BATCH, "ignoring the batch's step costs",
+                                 "measuring them again")
+
+    def save_batch(self, key: PairingKey, table: dict[str, Any]) -> Path | None:
+        """Write the batch's measured step costs *table* for *key*, atomically as a hint."""
+        return self._save_beside(self.batch_path_for(key), key, _BATCH, table, "the batch measures its step costs "
+                                 "again after a restart", "not persisting the batch's step costs to")
+
+    def probe_path_for(self, key: PairingKey) -> Path:
+        return self.directory / PROBE_DIR / f"{key.digest()}.json"
+
+    def load_probe(self, key: PairingKey) -> dict[str, Any] | None:
+        """The exactness probes' outcomes stored for *key* under these kernels, or None (as :meth:`load_batch`).
+        Whether they hold for this machine and these files (the record's ``fingerprint``) is the engine's
+        to judge (:mod:`mlxcel.engine.probe_memo`)."""
+        return self._load_beside(self.probe_path_for(key), key, _PROBE, "ignoring the exactness probes' outcomes",
+                                 "probing again")
+
+    def save_probe(self, key: PairingKey, record: dict[str, Any]) -> Path | None:
+        """Write the exactness probes' outcomes *record* for *key*, atomically as a hint."""
+        return self._save_beside(self.probe_path_for(key), key, _PROBE, record, "the server probes again after a "
+                                 "restart", "not persisting the exactness probes' outcomes to")
+
+    def _load_beside(self, path: Path, key: PairingKey, kind: _Beside, action: str,
+                     consequence: str) -> dict[str, Any] | None:
+        """The payload of a file kept beside *key*'s hint, or None (missing, unreadable, foreign, written
+        under other kernels: warned once, with *action* and *consequence*)."""
         try:
-            raw = _read_regular(path, _MAX_BATCH_BYTES + 1)
+            raw = _read_regular(path, kind.limit + 1)
         except (FileNotFoundError, NotADirectoryError):
             return None
         except OSError as exc:
-            self._warn(path, f"cannot read it ({exc.strerror or exc})", action="ignoring the batch's step costs")
+            self._warn(path, f"cannot read it ({exc.strerror or exc})", action=action)
             return None
         problem, body = None, None
         if raw is None:
             problem = "it is not a regular file"
-        elif len(raw) > _MAX_BATCH_BYTES:
+        elif len(raw) > kind.limit:
             problem = "it is too large"
         else:
             try:
@@ -174,29 +217,27 @@ class HintStore:
             except (UnicodeDecodeError, json.JSONDecodeError):
                 problem = "it is not valid JSON (corrupt or truncated)"
         if problem is None:
-            problem = _validate_batch(body, key) or _other_kernels(
-                body["kernels"], self.kernels, "measuring them again")  # type: ignore[index]
+            problem = _validate_beside(body, key, kind) or _other_kernels(
+                body["kernels"], self.kernels, consequence)  # type: ignore[index]
         if problem:
-            self._warn(path, problem, action="ignoring the batch's step costs")
+            self._warn(path, problem, action=action)
             return None
-        table: dict[str, Any] = body["table"]  # type: ignore[index]
-        return table
+        payload: dict[str, Any] = body[kind.field]  # type: ignore[index]
+        return payload
 
-    def save_batch(self, key: PairingKey, table: dict[str, Any]) -> Path | None:
-        """Write the batch's measured step costs *table* for *key*, atomically as a hint."""
-        body = {"version": BATCH_VERSION, "target": key.target, "drafter": key.drafter, "hardware": key.hardware,
-                "block_size": key.block_size, "kernels": dict(self.kernels), "table": table}
-        data = (json.dumps(body, indent=1) + "\n").encode("utf-8")
-        return self._write(self.batch_path_for(key), data, "the batch measures its step costs again after a "
-                           "restart", "not persisting the batch's step costs to")
+    def _save_beside(self, path: Path, key: PairingKey, kind: _Beside, payload: dict[str, Any], consequence: str,
+                     action: str) -> Path | None:
+        body = {"version": kind.version, "target": key.target, "drafter": key.drafter, "hardware": key.hardware,
+                "block_size": key.block_size, "kernels": dict(self.kernels), kind.field: payload}
+        return self._write(path, (json.dumps(body, indent=1) + "\n").encode("utf-8"), consequence, action)
 
     def _write(self, path: Path, data: bytes, consequence: str, action: str) -> Path | None:
         """*data* to *path* atomically (a temporary file flushed to disk, renamed over it); the path, or None
         if the cache is unwritable (warned once)."""
         tmp: str | None = None
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{path.stem}.", suffix=".tmp")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -282,15 +323,15 @@ def _validate(body: Any, key: PairingKey) -> str | None:
     return None
 
 
-def _validate_batch(body: Any, key: PairingKey) -> str | None:
-    """Why *body* is not the batch's step costs for *key*, or None if it is (the table's own checks are the
-    rule's, :meth:`~.draft_length.DraftLength.restore`)."""
+def _validate_beside(body: Any, key: PairingKey, kind: _Beside) -> str | None:
+    """Why *body* is not a file of *kind* for *key*, or None if it is (the payload's own checks are its
+    reader's: the rule's :meth:`~.draft_length.DraftLength.restore`, the engine's probe memo)."""
     if not isinstance(body, dict):
         return "it is not a JSON object"
-    if body.get("version") != BATCH_VERSION:
-        return f"its version is {body.get('version')!r}, this server writes {BATCH_VERSION}"
-    if set(body) != {"version", "target", "drafter", "hardware", "block_size", "kernels", "table"}:
-        return "its fields are not those of the batch's step costs"
+    if body.get("version") != kind.version:
+        return f"its version is {body.get('version')!r}, this server writes {kind.version}"
+    if set(body) != {"version", "target", "drafter", "hardware", "block_size", "kernels", kind.field}:
+        return f"its fields are not those of {kind.what}"
     if (body["target"], body["drafter"], body["hardware"], body["block_size"]) != (
             key.target, key.drafter, key.hardware, key.block_size) or type(body["block_size"]) is not int:
         return "it belongs to another pairing"
@@ -298,8 +339,8 @@ def _validate_batch(body: Any, key: PairingKey) -> str | None:
     if not (isinstance(kernels, dict) and len(kernels) <= 16
             and all(isinstance(k, str) and isinstance(v, str) for k, v in kernels.items())):
         return "its kernels is not an object of library versions"
-    if not isinstance(body["table"], dict):
-        return "its table is not an object"
+    if not isinstance(body[kind.field], dict):
+        return f"its {kind.field} is not an object"
     return None
 
 

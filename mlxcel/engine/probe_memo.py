@@ -1,0 +1,175 @@
+"""The exactness probes' outcomes, kept so that a restart does not probe again.
+
+At boot the burst's probe (:func:`~.exactness.probe_exactness`) and the batch's
+(:func:`~.exactness.probe_batch_widths`) check the served pairing's verify
+against classic decode on this machine's kernels: seconds on a model of a GB,
+a minute with 16 batch widths, before the server is ready. What they found
+holds for as long as everything their bytes depend on is unchanged, so it is
+stored beside the pairing's hint (:meth:`~mlxcel.policy.HintStore.save_probe`)
+with a *fingerprint* of those things, and a later start whose fingerprint is
+the same takes the stored outcome instead of probing.
+
+The fingerprint errs on the side of probing again: the mlxcel, mlx and mlx-lm
+builds (mlxcel's by its source files, which a development checkout edits
+without a version bump), the BLAS and its threads, the CPU and the OS, the
+device, the loaded BLAS and MLX libraries' files, the target's and the
+drafter's files (names, sizes and modification times), the settings that reach
+the probed forward (``--kv-bits``, ``--draft-quantize``, the context length)
+and the products :mod:`~mlxcel.models.row_exact` measured for this model just
+before. A file that does not match is logged and replaced after the probe.
+
+Worker thread only (the fingerprint reads mlx's device).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..models.speculative import DESCRIBE
+from ..policy import HintStore, PairingKey
+from .exactness import ProbeResult
+
+logger = logging.getLogger(__name__)
+
+#: Files of the loaded shared libraries whose kernels the probes ran (Linux: ``/proc/self/maps``).
+_KERNEL_FILES = ("blas", "mkl", "lapack", "libmlx")
+
+
+class ProbeMemo:
+    """One pairing's stored probe outcomes, valid for *fingerprint*; empty where none was stored for it."""
+
+    def __init__(self, hints: HintStore, key: PairingKey, fingerprint: dict[str, str]) -> None:
+        self._hints, self._key, self._fingerprint = hints, key, fingerprint
+        self._burst: ProbeResult | None = None
+        self._batch: dict[str, Any] | None = None
+        record = hints.load_probe(key)
+        if record is None:
+            return
+        path = hints.probe_path_for(key)
+        if record.get("fingerprint") != fingerprint:
+            stored = record.get("fingerprint")
+            changed = sorted(k for k in fingerprint if not isinstance(stored, dict) or stored.get(k) != fingerprint[k])
+            logger.info("probing again: the exactness probes' outcomes in %s were found with another %s", path,
+                        ", ".join(changed) or "fingerprint")
+            return
+        problem = self._read(record)
+        if problem is not None:
+            logger.warning("ignoring the exactness probes' outcomes %s: %s; probing again", path, problem)
+            self._burst = self._batch = None
+
+    def burst(self) -> ProbeResult | None:
+        """The burst's probe outcome stored for this fingerprint, or None: probe."""
+        return self._burst
+
+    def save_burst(self, result: ProbeResult) -> None:
+        """Keep the burst's probe *result* (its batch widths are probed again: the burst's comes first)."""
+        self._burst, self._batch = result, None
+        self._save()
+
+    def batch(self, widths: range) -> dict[int, str] | None:
+        """The batch's declined widths stored for exactly *widths*, or None: probe them."""
+        if self._batch is None or self._batch["widths"] != [widths.start, widths.stop]:
+            return None
+        return {int(width): detail for width, detail in self._batch["declined"].items()}
+
+    def save_batch(self, widths: range, declined: dict[int, str]) -> None:
+        self._batch = {"widths": [widths.start, widths.stop],
+                       "declined": {str(width): detail for width, detail in sorted(declined.items())}}
+        self._save()
+
+    def _read(self, record: dict[str, Any]) -> str | None:
+        burst, batch = record.get("burst"), record.get("batch")
+        if set(record) != {"fingerprint", "burst", "batch"}:
+            return "its fields are not those of the probes' outcomes"
+        if burst is not None:
+            if not (isinstance(burst, dict) and set(burst) == {"split", "detail"}
+                    and (burst["split"] is None or burst["split"] in DESCRIBE)
+                    and (burst["detail"] is None or isinstance(burst["detail"], str))
+                    and (burst["split"] is None) != (burst["detail"] is None)):
+                return "its burst is not a split or a veto"
+            self._burst = ProbeResult(burst["split"], burst["detail"])
+        if batch is not None:
+            widths, declined = (batch.get("widths"), batch.get("declined")) if isinstance(batch, dict) else (0, 0)
+            if not (isinstance(widths, list) and len(widths) == 2 and all(type(w) is int for w in widths)
+                    and isinstance(declined, dict) and all(k.isdigit() and isinstance(v, str)
+                                                           for k, v in declined.items())):
+                return "its batch is not widths and their declines"
+            self._batch = batch
+        return None
+
+    def _save(self) -> None:
+        burst = None if self._burst is None else {"split": self._burst.split, "detail": self._burst.detail}
+        self._hints.save_probe(self._key, {"fingerprint": self._fingerprint, "burst": burst, "batch": self._batch})
+
+
+def fingerprint(model: Any, target: Path, drafter: Path, settings: Mapping[str, object]) -> dict[str, str]:
+    """What the probes' bytes depend on besides the pairing key and the kernels' versions (module docstring):
+    *target* and *drafter* the served files, *settings* those that reach the probed forward, and *model*'s
+    products measured for its rows (``model.row_split``)."""
+    import mlx.core as mx
+
+    from .. import blas
+
+    split = getattr(model, "row_split", None)
+    return {
+        "mlxcel": _files_digest(Path(__file__).resolve().parent.parent, "**/*.py"),
+        "blas": blas.load_fast_blas(),
+        "machine": f"{platform.platform()} {platform.machine()} {_cpu()}",
+        "device": str(mx.default_device()),
+        "libraries": _libraries(),
+        "target": _files_digest(target),
+        "drafter": _files_digest(drafter),
+        "settings": repr(sorted(settings.items())),
+        "row_split": "none" if split is None else repr((
+            sorted(split.chunks.items()), sorted(split.pads.items()), sorted(split.batch_shapes),
+            split.steps, split.max_rows, split.max_batch)),
+    }
+
+
+def _files_digest(path: Path, pattern: str = "*") -> str:
+    """A digest of the names, sizes and modification times of *path* (a file) or of its files matching
+    *pattern* (a directory): cheap, and changed by any rewrite."""
+    files = [path] if path.is_file() else sorted(p for p in path.glob(pattern) if p.is_file())
+    digest = hashlib.sha256()
+    for file in files:
+        status = file.stat()
+        digest.update(f"{file.relative_to(path) if file != path else file.name}\0{status.st_size}\0"
+                      f"{status.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:32]
+
+
+def _libraries() -> str:
+    """The loaded BLAS and MLX library files, each with its size and modification time (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    mapped = (fields[5] for line in maps.splitlines() if len(fields := line.split(None, 5)) == 6)
+    paths = sorted({path for path in mapped if any(k in path.rsplit("/", 1)[-1].lower() for k in _KERNEL_FILES)})
+    entries = []
+    for path in paths:
+        try:
+            status = os.stat(path)
+        except OSError:
+            continue
+        entries.append(f"{path}:{status.st_size}:{status.st_mtime_ns}")
+    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:32]
+
+
+def _cpu() -> str:
+    """The CPU's model name and feature flags (Linux), else what :mod:`platform` says."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    fields = {name.strip(): value.strip() for name, _, value in
+              (line.partition(":") for line in text.split("\n\n", 1)[0].splitlines())}
+    # The BLAS picks its kernels by the CPU's family, model and features.
+    named = " ".join(fields.get(name, "?") for name in ("vendor_id", "cpu family", "model", "stepping", "model name"))
+    return f"{named} flags {hashlib.sha256(fields.get('flags', '').encode()).hexdigest()[:16]}"

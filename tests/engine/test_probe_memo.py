@@ -1,0 +1,184 @@
+"""The exactness probes' outcomes kept for a restart (:mod:`mlxcel.engine.probe_memo`).
+
+A second start of the same pairing, on the same machine, files and kernels, takes the outcomes the first
+found instead of probing, and serves as the first did; a change to anything in the fingerprint, a bad file,
+or a probe that could not run, probes again. The probes are mlxcel's own, counted as they run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from mlxcel.engine.exactness import ProbeResult
+from mlxcel.engine.probe_memo import ProbeMemo, fingerprint
+from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+from mlxcel.policy import HintStore, PairingKey
+from tests.server.conftest import running_server
+
+KEY = PairingKey("target", "target#mtp", "cpu-test", 3)
+PRINT = {"blas": "OpenBLAS (1 thread)", "target": "abc"}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_mtp_checkpoint(tmp_path_factory.mktemp("memo") / "qwen35-memo", drafter="aligned",
+                                context_scale=0.05)
+
+
+@pytest.fixture
+def probes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How many times each of the two probes ran (the real probes, counted)."""
+    from mlxcel.engine import exactness
+
+    calls: Counter[str] = Counter()
+
+    def counting(name: str, real: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return real(*args, **kwargs)
+        return counted
+
+    for name in ("probe_exactness", "probe_batch_widths"):
+        monkeypatch.setattr(exactness, name, counting(name, getattr(exactness, name)))
+    return calls
+
+
+async def _start(target: Path) -> tuple[dict[str, Any], list[str]]:
+    """The policy as the server starts, and the temperature-0 texts of two requests served together.
+
+    The batch's ``cells`` are left out of the policy: its step costs measured by an earlier start are restored
+    (:meth:`~mlxcel.policy.HintStore.load_batch`), so they are there from the second start on."""
+    async with running_server(["--model", str(target), "--mtp", "--draft-block-size", "3"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=60) as client:
+        policy = (await client.get("/v1/internal/mtp-policy")).json()
+        policy["batch"].pop("cells")
+        texts: dict[int, str] = {}
+
+        async def complete(i: int) -> None:
+            body = {"prompt": f"def f{i}(x):", "max_tokens": 24, "temperature": 0}
+            texts[i] = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(complete, i)
+    return policy, [texts[0], texts[1]]
+
+
+def _records(cache: Path) -> list[Path]:
+    return sorted((cache / "mtp-policy" / "exactness").glob("*.json"))
+
+
+@pytest.fixture
+def cache() -> Path:
+    return Path(os.environ["MLXCEL_CACHE_DIR"])  # the test's own (tests/conftest.py)
+
+
+async def test_a_restart_takes_the_outcomes_and_a_rewritten_file_probes_again(
+        target: Path, probes: Counter[str], cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first = await _start(target)
+    assert probes == {"probe_exactness": 1, "probe_batch_widths": 1}
+    (record,) = _records(cache)
+    stored = json.loads(record.read_text())["record"]
+    assert stored["burst"]["split"] is not None and stored["burst"]["detail"] is None  # exact: the burst runs
+    assert stored["batch"] == {"widths": [2, 6], "declined": {}}  # --parallel 4: widths 2..5, all exact
+
+    with caplog.at_level(logging.INFO, logger="mlxcel"):
+        second = await _start(target)
+    assert probes == {"probe_exactness": 1, "probe_batch_widths": 1}  # neither ran again
+    assert second == first  # the same policy as it starts, the same texts
+    assert any("found at an earlier start on this machine" in r.getMessage() for r in caplog.records)
+
+    status = (target / "config.json").stat()  # rewritten in place: another modification time
+    os.utime(target / "config.json", ns=(status.st_atime_ns, status.st_mtime_ns + 1_000_000_000))
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlxcel"):
+        third = await _start(target)
+    assert probes == {"probe_exactness": 2, "probe_batch_widths": 2}
+    assert third == first
+    # The in-checkpoint head's files are the target's: both changed.
+    assert any("probing again" in r.getMessage() and "with another drafter, target" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_the_fingerprint_follows_the_files_and_the_settings(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    taken = fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None})
+    assert fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None}) == taken
+    quantized = fingerprint(object(), tmp_path, tmp_path, {"kv_bits": 8})
+    assert {k for k in taken if quantized[k] != taken[k]} == {"settings"}
+    (tmp_path / "model.safetensors").write_bytes(b"0")
+    assert {k for k, v in fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None}).items()
+            if v != taken[k]} == {"target", "drafter"}
+
+
+async def test_a_corrupt_record_warns_and_probes_again(target: Path, probes: Counter[str], cache: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    first = await _start(target)
+    (record,) = _records(cache)
+    record.write_bytes(b'{"version": 1, "targ')  # torn
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        again = await _start(target)
+    assert again == first and probes == {"probe_exactness": 2, "probe_batch_widths": 2}
+    assert any("ignoring the exactness probes' outcomes" in r.getMessage() and "not valid JSON" in r.getMessage()
+               for r in caplog.records)
+    assert json.loads(record.read_text())["record"]["burst"]["split"] is not None  # written whole again
+
+
+async def test_a_probe_that_could_not_run_is_not_kept(target: Path, probes: Counter[str], cache: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.engine import exactness
+
+    with monkeypatch.context() as patch:
+        def fails(*args: Any, **kwargs: Any) -> ProbeResult:
+            raise RuntimeError("no kernel for this shape")
+
+        patch.setattr(exactness, "probe_exactness", fails)
+        vetoed, _ = await _start(target)
+    assert vetoed["decline_detail"].startswith("The exactness probe could not run: RuntimeError")
+    assert _records(cache) == []  # it proved nothing: the next start probes
+    restarted, _ = await _start(target)
+    assert restarted["decline_detail"] is None and probes["probe_exactness"] == 1
+
+
+def test_the_batch_outcome_is_kept_for_its_widths_and_a_new_burst_outcome_drops_it(tmp_path: Path) -> None:
+    hints = HintStore(tmp_path, {"mlx": "1"})
+    memo = ProbeMemo(hints, KEY, PRINT)
+    assert (memo.burst(), memo.batch(range(2, 6))) == (None, None)  # nothing stored
+    memo.save_burst(ProbeResult("rows", None))
+    memo.save_batch(range(2, 6), {4: "width 4 differs at position 1"})
+    again = ProbeMemo(hints, KEY, PRINT)
+    assert again.burst() == ProbeResult("rows", None)
+    assert again.batch(range(2, 6)) == {4: "width 4 differs at position 1"}
+    assert again.batch(range(2, 10)) is None  # other widths (--parallel): probed
+    assert ProbeMemo(hints, KEY, {**PRINT, "blas": "Intel MKL"}).burst() is None  # another fingerprint
+    assert ProbeMemo(HintStore(tmp_path, {"mlx": "2"}), KEY, PRINT).burst() is None  # other kernels
+    again.save_burst(ProbeResult(None, "With one K-wide verify forward, ..."))
+    vetoed = ProbeMemo(hints, KEY, PRINT)
+    assert vetoed.burst() == ProbeResult(None, "With one K-wide verify forward, ...")
+    assert vetoed.batch(range(2, 6)) is None  # measured after the burst's outcome it followed
+
+
+@pytest.mark.parametrize("record", [
+    {"fingerprint": PRINT, "burst": {"split": "diagonal", "detail": None}, "batch": None},
+    {"fingerprint": PRINT, "burst": {"split": "rows", "detail": "both"}, "batch": None},
+    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2], "declined": {}}},
+    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2, 6], "declined": {"four": "x"}}},
+    {"fingerprint": PRINT, "burst": None},
+], ids=["unknown-split", "split-and-veto", "one-width", "named-width", "no-batch-field"])
+def test_a_malformed_record_is_ignored_with_a_warning(tmp_path: Path, record: dict[str, Any],
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    hints = HintStore(tmp_path, {})
+    hints.save_probe(KEY, record)
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):
+        memo = ProbeMemo(hints, KEY, PRINT)
+    assert (memo.burst(), memo.batch(range(2, 6))) == (None, None)
+    assert [r.getMessage() for r in caplog.records if "probing again" in r.getMessage()]
