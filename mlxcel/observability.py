@@ -203,6 +203,8 @@ class Observability:
         self.publish_policy(policy)
         self.model = model
         self.state: EngineState = "loading"
+        self.loading: str | None = None
+        """While the worker loads, the last line it logged (what ``/health`` says it is doing), else None."""
         self.error: str | None = None
         self.cache = CacheStats()
         self.slots: tuple[SlotState, ...] = ()

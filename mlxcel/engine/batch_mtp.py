@@ -154,7 +154,16 @@ def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block
     if inexact is None:
         logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
                     parallel + 1)
-        inexact = probe_batch_widths(speculation.target, model, layers, block_size, widths, split, vocab)
+        reported = [started]
+
+        def checked(width: int) -> None:  # at most a line a second: silent for small models, steady for large
+            if time.perf_counter() - reported[0] >= 1.0 and width < widths.stop - 1:
+                reported[0] = time.perf_counter()
+                logger.info("MTP batch exactness probe: %d of %d widths checked (%.0fs)", width - 1, len(widths),
+                            reported[0] - started)
+
+        inexact = probe_batch_widths(speculation.target, model, layers, block_size, widths, split, vocab,
+                                     checked=checked)
         if memo is not None:
             memo.save_batch(widths, inexact)
         done = f"checked in {time.perf_counter() - started:.1f}s"

@@ -229,7 +229,8 @@ def probe_exactness(target: SpeculativeTarget, model: Any, make_cache: Any, bloc
 
 
 def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[Any], block_size: int,
-                       widths: range, split: Split, vocab: int, seed: int = 0) -> dict[int, str]:
+                       widths: range, split: Split, vocab: int, seed: int = 0,
+                       checked: Callable[[int], None] | None = None) -> dict[int, str]:
     """The batch widths at which a speculative step is not byte for byte the batch's classic steps, each with
     the one-line reason; empty when every width in *widths* is exact.
 
@@ -238,7 +239,8 @@ def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[
     steps (the target's forward over one token a row, as the batch's tap runs them) against one (B, K) verify
     under *split*,
     logit bytes compared at every position. *fresh_cache*: an empty cache of the model, copied per row.
-    Rollbacks are checked by the tests (``tests/engine/test_batch_rollback.py``), not here.
+    Rollbacks are checked by the tests (``tests/engine/test_batch_rollback.py``), not here. *checked* is
+    called with each width as it is done (progress: a wide batch of a large model takes a minute).
     """
     rng = np.random.default_rng(seed)
     declined: dict[int, str] = {}
@@ -270,4 +272,6 @@ def probe_batch_widths(target: SpeculativeTarget, model: Any, fresh_cache: list[
                 declined[width] = (f"a {width} x {block_size} verify differs from the batch's classic steps at "
                                    f"position {position} in {differing} logit bytes")
                 break
+        if checked is not None:
+            checked(width)
     return declined

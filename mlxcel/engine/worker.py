@@ -94,8 +94,11 @@ class Worker:
             self._serve()
 
     def _serve(self) -> None:
+        from .load_progress import reported
+
         try:
-            self._load()
+            with reported(self.observability):
+                self._load()
         except LoadCancelled:
             raise  # a stop, not a failure: the state stays "stopping"
         except BaseException:

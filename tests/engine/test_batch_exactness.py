@@ -119,7 +119,9 @@ def test_the_probe_finds_every_width_exact_under_the_measured_split_and_declines
     target = Qwen35Target(wide_model)
     measure(wide_model, WIDTH, max_batch=4)
     fresh = make_prompt_cache(wide_model)
-    assert probe_batch_widths(target, wide_model, fresh, WIDTH, range(2, 5), "rows", 200) == {}
+    checked: list[int] = []  # the progress it reports: each width as it is done
+    assert probe_batch_widths(target, wide_model, fresh, WIDTH, range(2, 5), "rows", 200, checked=checked.append) == {}
+    assert checked == [2, 3, 4]
 
     class OffByOneUlp:  # a verify whose last position's logits are not the classic step's: what the probe is for
         def __init__(self, inner: Qwen35Target) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import signal
 import subprocess
@@ -43,6 +44,39 @@ async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path
         validate_wire(ready)
         assert (ready["state"], ready["reason"], ready["mtp_enabled"]) == ("unavailable", "no_mtp_dispatch", False)
         assert (await client.get(f"{url}/v1/health")).status_code == 200
+
+
+async def test_health_says_what_a_long_start_is_doing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A large pairing's start takes a minute (weights, the row split's measurement, the exactness probes): while it
+    loads, ``/health`` has the line the start logged last, and none once it is ready. (At `mlxcel serve`'s
+    default log level, INFO, which an in-process server's test sets itself.)"""
+    from mlxcel.engine import exactness
+    from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
+
+    model = build_mtp_checkpoint(tmp_path / "qwen35-start", drafter="aligned", context_scale=0.05)
+    probing, release = threading.Event(), threading.Event()
+    probe = exactness.probe_batch_widths
+
+    def held(*args: object, **kwargs: object) -> dict[int, str]:
+        probing.set()
+        release.wait(30)
+        return probe(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exactness, "probe_batch_widths", held)
+    caplog.set_level(logging.INFO, logger="mlxcel")
+    async with running_server(["--model", str(model), "--mtp"], ready=False) as url, \
+            httpx.AsyncClient(base_url=url) as client:
+        try:
+            assert await trio.to_thread.run_sync(probing.wait, 30)
+            health = await client.get("/health")
+            assert (health.status_code, health.json()["status"]) == (503, "loading")
+            assert health.json()["loading"] == ("MTP batch exactness probe: checking each batch width 2..5 against "
+                                                "the batch's classic steps")
+        finally:
+            release.set()
+        await wait_ready(url)
+        assert "loading" not in (await client.get("/health")).json()
 
 
 async def test_a_shutdown_during_the_model_load_stops_it_between_slices(
