@@ -154,13 +154,14 @@ def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block
     if inexact is None:
         logger.info("MTP batch exactness probe: checking each batch width 2..%d against the batch's classic steps",
                     parallel + 1)
-        reported = [started]
+        reported = started
 
         def checked(width: int) -> None:  # at most a line a second: silent for small models, steady for large
-            if time.perf_counter() - reported[0] >= 1.0 and width < widths.stop - 1:
-                reported[0] = time.perf_counter()
+            nonlocal reported
+            if time.perf_counter() - reported >= 1.0 and width < widths.stop - 1:
+                reported = time.perf_counter()
                 logger.info("MTP batch exactness probe: %d of %d widths checked (%.0fs)", width - 1, len(widths),
-                            reported[0] - started)
+                            reported - started)
 
         inexact = probe_batch_widths(speculation.target, model, layers, block_size, widths, split, vocab,
                                      checked=checked)

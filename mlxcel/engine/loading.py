@@ -154,15 +154,10 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
         pairing = PairingKey(checkpoint.name, settings.drafter.name, host.label, settings.block_size)
         no_burst = "the model is sharded across processes (--distributed)"
     elif drafts and settings.drafter is not None:  # with --no-batch no drafter is loaded
-        from .probe_memo import ProbeMemo, fingerprint
         from .speculation import set_up
 
         if hints is not None:
-            probed = {"kv_bits": settings.kv_bits, "draft_quantize": settings.draft_quantize,
-                      "context_length": checkpoint.context_length}
-            memo = ProbeMemo(hints, PairingKey(checkpoint.name, settings.drafter.name, host.label,
-                                               settings.block_size),
-                             fingerprint(model, checkpoint.path, settings.drafter.path, probed))
+            memo = _probe_memo(hints, checkpoint, settings, host.label, model)
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
                              settings.policy.allow_inexact, settings.draft_quantize, check=check,
                              new_cache=new_cache, memo=memo)
@@ -180,6 +175,28 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     return Loaded(model, tokenizer, stream, eos, vocab, _embedding_rows(model, vocab), host, speculation,
                   capabilities, new_cache, pairing, sharding is not None, release,
                   grammar_tokenizer(tokenizer, vocab, eos), memo)
+
+
+def _probe_memo(hints: HintStore, checkpoint: CheckpointInfo, settings: WorkerSettings, hardware: str,
+                model: Any) -> ProbeMemo | None:
+    """What an earlier start's exactness probes found for this pairing here (:mod:`.probe_memo`), or None where
+    it cannot be told (a file that cannot be read: the probes run, as without a cache)."""
+    from ..models.row_exact import measure
+    from .probe_memo import ProbeMemo, fingerprint
+
+    assert settings.drafter is not None
+    # What the burst's probe measures first on every backend (the CPU's steps measured it already): a kept
+    # outcome runs without the probe, and its "rows" split needs the measurement, which the fingerprint covers.
+    measure(model, settings.block_size)
+    try:
+        probed = {"kv_bits": settings.kv_bits, "draft_quantize": settings.draft_quantize,
+                  "context_length": checkpoint.context_length}
+        return ProbeMemo(hints, PairingKey(checkpoint.name, settings.drafter.name, hardware, settings.block_size),
+                         fingerprint(model, checkpoint.path, settings.drafter.path, probed))
+    except Exception as exc:  # whatever goes wrong here means "probe", never a failed start
+        logger.warning("probing exactness at every start: the probes' kept outcomes cannot be used (%s: %s)",
+                       type(exc).__name__, exc)
+        return None
 
 
 def _check_quantized_cache(model: Any, new_cache: Callable[[], list[Any]], stream: Any, name: str, bits: int

@@ -38,7 +38,10 @@ from .exactness import ProbeResult
 logger = logging.getLogger(__name__)
 
 #: Files of the loaded shared libraries whose kernels the probes ran (Linux: ``/proc/self/maps``).
-_KERNEL_FILES = ("blas", "mkl", "lapack", "libmlx")
+_KERNEL_FILES = ("blas", "mkl", "lapack", "libmlx", "libcuda", "libcudnn")
+#: Environment variables that choose kernels with the same library files (a core type, MKL's conditional
+#: numerical reproducibility, thread counts, which GPU).
+_KERNEL_ENVIRONMENT = ("MLX_", "OPENBLAS", "GOTO", "MKL_", "OMP_", "CUBLAS", "CUDA_", "METAL_")
 
 
 class ProbeMemo:
@@ -89,7 +92,7 @@ class ProbeMemo:
             return "its fields are not those of the probes' outcomes"
         if burst is not None:
             if not (isinstance(burst, dict) and set(burst) == {"split", "detail"}
-                    and (burst["split"] is None or burst["split"] in DESCRIBE)
+                    and (burst["split"] is None or (isinstance(burst["split"], str) and burst["split"] in DESCRIBE))
                     and (burst["detail"] is None or isinstance(burst["detail"], str))
                     and (burst["split"] is None) != (burst["detail"] is None)):
                 return "its burst is not a split or a veto"
@@ -97,8 +100,8 @@ class ProbeMemo:
         if batch is not None:
             widths, declined = (batch.get("widths"), batch.get("declined")) if isinstance(batch, dict) else (0, 0)
             if not (isinstance(widths, list) and len(widths) == 2 and all(type(w) is int for w in widths)
-                    and isinstance(declined, dict) and all(k.isdigit() and isinstance(v, str)
-                                                           for k, v in declined.items())):
+                    and isinstance(declined, dict)
+                    and all(k.isascii() and k.isdigit() and isinstance(v, str) for k, v in declined.items())):
                 return "its batch is not widths and their declines"
             self._batch = batch
         return None
@@ -112,19 +115,25 @@ def fingerprint(model: Any, target: Path, drafter: Path, settings: Mapping[str, 
     """What the probes' bytes depend on besides the pairing key and the kernels' versions (module docstring):
     *target* and *drafter* the served files, *settings* those that reach the probed forward, and *model*'s
     products measured for its rows (``model.row_split``)."""
+    import mlx
     import mlx.core as mx
+    import mlx_lm
 
     from .. import blas
 
     split = getattr(model, "row_split", None)
     return {
         "mlxcel": _files_digest(Path(__file__).resolve().parent.parent, "**/*.py"),
+        "mlx": _files_digest(Path(next(iter(mlx.__path__))), "**/*"),  # a development build keeps its version
+        "mlx-lm": _files_digest(Path(next(iter(mlx_lm.__path__))), "**/*.py"),
         "blas": blas.load_fast_blas(),
         "machine": f"{platform.platform()} {platform.machine()} {_cpu()}",
-        "device": str(mx.default_device()),
+        "device": f"{mx.default_device()} {_device_info()}",
         "libraries": _libraries(),
-        "target": _files_digest(target),
-        "drafter": _files_digest(drafter),
+        "environment": repr(sorted((name, value) for name, value in os.environ.items()
+                                   if name.startswith(_KERNEL_ENVIRONMENT))),
+        "target": _files_digest(target, "**/*"),
+        "drafter": _files_digest(drafter, "**/*"),
         "settings": repr(sorted(settings.items())),
         "row_split": "none" if split is None else repr((
             sorted(split.chunks.items()), sorted(split.pads.items()), sorted(split.batch_shapes),
@@ -142,6 +151,19 @@ def _files_digest(path: Path, pattern: str = "*") -> str:
         digest.update(f"{file.relative_to(path) if file != path else file.name}\0{status.st_size}\0"
                       f"{status.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:32]
+
+
+def _device_info() -> str:
+    """What MLX says of its default device (a GPU's name and architecture), where it says anything."""
+    import mlx.core as mx
+
+    for info in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+        if callable(info):
+            try:
+                return repr(sorted(info().items()))
+            except Exception:
+                continue
+    return ""
 
 
 def _libraries() -> str:

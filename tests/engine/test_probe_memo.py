@@ -149,6 +149,35 @@ async def test_a_probe_that_could_not_run_is_not_kept(target: Path, probes: Coun
     assert restarted["decline_detail"] is None and probes["probe_exactness"] == 1
 
 
+async def test_a_kept_rows_split_is_measured_where_no_step_measured_it(
+        target: Path, probes: Counter[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU only the burst's probe measures the row split (a step of several rows is not made to agree
+    there): a start that takes the kept ``rows`` outcome must measure it still, or its verify multiplies whole
+    what the probe found exact only in chunks. The CPU's step measurement taken out stands in for a GPU; every
+    ``rows`` verify notes whether its model's products were measured."""
+    from mlxcel.models import row_exact
+
+    monkeypatch.setattr(row_exact, "measure_steps", lambda *args, **kwargs: None)
+    measured: list[bool] = []
+    apart = row_exact.rows_apart
+
+    def noted(model: Any, batch: bool = False) -> Any:
+        measured.append(getattr(model, "row_split", None) is not None)
+        return apart(model, batch)
+
+    monkeypatch.setattr(row_exact, "rows_apart", noted)
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    for start in ("probed", "kept"):
+        measured.clear()
+        async with running_server(["--model", str(target), "--mtp", "--draft-block-size", "4", "--parallel", "1"]
+                                  ) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
+            body = (await client.post("/v1/completions", json={"prompt": "def f(x):", "max_tokens": 24,
+                                                               "temperature": 0})).json()
+        assert body["timings"]["draft_rounds"] > 0, start
+        assert measured and all(measured), start  # the probe's verifies too, on the first start
+    assert probes["probe_exactness"] == 1
+
+
 def test_the_batch_outcome_is_kept_for_its_widths_and_a_new_burst_outcome_drops_it(tmp_path: Path) -> None:
     hints = HintStore(tmp_path, {"mlx": "1"})
     memo = ProbeMemo(hints, KEY, PRINT)
@@ -173,7 +202,10 @@ def test_the_batch_outcome_is_kept_for_its_widths_and_a_new_burst_outcome_drops_
     {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2], "declined": {}}},
     {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2, 6], "declined": {"four": "x"}}},
     {"fingerprint": PRINT, "burst": None},
-], ids=["unknown-split", "split-and-veto", "one-width", "named-width", "no-batch-field"])
+    {"fingerprint": PRINT, "burst": {"split": ["rows"], "detail": None}, "batch": None},
+    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2, 6], "declined": {"²": "x"}}},
+], ids=["unknown-split", "split-and-veto", "one-width", "named-width", "no-batch-field", "split-a-list",
+        "a-digit-not-ascii"])
 def test_a_malformed_record_is_ignored_with_a_warning(tmp_path: Path, record: dict[str, Any],
                                                       caplog: pytest.LogCaptureFixture) -> None:
     hints = HintStore(tmp_path, {})

@@ -186,7 +186,7 @@ async def test_a_batch_probe_that_cannot_run_leaves_lone_requests_their_burst(
     burst, the classic batch and the policy endpoint are the real ones."""
     from mlxcel.engine import exactness
 
-    def broken(*args: object) -> dict[int, str]:
+    def broken(*args: object, **kwargs: object) -> dict[int, str]:
         raise RuntimeError("cudaGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: invalid argument")
 
     monkeypatch.setattr(exactness, "probe_batch_widths", broken)

@@ -65,18 +65,19 @@ async def test_health_says_what_a_long_start_is_doing(tmp_path: Path, monkeypatc
 
     monkeypatch.setattr(exactness, "probe_batch_widths", held)
     caplog.set_level(logging.INFO, logger="mlxcel")
-    async with running_server(["--model", str(model), "--mtp"], ready=False) as url, \
-            httpx.AsyncClient(base_url=url) as client:
-        try:
+    try:
+        async with running_server(["--model", str(model), "--mtp"], ready=False) as url, \
+                httpx.AsyncClient(base_url=url) as client:
             assert await trio.to_thread.run_sync(probing.wait, 30)
             health = await client.get("/health")
             assert (health.status_code, health.json()["status"]) == (503, "loading")
             assert health.json()["loading"] == ("MTP batch exactness probe: checking each batch width 2..5 against "
                                                 "the batch's classic steps")
-        finally:
             release.set()
-        await wait_ready(url)
-        assert "loading" not in (await client.get("/health")).json()
+            await wait_ready(url)
+            assert "loading" not in (await client.get("/health")).json()
+    finally:
+        release.set()  # however the test ends, the held start goes on (and the server can stop)
 
 
 async def test_a_shutdown_during_the_model_load_stops_it_between_slices(
