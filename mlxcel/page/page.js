@@ -252,6 +252,9 @@ async function poll() {
     $("server-name").textContent = health.model || (health.role === "router" ? "router" : "");
     $("server-status").textContent = health.status;
     $("server-status").className = "badge " + (health.status === "ok" ? "ok" : "bad");
+    // What a start is doing (its last progress line: the weights, the exactness probes), while it loads.
+    $("server-loading").textContent = health.loading || "";
+    $("server-loading").hidden = !health.loading;
     if (health.role === "router") {
       const stats = await api("/router/stats");
       if (!current()) return;

@@ -8,6 +8,8 @@ Content-Security-Policy is one).
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +72,41 @@ def test_the_statechart_follows_the_policy_from_profiling_to_settled(browser: An
         assert len(rows) >= 2  # a header and the samples seen (the page watched the last one arrive)
         assert "Tokens\n" in browser.find_element(By.ID, "server-facts").text
         assert leave_page(browser) == []
+
+
+def test_a_start_shows_what_it_is_doing_until_it_serves(browser: Any, mtp_model: Path, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """A large pairing's start takes a minute: while it loads the page says what it is doing (``/health``'s
+    ``loading``, the start's last progress line), and drops the line once the server serves. The batch's
+    exactness probe is held (the real one, run once released) so that the page sees the start mid-way."""
+    from mlxcel.engine import exactness
+
+    probing, release = threading.Event(), threading.Event()
+    probe = exactness.probe_batch_widths
+
+    def held(*args: object, **kwargs: object) -> dict[int, str]:
+        probing.set()
+        release.wait(30)
+        return probe(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(exactness, "probe_batch_widths", held)
+    caplog.set_level(logging.INFO, logger="mlxcel")  # `mlxcel serve`'s default level
+    try:
+        with server_on_a_thread(["--model", str(mtp_model), "--mtp", "--port", "0"],
+                                {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}, ready=False) as url:
+            assert probing.wait(30)
+            browser.get(url + "/")
+            line = _until(lambda: browser.find_element(By.ID, "server-loading").text, what="the start's line")
+            assert line == "MTP batch exactness probe: checking each batch width 2..5 against the batch's classic steps"
+            assert browser.find_element(By.ID, "server-status").text == "loading"
+            release.set()
+            _until(lambda: browser.find_element(By.ID, "server-status").text == "ok", what="the page to show ok")
+            assert not browser.find_element(By.ID, "server-loading").is_displayed()
+            errors = leave_page(browser)  # its polls while loading were answered 503, which the console logs
+            assert all("status of 503" in e["message"] for e in errors), errors  # and nothing else
+    finally:
+        release.set()  # however the test ends, the held start goes on (and the server can stop)
 
 
 def test_the_key_is_asked_for_once_and_a_wrong_one_is_refused(browser: Any, mtp_model: Path,

@@ -130,8 +130,9 @@ async def running_server(argv: Sequence[str], *, ready: bool = True,
 
 
 @contextmanager
-def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str]) -> Iterator[str]:
-    """:func:`running_server` for a synchronous test: the same in-process server, its trio loop on a thread.
+def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str], ready: bool = True) -> Iterator[str]:
+    """:func:`running_server` for a synchronous test: the same in-process server, its trio loop on a thread
+    (yielded once it is *ready*, else as soon as it listens).
 
     *env* is in ``os.environ`` while the server lives (`mlxcel serve` reads its ``MLXCEL_*`` settings as it
     starts). Leaving the block shuts the server down as SIGTERM would: in-flight requests end, the worker
@@ -150,7 +151,8 @@ def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str]) -> Iterator[
             shutdown = trio.Event()
             async with trio.open_nursery() as nursery:
                 (state["url"],) = await nursery.start(functools.partial(run_server, config, shutdown=shutdown))
-                await wait_ready(state["url"])
+                if ready:
+                    await wait_ready(state["url"])
                 started.set()
                 await trio.to_thread.run_sync(shutdown_requested.wait, abandon_on_cancel=True)
                 shutdown.set()
