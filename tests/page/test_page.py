@@ -9,7 +9,6 @@ Content-Security-Policy is one).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +20,7 @@ from selenium.webdriver.common.by import By
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.page.conftest import leave_page
-from tests.server.conftest import server_on_a_thread
+from tests.server.conftest import hold_the_batch_probe, server_on_a_thread
 
 pytestmark = pytest.mark.browser
 
@@ -80,17 +79,7 @@ def test_a_start_shows_what_it_is_doing_until_it_serves(browser: Any, mtp_model:
     """A large pairing's start takes a minute: while it loads the page says what it is doing (``/health``'s
     ``loading``, the start's last progress line), and drops the line once the server serves. The batch's
     exactness probe is held (the real one, run once released) so that the page sees the start mid-way."""
-    from mlxcel.engine import exactness
-
-    probing, release = threading.Event(), threading.Event()
-    probe = exactness.probe_batch_widths
-
-    def held(*args: object, **kwargs: object) -> dict[int, str]:
-        probing.set()
-        release.wait(30)
-        return probe(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(exactness, "probe_batch_widths", held)
+    probing, release = hold_the_batch_probe(monkeypatch)
     caplog.set_level(logging.INFO, logger="mlxcel")  # `mlxcel serve`'s default level
     try:
         with server_on_a_thread(["--model", str(mtp_model), "--mtp", "--port", "0"],

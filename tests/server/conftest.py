@@ -180,6 +180,23 @@ def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str], ready: bool 
             raise AssertionError("the server failed") from state["error"]
 
 
+def hold_the_batch_probe(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """The batch's exactness probe held as it begins (the real one runs once released): a start caught mid-way.
+    Returns (probing: set when a start reaches it, release: set it to let the start go on)."""
+    from mlxcel.engine import exactness
+
+    probing, release = threading.Event(), threading.Event()
+    probe = exactness.probe_batch_widths
+
+    def held(*args: Any, **kwargs: Any) -> dict[int, str]:
+        probing.set()
+        release.wait(30)
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(exactness, "probe_batch_widths", held)
+    return probing, release
+
+
 async def wait_ready(url: str, timeout: float = 60) -> None:
     async with httpx.AsyncClient() as client:
         with trio.fail_after(timeout):

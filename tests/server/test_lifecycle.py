@@ -20,7 +20,7 @@ import trio.testing
 from mlxcel.engine.instrument import Hooks
 from mlxcel.testing.serving import child_env, free_port
 from tests.conftest import validate_wire
-from tests.server.conftest import mlxcel, running_server, wait_ready
+from tests.server.conftest import hold_the_batch_probe, mlxcel, running_server, wait_ready
 
 
 async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path) -> None:
@@ -51,19 +51,10 @@ async def test_health_says_what_a_long_start_is_doing(tmp_path: Path, monkeypatc
     """A large pairing's start takes a minute (weights, the row split's measurement, the exactness probes): while it
     loads, ``/health`` has the line the start logged last, and none once it is ready. (At `mlxcel serve`'s
     default log level, INFO, which an in-process server's test sets itself.)"""
-    from mlxcel.engine import exactness
     from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 
     model = build_mtp_checkpoint(tmp_path / "qwen35-start", drafter="aligned", context_scale=0.05)
-    probing, release = threading.Event(), threading.Event()
-    probe = exactness.probe_batch_widths
-
-    def held(*args: object, **kwargs: object) -> dict[int, str]:
-        probing.set()
-        release.wait(30)
-        return probe(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(exactness, "probe_batch_widths", held)
+    probing, release = hold_the_batch_probe(monkeypatch)
     caplog.set_level(logging.INFO, logger="mlxcel")
     try:
         async with running_server(["--model", str(model), "--mtp"], ready=False) as url, \
