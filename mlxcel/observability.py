@@ -204,7 +204,7 @@ class Observability:
         self.model = model
         self.state: EngineState = "loading"
         self.loading: str | None = None
-        """While the worker loads, the last line it logged (what ``/health`` says it is doing), else None."""
+        """While the worker loads, the last progress line it logged (what ``/health`` says it is doing), else None."""
         self.error: str | None = None
         self.cache = CacheStats()
         self.slots: tuple[SlotState, ...] = ()

@@ -185,10 +185,11 @@ def _probe_memo(hints: HintStore, checkpoint: CheckpointInfo, settings: WorkerSe
     from .probe_memo import ProbeMemo, fingerprint
 
     assert settings.drafter is not None
-    # What the burst's probe measures first on every backend (the CPU's steps measured it already): a kept
-    # outcome runs without the probe, and its "rows" split needs the measurement, which the fingerprint covers.
-    measure(model, settings.block_size)
     try:
+        # What the burst's probe measures first on every backend (the CPU's steps measured it already): a kept
+        # outcome runs without the probe, and its "rows" split needs the measurement, which the fingerprint
+        # covers. (Where it raises, the probe's own measurement raises again, and vetoes.)
+        measure(model, settings.block_size)
         probed = {"kv_bits": settings.kv_bits, "draft_quantize": settings.draft_quantize,
                   "context_length": checkpoint.context_length}
         return ProbeMemo(hints, PairingKey(checkpoint.name, settings.drafter.name, hardware, settings.block_size),

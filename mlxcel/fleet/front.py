@@ -307,7 +307,7 @@ class Fleet:
             body["memory"] = self.ledger.to_json()
         if default.observability is not None:
             if status == "loading" and default.observability.loading is not None:
-                body["loading"] = default.observability.loading  # what the start is doing: its last log line
+                body["loading"] = default.observability.loading  # what the start is doing: its last progress line
             body["observability"] = {"mtp_policy": default.observability.policy.to_health(),
                                      "blas": default.observability.blas}
         await send_json(send, 503 if status == "loading" else 200, body)

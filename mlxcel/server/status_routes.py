@@ -31,7 +31,7 @@ def register(app: Quart, observability: Observability, options: ServerOptions, l
         if observability.error:
             body["error"] = observability.error
         if state == "loading" and observability.loading is not None:
-            body["loading"] = observability.loading  # what the start is doing: its last log line
+            body["loading"] = observability.loading  # what the start is doing: its last progress line
         body["observability"] = {"mtp_policy": observability.policy.to_health(), "blas": observability.blas}
         if ledger is not None:
             body["memory"] = ledger.to_json()
