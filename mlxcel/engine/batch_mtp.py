@@ -169,7 +169,9 @@ def _probe_widths(model: Any, speculation: Speculation, layers: list[Any], block
             memo.save_batch(widths, inexact)
         done = f"checked in {time.perf_counter() - started:.1f}s"
     else:
-        done = "as found at an earlier start on this machine, with these files and kernels"
+        from .probe_memo import KEPT
+
+        done = f"as {KEPT}"
     for width, detail in sorted(inexact.items()):
         logger.warning("MTP in the batch declines width %d: %s", width, detail)
     logger.info("MTP batch exactness probe: widths 2..%d %s, %d declined", parallel + 1, done, len(inexact))

@@ -27,7 +27,7 @@ import hashlib
 import logging
 import os
 import platform
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,10 @@ _KERNEL_FILES = ("blas", "mkl", "lapack", "libmlx", "libcuda", "libcudnn")
 #: Environment variables that choose kernels with the same library files (a core type, MKL's conditional
 #: numerical reproducibility, thread counts, which GPU).
 _KERNEL_ENVIRONMENT = ("MLX_", "OPENBLAS", "GOTO", "MKL_", "OMP_", "CUBLAS", "CUDA_", "METAL_")
+
+
+#: How the log says an outcome was kept, not probed.
+KEPT = "found at an earlier start on this machine, with these files and kernels"
 
 
 class ProbeMemo:
@@ -144,12 +148,23 @@ def fingerprint(model: Any, target: Path, drafter: Path, settings: Mapping[str, 
 def _files_digest(path: Path, pattern: str = "*") -> str:
     """A digest of the names, sizes and modification times of *path* (a file) or of its files matching
     *pattern* (a directory): cheap, and changed by any rewrite."""
-    files = [path] if path.is_file() else sorted(p for p in path.glob(pattern) if p.is_file())
+    if path.is_file():
+        return _stat_digest([(path.name, path)])
+    return _stat_digest((str(p.relative_to(path)), p) for p in sorted(path.glob(pattern)) if p.is_file())
+
+
+def _stat_digest(files: Iterable[tuple[str, Path]], missing_ok: bool = False) -> str:
+    """A digest of each (name, file)'s name, size and modification time; *missing_ok*: a file gone is left
+    out (else its ``OSError`` is raised)."""
     digest = hashlib.sha256()
-    for file in files:
-        status = file.stat()
-        digest.update(f"{file.relative_to(path) if file != path else file.name}\0{status.st_size}\0"
-                      f"{status.st_mtime_ns}\n".encode())
+    for name, file in files:
+        try:
+            status = file.stat()
+        except OSError:
+            if missing_ok:
+                continue
+            raise
+        digest.update(f"{name}\0{status.st_size}\0{status.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:32]
 
 
@@ -174,14 +189,7 @@ def _libraries() -> str:
         return "unknown"
     mapped = (fields[5] for line in maps.splitlines() if len(fields := line.split(None, 5)) == 6)
     paths = sorted({path for path in mapped if any(k in path.rsplit("/", 1)[-1].lower() for k in _KERNEL_FILES)})
-    entries = []
-    for path in paths:
-        try:
-            status = os.stat(path)
-        except OSError:
-            continue
-        entries.append(f"{path}:{status.st_size}:{status.st_mtime_ns}")
-    return hashlib.sha256("\n".join(entries).encode()).hexdigest()[:32]
+    return _stat_digest(((path, Path(path)) for path in paths), missing_ok=True)  # "(deleted)": a file replaced
 
 
 def _cpu() -> str:

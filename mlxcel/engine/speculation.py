@@ -59,7 +59,9 @@ def set_up(spec: DrafterSpec, checkpoint: CheckpointInfo, model: Any, stream: An
             memo.save_burst(probe)
         done = f"{time.perf_counter() - started:.1f}s"
     else:
-        done = "found at an earlier start on this machine, with these files and kernels"
+        from .probe_memo import KEPT
+
+        done = KEPT
     split = probe.split
     if split is not None:
         logger.info("MTP exactness probe: at K=%d the burst is byte-identical to classic decode with %s "
