@@ -5,16 +5,19 @@ ids in each file's header, their KV state in its arrays) across restarts: its
 directories are made ``0700`` and its files ``0600``, so that no other local
 user reads what the server was sent. Worker thread only, but for
 :func:`make_private` and :func:`crc32`, which the writer's thread
-(:mod:`.disk_writes`) calls too.
+(:mod:`.disk_writes`) calls too, and :func:`file_checksum`, which the disk
+tier's reader thread calls.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import stat
+import struct
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -22,6 +25,13 @@ logger = logging.getLogger(__name__)
 
 PRIVATE_DIRECTORY = 0o700
 PRIVATE_FILE = 0o600
+MAX_HEADER = 64 << 20
+"""The largest safetensors header read (a prompt's token ids are in it): past it a file is damaged."""
+_READ_CHUNK = 8 << 20
+
+Identity = tuple[int, int, int, int]
+"""A file's (device, inode, size, modification time in ns): the disk tier writes a file once and renames it
+into place, so a path with the same identity holds the same bytes."""
 
 
 def private_directory(path: Path) -> None:
@@ -87,3 +97,50 @@ def crc32(buffers: Iterable[tuple[str, Any]]) -> str:
         crc = zlib.crc32(name.encode(), crc)
         crc = zlib.crc32(data, crc)
     return f"{crc:08x}"
+
+
+def identity(path: Path) -> Identity | None:
+    """*path*'s :data:`Identity`, or None if it cannot be read."""
+    try:
+        return _identity(path.stat())
+    except OSError:
+        return None
+
+
+def _identity(status: os.stat_result) -> Identity:
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def file_checksum(path: Path, skip: Callable[[dict[str, str]], Collection[str]] = lambda metadata: ()
+                  ) -> tuple[str, dict[str, str], Identity]:
+    """(the CRC-32 :func:`checksum` gives the arrays of the safetensors file at *path*, read from their bytes in
+    the file; the file's metadata; its :data:`Identity`). *skip*: the names, given the metadata, left out of
+    the sum. Any thread (no MLX: the sum reads the file a chunk at a time, so it also fills the page cache the
+    worker's ``mx.load`` then reads from). Raises OSError or ValueError for a file that is not one."""
+    opened = open_regular(path)
+    if opened is None:
+        raise ValueError("not a regular file")
+    with opened as file:
+        head = file.read(8)
+        if len(head) < 8:
+            raise ValueError("no header")
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER:
+            raise ValueError(f"a header of {length} bytes")
+        header = json.loads(file.read(length))
+        metadata = header.pop("__metadata__", None) or {}
+        skipped = set(skip(metadata))
+        fd, start = file.fileno(), 8 + length
+        buffer = bytearray(_READ_CHUNK)
+        view = memoryview(buffer)
+        crc = 0
+        for name in sorted(name for name in header if name not in skipped):
+            begin, end = (int(offset) for offset in header[name]["data_offsets"])
+            crc = zlib.crc32(name.encode(), crc)
+            while begin < end:
+                read = os.preadv(fd, [view[:min(_READ_CHUNK, end - begin)]], start + begin)
+                if read <= 0:
+                    raise ValueError(f"cut short in {name}")
+                crc = zlib.crc32(view[:read], crc)
+                begin += read
+        return f"{crc:08x}", metadata, _identity(os.fstat(fd))

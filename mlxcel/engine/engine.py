@@ -13,7 +13,7 @@ import trio
 from ..models.loader import CheckpointInfo
 from ..observability import Observability
 from .instrument import Instrument
-from .messages import Cancel, LoadCancelled, Message, Stop, Submit, WorkerSettings
+from .messages import Cancel, Inbound, LoadCancelled, Stop, Submit, WorkerSettings
 from .requests import Event, Finish, GenerationRequest
 from .stopping import Stopping
 from .worker import Worker
@@ -58,7 +58,7 @@ class Engine:
         self.finished = trio.Event()
         """Set when the worker has returned (stopped, or failed to load)."""
         self._instrument = instrument
-        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Inbound] = queue.SimpleQueue()
         self._channels: dict[str, trio.MemorySendChannel[Event]] = {}
         self._held: set[str] = set()
         """Requests submitted whose Finish has not come back from the worker yet."""

@@ -64,4 +64,13 @@ class Stop:
     reason: str = "server shutting down"
 
 
+@dataclass(frozen=True, slots=True)
+class ReadDone:
+    """An entry on the disk tier was read ahead (:mod:`.read_ahead`): the worker's own wake-up, from the
+    reader thread, which the scheduler never sees."""
+
+
 Message = Submit | Cancel | Stop
+"""What the scheduler reads (:meth:`.scheduler.Scheduler.take`)."""
+Inbound = Message | ReadDone
+"""What the worker's inbox holds."""

@@ -28,6 +28,7 @@ import copy
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
@@ -51,6 +52,8 @@ class Disk(Protocol):
     def bytes(self) -> int: ...
 
     def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any], Any] | None: ...
+
+    def check_ahead(self, prompt: np.ndarray, better_than: int) -> Future[Any] | None: ...
 
     def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None: ...
 
@@ -130,11 +133,7 @@ class PrefixCache:
         if self.off or not tokens:
             return Resumed(None, list(tokens))
         prompt = np.asarray(tokens, dtype=np.int64)
-        best, length = None, 0
-        for entry in self._held.values():
-            n = usable(entry.tokens, entry.rewinds, prompt)
-            if n > length:
-                best, length = entry, n
+        best, length = self._best(prompt)
         if self.disk is not None:
             loaded = self.disk.fetch(prompt, better_than=length)
             if loaded is not None:
@@ -158,6 +157,24 @@ class PrefixCache:
         self._reused += length
         # A batch hands back mlx-lm's own cache classes; the family's are what its sequences run on.
         return Resumed(family(self._model_type).adopt_cache(cache), list(tokens[length:]), drafter)
+
+    def _best(self, prompt: np.ndarray) -> tuple[Entry | None, int]:
+        """The entry in memory standing for the most of *prompt*, and how much it stands for."""
+        best, length = None, 0
+        for entry in self._held.values():
+            n = usable(entry.tokens, entry.rewinds, prompt)
+            if n > length:
+                best, length = entry, n
+        return best, length
+
+    def read_ahead(self, tokens: list[int]) -> Future[Any] | None:
+        """Where an entry on disk would serve more of *tokens* than memory does, its files read and checked on
+        the disk tier's reader thread, so that :meth:`fetch` maps them without a check in the worker's turn:
+        the read; None when there is nothing to read."""
+        if self.off or not tokens or self.disk is None:
+            return None
+        prompt = np.asarray(tokens, dtype=np.int64)
+        return self.disk.check_ahead(prompt, better_than=self._best(prompt)[1])
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
         """Keep a finished sequence's cache, which holds exactly *tokens*."""

@@ -8,7 +8,9 @@ own (:mod:`.disk_writes`: an eviction holds the batch for the hand-over, not
 the write), to a temporary name first and then renamed (atomic, as the policy
 hints are). An entry is listed once it is handed over; a prompt it serves
 waits for its write. At start the files' headers are read (not
-their arrays) to know what is there. The tier is bounded by
+their arrays) to know what is there. An arrival's entry is read and checked
+ahead, off the worker's turn (:meth:`DiskTier.check_ahead`, by a reader thread
+of the tier's), so that the hit itself only maps a file the page cache holds. The tier is bounded by
 ``--prompt-cache-disk-bytes``: the least recently used files go first.
 
 A file that is not ours, is foreign to this model, truncated, corrupt or
@@ -21,7 +23,7 @@ with a warning. The tier keeps prompts: its directories are ``0700``, its files
 ``0600`` (:mod:`.disk_files`). One process owns a model's directory at a time
 (an advisory lock): a second server on the same cache root runs without the
 disk tier, and says so, rather than delete the first one's entries to fit its
-own bound. Worker thread only (the writer's thread runs only what it is handed).
+own bound. Worker thread only (the writer's and the reader's threads run only what they are handed).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import logging
 import os
 import struct
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,8 @@ import numpy as np
 
 from ..models.loader import CheckpointInfo
 from . import drafter_disk
-from .disk_files import checksum, open_regular, private_directory
+from .disk_files import MAX_HEADER, Identity, checksum, identity, open_regular, private_directory
+from .disk_reads import checked, numbers
 from .disk_writes import Writer, cache_tensors, write
 from .messages import WorkerSettings
 from .prefix_cache import PrefixCache, rewindable, usable
@@ -55,8 +58,6 @@ FORMAT = "2"
 """2: the arrays' checksum in the header (files of format 1 are not read, and are left alone)."""
 MAX_PENDING_BYTES = 256 << 20
 """Bytes of evicted entries held in memory at most while they wait for the writer (past it a save waits)."""
-MAX_HEADER = 64 << 20
-"""Bytes of a safetensors header read at most (a file claiming more is not one of ours)."""
 
 
 def model_identity(checkpoint: CheckpointInfo, kv_bits: int | None = None) -> str:
@@ -108,6 +109,9 @@ class _Record:
     """The write, while the writer has not finished it."""
     tensors: Any = None
     """What the write reads (the entry's and the drafter's :class:`.disk_writes.Tensors`), held until it is done."""
+    checked: Future[tuple[Identity | None, Identity | None]] | None = None
+    """The read ahead (:meth:`DiskTier.check_ahead`): the entry's and the drafter's files as they were when their
+    checksums matched (None: did not)."""
 
 
 class DiskTier:
@@ -123,6 +127,7 @@ class DiskTier:
         self._layers = [type(layer) for layer in layers]
         self._records: dict[str, _Record] = {}
         self._writer = Writer(MAX_PENDING_BYTES)
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="mlxcel-prompt-cache-read")
         self._lock: int | None = None
         try:
             private_directory(directory.parent)
@@ -151,6 +156,7 @@ class DiskTier:
         """Wait for the writes handed over, then let another process own the directory (the server is
         stopping; the files stay)."""
         self._writer.close()
+        self._reader.shutdown(cancel_futures=True)
         self._reap()
         if self._lock is not None:
             os.close(self._lock)
@@ -196,52 +202,78 @@ class DiskTier:
             path.unlink(missing_ok=True)
             _drafter_path(path).unlink(missing_ok=True)
 
-    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any], Any] | None:
-        """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
-        cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
-        read."""
-        self._reap()  # the writes done let go of their arrays
+    def _best(self, prompt: np.ndarray, better_than: int) -> _Record | None:
+        """The entry standing for the most of *prompt*, if more than *better_than* tokens."""
         best, length = None, better_than
         for record in self._records.values():
             n = usable(record.tokens, record.rewinds, prompt)
             if n > length:
                 best, length = record, n
+        return best
+
+    def check_ahead(self, prompt: np.ndarray, better_than: int) -> Future[Any] | None:
+        """Start reading the files of the entry :meth:`fetch` would give for *prompt*, and checking them against
+        their checksums, on the reader thread: the read (done), None when there is nothing to read (no entry, or
+        one still being written, whose arrays are in memory)."""
+        best = self._best(prompt, better_than)
+        if best is None or best.pending is not None:
+            return None
+        if best.checked is None:
+            best.checked = self._reader.submit(checked, best.path, best.checksum,
+                                               _drafter_path(best.path) if self.drafter is not None else None)
+        return best.checked
+
+    def fetch(self, prompt: np.ndarray, better_than: int) -> tuple[np.ndarray, list[Any], Any] | None:
+        """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
+        cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
+        read. Files :meth:`check_ahead` found whole, and unchanged since, are not checked again."""
+        self._reap()  # the writes done let go of their arrays
+        best = self._best(prompt, better_than)
         if best is None or not self._settle(best):
             return None
+        found: tuple[Identity | None, Identity | None] = (None, None)
+        read = best.checked
+        if read is not None and read.done() and not read.cancelled() and read.exception() is None:
+            found = read.result()
         try:
-            cache = self._load(best)
+            cache = self._load(best, verified=found[0] is not None and found[0] == identity(best.path))
         except Exception as exc:  # a truncated or corrupt file: whatever mlx or the classes raise
             self._damaged(best.path, exc)
             return None
-        best.used = time.time()
+        drafter_verified = found[1] is not None and found[1] == identity(_drafter_path(best.path))
+        drafter = self._drafter_state(best.path, drafter_verified)
+        best.used, best.checked = time.time(), None  # the file's new time changes its identity
         with contextlib.suppress(OSError):
             os.utime(best.path)
-        return best.tokens, cache, self._drafter_state(best.path)
+        return best.tokens, cache, drafter
 
-    def _drafter_state(self, path: Path) -> Any:
-        """The drafter's (token, state) beside the entry at *path*, if it is this drafter's and readable."""
+    def _drafter_state(self, path: Path, verified: bool) -> Any:
+        """The drafter's (token, state) beside the entry at *path*, if it is this drafter's and readable
+        (*verified*: its checksum matched in the read ahead, and the file is unchanged since)."""
         if self.drafter is None:
             return None
         try:
-            return drafter_disk.load(_drafter_path(path), self.drafter, self._classes)
+            return drafter_disk.load(_drafter_path(path), self.drafter, self._classes, verified)
         except Exception as exc:  # damaged: the prompt resumes with a fresh drafter, as without the file
             logger.warning("prompt cache: ignoring the drafter's state beside %s: %s: %s", path.name,
                            type(exc).__name__, exc)
             return None
 
-    def _load(self, record: _Record) -> list[Any]:
+    def _load(self, record: _Record, verified: bool) -> list[Any]:
         """The cache in *record*'s file: mlx-lm's ``load_prompt_cache``, with the classes this model's family
-        uses (mlx-lm's looks classes up among its own only), checked against the model's layers."""
+        uses (mlx-lm's looks classes up among its own only), checked against the model's layers, and its
+        arrays against their checksum unless *verified* (the read ahead did, on these bytes)."""
         import mlx.core as mx
         from mlx.utils import tree_unflatten
 
         loaded: Any = mx.load(str(record.path), return_metadata=True)
         arrays, flat = loaded
         _, classes, scalars = tree_unflatten(list(flat.items()))
-        numbers = {position for position, _ in scalars[1:]}
-        found = checksum({name: array for name, array in arrays.items() if name not in numbers})
-        if found != record.checksum:
-            raise ValueError(f"its arrays' checksum is {found}, where its header says {record.checksum}")
+        if not verified:
+            skipped = numbers(flat)
+            found = checksum({name: array for name, array in arrays.items() if name not in skipped})
+            if found != record.checksum:
+                raise ValueError(f"its arrays' checksum is {found}, where its header says {record.checksum}")
         values: dict[str, Any] = dict(arrays)
         for position, kind in scalars[1:]:
             array = arrays[position]

@@ -16,7 +16,7 @@ import trio
 from ..observability import Observability
 from ..policy import MtpPolicy
 from .instrument import Instrument
-from .messages import Message, WorkerSettings
+from .messages import Inbound, WorkerSettings
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .scheduler import Scheduler, burst_allowed
 from .sequence import Sequence
@@ -31,7 +31,7 @@ class SoloHost(Protocol):
     """What a solo turn needs of the worker that serves it (the worker is one; this module imports none)."""
 
     settings: WorkerSettings
-    inbox: queue.SimpleQueue[Message]
+    inbox: queue.SimpleQueue[Inbound]
     instrument: Instrument | None
     observability: Observability
     policy: MtpPolicy

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -32,7 +33,8 @@ from .batch import ContinuousBatch
 from .batch_mtp import BatchMtp
 from .batch_turn import BatchTurns
 from .instrument import Instrument
-from .messages import LoadCancelled, Message, WorkerSettings
+from .messages import Inbound, LoadCancelled, ReadDone, WorkerSettings
+from .read_ahead import ReadAhead
 from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, ScoreTurn, SoloTurn
 from .sequence import Sequence, new_sequence
@@ -53,7 +55,7 @@ class Worker:
     """Owns MLX for the server. :meth:`run` is the thread's whole life."""
 
     def __init__(self, settings: WorkerSettings, checkpoint: CheckpointInfo, observability: Observability,
-                 inbox: queue.SimpleQueue[Message], deliver: Callable[[Events], None],
+                 inbox: queue.SimpleQueue[Inbound], deliver: Callable[[Events], None],
                  on_ready: Callable[[Any, Any], None], instrument: Instrument | None = None,
                  stopping: Callable[[], bool] = lambda: False) -> None:
         self.settings = settings
@@ -83,6 +85,7 @@ class Worker:
         self.snapshots = False  # whether prefills keep snapshots (decided at load)
         self.batch_turns = BatchTurns(self)
         self.sequences: dict[str, Sequence] = {}
+        self.read_ahead = ReadAhead(self._read_ahead, lambda: inbox.put(ReadDone()))
         self._release: Callable[[], None] = lambda: None  # what the loaded model needs when the worker ends
 
     # -- the thread -------------------------------------------------------------
@@ -209,8 +212,9 @@ class Worker:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
                 break
-        intake = self.scheduler.take(messages)
-        events: Events = list(intake.finished)
+        passed, ended = self.read_ahead.sort(messages)
+        intake = self.scheduler.take(passed)
+        events: Events = [*ended, *intake.finished]
         if intake.stop is not None:
             for sequence in list(self.sequences.values()):
                 self.forget(sequence)
@@ -222,6 +226,13 @@ class Worker:
         if events:
             self.deliver(events)
         return True
+
+    def _read_ahead(self, request: GenerationRequest) -> Future[Any] | None:
+        """The read of the disk tier's entry for *request*'s prompt, started (:mod:`.read_ahead`); None for a
+        prompt with images (its entries are keyed by them) or scored whole (it resumes from nothing)."""
+        if request.images or request.prompt_logprobs:
+            return None
+        return self.prefix.read_ahead(list(request.prompt_tokens))
 
     def _apply(self, intake: Intake, events: Events) -> None:
         for request_id in intake.cancelled:

@@ -6,13 +6,16 @@ writes what its prefix cache holds there, and the next server on the same model 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from tests.server.conftest import running_server
 from tests.server.test_prompt_cache import SYSTEM, _length
@@ -124,3 +127,50 @@ async def test_after_a_restart_the_drafter_resumes_where_it_was(tmp_path: Path, 
     assert resumed["timings"]["cached_n"] > 0
     assert (resumed["timings"]["draft_n"], resumed["timings"]["draft_n_accepted"]) == \
         (cold["timings"]["draft_n"], cold["timings"]["draft_n_accepted"])
+
+
+async def test_a_stream_goes_on_while_another_prompts_entry_is_read_from_disk(
+        cache_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry on disk is read and checked off the worker's turn: here its read is held until a stream
+    beside it has taken ten more tokens, and the arrival it serves waits meanwhile, then resumes from it."""
+    from tokenizers import Tokenizer
+
+    import mlxcel.engine.prompt_disk as prompt_disk
+
+    model = cache_models["qwen3_5"]
+    async with running_server(["--model", str(model)]) as url:
+        await _ask(url, CONVERSATION)
+    reading, release = threading.Event(), threading.Event()
+    real = prompt_disk.checked
+
+    def held(*args: Any) -> Any:
+        reading.set()
+        release.wait(60)
+        return real(*args)
+
+    monkeypatch.setattr(prompt_disk, "checked", held)
+    eos = json.loads((model / "tokenizer_config.json").read_text())["eos_token"]
+    stream_body = {"prompt": "Counting:", "max_tokens": 200, "temperature": 0, "stream": True,
+                   "logit_bias": {str(Tokenizer.from_file(str(model / "tokenizer.json")).token_to_id(eos)): -100}}
+    resumed: dict[str, Any] = {}
+
+    async def ask_next(url: str) -> None:
+        resumed.update(await _ask(url, NEXT))
+
+    async with running_server(["--model", str(model)]) as url, httpx.AsyncClient(base_url=url, timeout=120) as \
+            client, client.stream("POST", "/v1/completions", json=stream_body) as stream:
+        lines = aiter(stream.aiter_lines())
+        while not (await anext(lines)).startswith("data: {"):
+            pass  # the stream is decoding
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask_next, url)
+            assert await trio.to_thread.run_sync(reading.wait, 60)
+            meanwhile = 0
+            while meanwhile < 10:
+                meanwhile += (await anext(lines)).startswith("data: {")
+            assert not resumed  # still waiting for its entry
+            release.set()
+        async for _ in lines:
+            pass
+    assert resumed["stats"]["disk"]["hits"] == 1
+    assert resumed["timings"]["cached_n"] >= _length(model, CONVERSATION) - 1
