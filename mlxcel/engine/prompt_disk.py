@@ -7,7 +7,7 @@ out with the tokens it holds in its metadata, and written by a thread of its
 own (:mod:`.disk_writes`: an eviction holds the batch for the hand-over, not
 the write), to a temporary name first and then renamed (atomic, as the policy
 hints are). An entry is listed once it is handed over; a prompt it serves
-waits for its write. At start the files' headers are read (not
+before its write is done resumes from the arrays the write is made from. At start the files' headers are read (not
 their arrays) to know what is there. An arrival's entry is read and checked
 ahead, off the worker's turn (:meth:`DiskTier.check_ahead`, by a reader thread
 of the tier's), so that the hit itself only maps a file the page cache holds. The tier is bounded by
@@ -109,6 +109,9 @@ class _Record:
     """The write, while the writer has not finished it."""
     tensors: Any = None
     """What the write reads (the entry's and the drafter's :class:`.disk_writes.Tensors`), held until it is done."""
+    held: tuple[list[Any], Any] | None = None
+    """The cache and the drafter's (token, state) the write was made from, until it is done: a prompt the entry
+    serves meanwhile resumes from them, not from the file once written."""
     checked: Future[tuple[Identity | None, Identity | None]] | None = None
     """The read ahead (:meth:`DiskTier.check_ahead`): the entry's and the drafter's files as they were when their
     checksums matched (None: did not)."""
@@ -229,6 +232,9 @@ class DiskTier:
         read. Files :meth:`check_ahead` found whole, and unchanged since, are not checked again."""
         self._reap()  # the writes done let go of their arrays
         best = self._best(prompt, better_than)
+        if best is not None and best.held is not None:  # still being written: its arrays are still here
+            best.used = time.time()
+            return best.tokens, *best.held
         if best is None or not self._settle(best):
             return None
         found: tuple[Identity | None, Identity | None] = (None, None)
@@ -298,7 +304,7 @@ class DiskTier:
         *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any.
 
         Here the arrays are only made ready; the writer's thread writes them (:mod:`.disk_writes`), and the
-        entry is listed at once: a prompt it serves waits for its write."""
+        entry is listed at once: a prompt it serves before the write is done resumes from *cache* itself."""
         self._reap()
         name = _name(tokens)
         if self.max_bytes <= 0 or name in self._records:
@@ -321,7 +327,8 @@ class DiskTier:
                                type(exc).__name__, exc)
         nbytes = entry.nbytes + (beside.nbytes if beside is not None else 0)
         pending = self._writer.submit(functools.partial(_write, path, [entry, beside]), nbytes)
-        self._records[name] = _Record(path, tokens, rewinds, nbytes, time.time(), "", pending, (entry, beside))
+        self._records[name] = _Record(path, tokens, rewinds, nbytes, time.time(), "", pending, (entry, beside),
+                                      held=(cache, drafter if beside is not None else None))
         self._prune()
 
     def _reap(self) -> None:
@@ -334,7 +341,7 @@ class DiskTier:
         if record.pending is None:
             return True
         summed = record.pending.result()
-        record.pending = record.tensors = None  # the arrays are freed here, on the worker's thread
+        record.pending = record.tensors = record.held = None  # the arrays are freed here, on the worker's thread
         if summed is None:
             self._records.pop(record.path.name, None)
             return False

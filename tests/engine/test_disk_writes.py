@@ -73,33 +73,44 @@ def _tier(root: Path, layers: list[Any]) -> Any:
     return DiskTier(root / "tier", 1 << 30, "model", classes, layers)
 
 
-def test_a_prompt_its_entry_serves_waits_for_the_write_and_a_failed_write_is_a_miss(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """An entry is listed as soon as it is handed to the writer; a prompt it serves right away reads the file
-    written. A write that fails (here the entry's name is a directory) is a warning and a miss, and the tier
-    goes on writing."""
+def test_a_prompt_its_entry_serves_while_it_is_written_resumes_from_its_arrays_and_a_failed_write_is_a_miss(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry is listed as soon as it is handed to the writer; a prompt it serves before the write is done
+    (held here) resumes from the cache the write is made from, without waiting. A write that fails (here the
+    entry's name is a directory) is a warning, and after it a miss; the tier goes on writing, and a restart
+    reads back what was written."""
     import mlx.core as mx
 
+    import mlxcel.engine.prompt_disk as prompt_disk
     from mlxcel.engine.prompt_disk import _name
 
+    release = threading.Event()
+    real = prompt_disk.write
+    monkeypatch.setattr(prompt_disk, "write", lambda tensors, path: release.wait(60) and real(tensors, path))
     cache = _caches(20)
     tier = _tier(tmp_path, cache)
     tokens = np.arange(20, dtype=np.int64)
     tier.save(tokens, cache)
     assert tier.entries == 1
-    held, back, _ = tier.fetch(np.arange(21, dtype=np.int64), better_than=0)
-    assert np.array_equal(held, tokens)
-    assert mx.array_equal(back[0].state[0], cache[0].state[0]).item()
+    held, back, drafter = tier.fetch(np.arange(21, dtype=np.int64), better_than=0)
+    assert back is cache and np.array_equal(held, tokens) and drafter is None
+    assert not list(tier.directory.glob("*.safetensors"))  # nothing written yet
+    release.set()
 
     broken = np.arange(1, 21, dtype=np.int64)
     (tier.directory / _name(broken)).mkdir()
     with caplog.at_level("WARNING"):
         tier.save(broken, cache)
-        assert tier.fetch(np.arange(1, 22, dtype=np.int64), better_than=0) is None
+        tier.save(np.arange(2, 22, dtype=np.int64), cache)
+        tier.close()  # waits for the writes
     assert "could not write" in caplog.text
-    tier.save(np.arange(2, 22, dtype=np.int64), cache)
-    tier.close()
     assert tier.entries == 2 and len([p for p in tier.directory.glob("*.safetensors") if p.is_file()]) == 2
+    restarted = _tier(tmp_path, cache)
+    assert restarted.fetch(np.arange(1, 22, dtype=np.int64), better_than=0) is None
+    held, back, _ = restarted.fetch(np.arange(21, dtype=np.int64), better_than=0)
+    assert np.array_equal(held, tokens) and back is not cache
+    assert mx.array_equal(back[0].state[0], cache[0].state[0]).item()
+    restarted.close()
 
 
 def test_the_writer_waits_for_the_oldest_writes_only_past_its_bound() -> None:
