@@ -11,6 +11,7 @@ tier's reader thread calls.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -66,6 +67,26 @@ def open_regular(path: Path) -> IO[bytes] | None:
     except BaseException:
         os.close(fd)
         raise
+
+
+def lock_directory(directory: Path) -> int | None:
+    """An exclusive advisory lock on *directory*'s lock file, held while the descriptor is open; None when
+    another process (or another server in this one) holds it."""
+    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def file_size(path: Path) -> int:
+    """*path*'s size in bytes; 0 where there is no such file."""
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
 def is_regular(path: Path) -> bool:

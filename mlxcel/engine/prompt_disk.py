@@ -7,10 +7,11 @@ out with the tokens it holds in its metadata, and written by a thread of its
 own (:mod:`.disk_writes`: an eviction holds the batch for the hand-over, not
 the write), to a temporary name first and then renamed (atomic, as the policy
 hints are). An entry is listed once it is handed over; a prompt it serves
-before its write is done resumes from the arrays the write is made from. At start the files' headers are read (not
-their arrays) to know what is there. An arrival's entry is read and checked
-ahead, off the worker's turn (:meth:`DiskTier.check_ahead`, by a reader thread
-of the tier's), so that the hit itself only maps a file the page cache holds. The tier is bounded by
+before its write is done resumes from the arrays the write is made from. At
+start the files' headers are read (not their arrays) to know what is there. An
+arrival's entry is read and checked ahead, off the worker's turn
+(:meth:`DiskTier.check_ahead`, on a reader thread of the tier's), so that the
+hit itself only maps a file the page cache holds. The tier is bounded by
 ``--prompt-cache-disk-bytes``: the least recently used files go first.
 
 A file that is not ours, is foreign to this model, truncated, corrupt or
@@ -23,13 +24,13 @@ with a warning. The tier keeps prompts: its directories are ``0700``, its files
 ``0600`` (:mod:`.disk_files`). One process owns a model's directory at a time
 (an advisory lock): a second server on the same cache root runs without the
 disk tier, and says so, rather than delete the first one's entries to fit its
-own bound. Worker thread only (the writer's and the reader's threads run only what they are handed).
+own bound. Worker thread only (the writer's and the reader's threads run only
+what they are handed).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -46,7 +47,16 @@ import numpy as np
 
 from ..models.loader import CheckpointInfo
 from . import drafter_disk
-from .disk_files import MAX_HEADER, Identity, checksum, identity, open_regular, private_directory
+from .disk_files import (
+    MAX_HEADER,
+    Identity,
+    checksum,
+    file_size,
+    identity,
+    lock_directory,
+    open_regular,
+    private_directory,
+)
 from .disk_reads import checked, numbers
 from .disk_writes import Writer, cache_tensors, write
 from .messages import WorkerSettings
@@ -135,7 +145,7 @@ class DiskTier:
         try:
             private_directory(directory.parent)
             private_directory(directory)
-            self._lock = _lock(directory)
+            self._lock = lock_directory(directory)
         except OSError as exc:
             logger.warning("prompt cache: no disk tier, %s cannot be made: %s", directory, exc)
             self.max_bytes = 0
@@ -193,7 +203,7 @@ class DiskTier:
                 raise ValueError("its tokens do not match its name")
             stat = path.stat()
             self._records[path.name] = _Record(path, tokens, metadata.get("0.mlxcel_rewinds") == "1",
-                                               stat.st_size + _size(_drafter_path(path)), stat.st_mtime,
+                                               stat.st_size + file_size(_drafter_path(path)), stat.st_mtime,
                                                str(metadata.get("0.mlxcel_checksum", "")))
         except (OSError, ValueError, KeyError, struct.error) as exc:
             self._damaged(path, exc)
@@ -347,7 +357,7 @@ class DiskTier:
             return False
         record.checksum = summed
         with contextlib.suppress(OSError):
-            record.size = record.path.stat().st_size + _size(_drafter_path(record.path))
+            record.size = record.path.stat().st_size + file_size(_drafter_path(record.path))
         return True
 
     def _prune(self) -> None:
@@ -363,28 +373,9 @@ class DiskTier:
                 logger.warning("prompt cache: could not remove %s: %s", oldest.path, exc)
 
 
-def _lock(directory: Path) -> int | None:
-    """An exclusive advisory lock on *directory*'s lock file, held while the descriptor is open; None when
-    another process (or another server in this one) holds it."""
-    fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _drafter_path(path: Path) -> Path:
     """Where the drafter's state beside the entry at *path* lives."""
     return path.with_name(path.name.removesuffix(".safetensors") + drafter_disk.SUFFIX)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
 
 
 def _write(path: Path, held: list[Any]) -> str | None:
