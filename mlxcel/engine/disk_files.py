@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import stat
 import struct
@@ -29,6 +30,9 @@ PRIVATE_FILE = 0o600
 MAX_HEADER = 64 << 20
 """The largest safetensors header read (a prompt's token ids are in it): past it a file is damaged."""
 _READ_CHUNK = 8 << 20
+_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+             "F32": 4, "I32": 4, "U32": 4, "F64": 8, "I64": 8, "U64": 8, "C64": 8}
+"""Bytes an element of each safetensors dtype takes."""
 
 Identity = tuple[int, int, int, int]
 """A file's (device, inode, size, modification time in ns): the disk tier writes a file once and renames it
@@ -157,6 +161,8 @@ def file_checksum(path: Path, skip: Callable[[dict[str, str]], Collection[str]] 
         crc = 0
         for name in sorted(name for name in header if name not in skipped):
             begin, end = (int(offset) for offset in header[name]["data_offsets"])
+            if end - begin != math.prod(header[name]["shape"]) * _ITEMSIZE[header[name]["dtype"]]:
+                raise ValueError(f"{name}'s bytes do not match its shape and dtype")  # mx.load would read others
             crc = zlib.crc32(name.encode(), crc)
             while begin < end:
                 read = os.preadv(fd, [view[:min(_READ_CHUNK, end - begin)]], start + begin)

@@ -22,6 +22,8 @@ from .disk_writes import Tensors, ready
 FORMAT = "2"
 """2: the arrays' checksum in the metadata, checked on read."""
 SUFFIX = ".drafter.safetensors"
+CHECKSUM_KEY = "mlxcel_checksum"
+"""Where a drafter file's metadata keeps its arrays' checksum."""
 
 
 def _encode(node: Any, arrays: dict[str, Any]) -> Any:
@@ -63,7 +65,13 @@ def prepare(drafter: str, token: int, state: Any) -> Tensors:
     arrays: dict[str, Any] = {}
     shape = _encode(state, arrays)
     return ready(arrays, {"mlxcel_drafter_format": FORMAT, "mlxcel_drafter": drafter, "mlxcel_token": str(token),
-                          "mlxcel_shape": json.dumps(shape)}, checksum_key="mlxcel_checksum")
+                          "mlxcel_shape": json.dumps(shape)}, checksum_key=CHECKSUM_KEY)
+
+
+def decode(tensors: Tensors, classes: dict[str, Any]) -> tuple[int, Any]:
+    """The (token, state) that :func:`prepare` made *tensors* from, over the same arrays."""
+    return int(tensors.metadata["mlxcel_token"]), _decode(json.loads(tensors.metadata["mlxcel_shape"]),
+                                                          tensors.arrays, classes)
 
 
 def load(path: Path, drafter: str, classes: dict[str, Any], verified: bool = False) -> tuple[int, Any] | None:
@@ -77,7 +85,7 @@ def load(path: Path, drafter: str, classes: dict[str, Any], verified: bool = Fal
     arrays, metadata = loaded
     if metadata.get("mlxcel_drafter_format") != FORMAT or metadata.get("mlxcel_drafter") != drafter:
         return None
-    if not verified and checksum(arrays) != metadata.get("mlxcel_checksum"):
+    if not verified and checksum(arrays) != metadata.get(CHECKSUM_KEY):
         raise ValueError("its arrays do not match their checksum")
     state = _decode(json.loads(metadata["mlxcel_shape"]), arrays, classes)
     mx.eval([a for a in arrays.values()])

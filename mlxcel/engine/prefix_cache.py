@@ -169,7 +169,7 @@ class PrefixCache:
 
     def read_ahead(self, tokens: list[int]) -> Future[Any] | None:
         """Where an entry on disk would serve more of *tokens* than memory does, its files read and checked on
-        the disk tier's reader thread, so that :meth:`fetch` maps them without a check in the worker's turn:
+        the disk tier's reader thread, so that :meth:`fetch` loads them without a check in the worker's turn:
         the read; None when there is nothing to read."""
         if self.off or not tokens or self.disk is None:
             return None

@@ -11,7 +11,7 @@ before its write is done resumes from the arrays the write is made from. At
 start the files' headers are read (not their arrays) to know what is there. An
 arrival's entry is read and checked ahead, off the worker's turn
 (:meth:`DiskTier.check_ahead`, on a reader thread of the tier's), so that the
-hit itself only maps a file the page cache holds. The tier is bounded by
+hit itself only loads a file already found whole. The tier is bounded by
 ``--prompt-cache-disk-bytes``: the least recently used files go first.
 
 A file that is not ours, is foreign to this model, truncated, corrupt or
@@ -50,14 +50,13 @@ from . import drafter_disk
 from .disk_files import (
     MAX_HEADER,
     Identity,
-    checksum,
     file_size,
     identity,
     lock_directory,
     open_regular,
     private_directory,
 )
-from .disk_reads import checked, numbers
+from .disk_reads import cache_from, checked, load_cache
 from .disk_writes import Writer, cache_tensors, write
 from .messages import WorkerSettings
 from .prefix_cache import PrefixCache, rewindable, usable
@@ -120,8 +119,8 @@ class _Record:
     tensors: Any = None
     """What the write reads (the entry's and the drafter's :class:`.disk_writes.Tensors`), held until it is done."""
     held: tuple[list[Any], Any] | None = None
-    """The cache and the drafter's (token, state) the write was made from, until it is done: a prompt the entry
-    serves meanwhile resumes from them, not from the file once written."""
+    """The cache and the drafter's (token, state) over the arrays being written, until the write is done: a prompt
+    the entry serves meanwhile resumes from them, not from the file once written."""
     checked: Future[tuple[Identity | None, Identity | None]] | None = None
     """The read ahead (:meth:`DiskTier.check_ahead`): the entry's and the drafter's files as they were when their
     checksums matched (None: did not)."""
@@ -168,8 +167,8 @@ class DiskTier:
     def close(self) -> None:
         """Wait for the writes handed over, then let another process own the directory (the server is
         stopping; the files stay)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)  # no reads wait: nothing will be served
         self._writer.close()
-        self._reader.shutdown(cancel_futures=True)
         self._reap()
         if self._lock is not None:
             os.close(self._lock)
@@ -226,8 +225,8 @@ class DiskTier:
 
     def check_ahead(self, prompt: np.ndarray, better_than: int) -> Future[Any] | None:
         """Start reading the files of the entry :meth:`fetch` would give for *prompt*, and checking them against
-        their checksums, on the reader thread: the read (done), None when there is nothing to read (no entry, or
-        one still being written, whose arrays are in memory)."""
+        their checksums, on the reader thread: the read (running or done: one read serves every arrival), None
+        when there is nothing to read (no entry, or one still being written, whose arrays are in memory)."""
         best = self._best(prompt, better_than)
         if best is None or best.pending is not None:
             return None
@@ -240,11 +239,11 @@ class DiskTier:
         """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
         cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
         read. Files :meth:`check_ahead` found whole, and unchanged since, are not checked again."""
-        self._reap()  # the writes done let go of their arrays
         best = self._best(prompt, better_than)
-        if best is not None and best.held is not None:  # still being written: its arrays are still here
+        if best is not None and best.held is not None:  # being written, or not yet reaped: its arrays are here
             best.used = time.time()
             return best.tokens, *best.held
+        self._reap()  # the writes done let go of their arrays
         if best is None or not self._settle(best):
             return None
         found: tuple[Identity | None, Identity | None] = (None, None)
@@ -252,7 +251,8 @@ class DiskTier:
         if read is not None and read.done() and not read.cancelled() and read.exception() is None:
             found = read.result()
         try:
-            cache = self._load(best, verified=found[0] is not None and found[0] == identity(best.path))
+            cache = load_cache(best.path, best.checksum, found[0] is not None and found[0] == identity(best.path),
+                               self._classes, self._layers, len(best.tokens), best.rewinds)
         except Exception as exc:  # a truncated or corrupt file: whatever mlx or the classes raise
             self._damaged(best.path, exc)
             return None
@@ -275,46 +275,12 @@ class DiskTier:
                            type(exc).__name__, exc)
             return None
 
-    def _load(self, record: _Record, verified: bool) -> list[Any]:
-        """The cache in *record*'s file: mlx-lm's ``load_prompt_cache``, with the classes this model's family
-        uses (mlx-lm's looks classes up among its own only), checked against the model's layers, and its
-        arrays against their checksum unless *verified* (the read ahead did, on these bytes)."""
-        import mlx.core as mx
-        from mlx.utils import tree_unflatten
-
-        loaded: Any = mx.load(str(record.path), return_metadata=True)
-        arrays, flat = loaded
-        _, classes, scalars = tree_unflatten(list(flat.items()))
-        if not verified:
-            skipped = numbers(flat)
-            found = checksum({name: array for name, array in arrays.items() if name not in skipped})
-            if found != record.checksum:
-                raise ValueError(f"its arrays' checksum is {found}, where its header says {record.checksum}")
-        values: dict[str, Any] = dict(arrays)
-        for position, kind in scalars[1:]:
-            array = arrays[position]
-            values[position] = array.item() if kind == "scalar" else None if kind == "none" else \
-                "".join(chr(c) for c in array.tolist())
-        states = tree_unflatten(list(values.items()))
-        if len(classes) != len(self._layers) or len(states) != len(classes):
-            raise ValueError(f"{len(classes)} layers, where the model has {len(self._layers)}")
-        cache = [self._classes[name].from_state(state) for name, state in zip(classes, states, strict=True)]
-        for layer, fresh in zip(cache, self._layers, strict=True):
-            if not isinstance(layer, fresh):  # a family's own class is a kind of mlx-lm's, or the same class
-                raise ValueError(f"a {type(layer).__name__} layer where the model has a {fresh.__name__}")
-            if getattr(layer, "offset", len(record.tokens)) != len(record.tokens):
-                raise ValueError(f"a layer holding {layer.offset} positions for {len(record.tokens)} tokens")
-        if rewindable(cache) != record.rewinds:
-            raise ValueError("its layers do not match its header")
-        mx.eval([layer.state for layer in cache])
-        return cache
-
     def save(self, tokens: np.ndarray, cache: list[Any], drafter: tuple[int, Any] | None = None) -> None:
         """Write *cache*, which holds exactly *tokens*, unless it is there already or the tier is off; and
         *drafter*, the MTP drafter's (token it has read after them, state) kept with it, if any.
 
         Here the arrays are only made ready; the writer's thread writes them (:mod:`.disk_writes`), and the
-        entry is listed at once: a prompt it serves before the write is done resumes from *cache* itself."""
+        entry is listed at once: a prompt it serves before the write is done resumes from what is written."""
         self._reap()
         name = _name(tokens)
         if self.max_bytes <= 0 or name in self._records:
@@ -337,8 +303,11 @@ class DiskTier:
                                type(exc).__name__, exc)
         nbytes = entry.nbytes + (beside.nbytes if beside is not None else 0)
         pending = self._writer.submit(functools.partial(_write, path, [entry, beside]), nbytes)
-        self._records[name] = _Record(path, tokens, rewinds, nbytes, time.time(), "", pending, (entry, beside),
-                                      held=(cache, drafter if beside is not None else None))
+        held = None  # a prompt it serves before the write is done resumes from the very arrays being written
+        with contextlib.suppress(Exception):  # else it waits for the write, and reads the file
+            held = (cache_from(entry.arrays, entry.metadata, self._classes, self._layers, len(tokens), rewinds),
+                    drafter_disk.decode(beside, self._classes) if beside is not None else None)
+        self._records[name] = _Record(path, tokens, rewinds, nbytes, time.time(), "", pending, (entry, beside), held)
         self._prune()
 
     def _reap(self) -> None:
@@ -358,6 +327,9 @@ class DiskTier:
         record.checksum = summed
         with contextlib.suppress(OSError):
             record.size = record.path.stat().st_size + file_size(_drafter_path(record.path))
+        # Its bytes were summed as they were written: found whole, as a read ahead would find them, while unchanged.
+        record.checked = Future()
+        record.checked.set_result((identity(record.path), identity(_drafter_path(record.path))))
         return True
 
     def _prune(self) -> None:

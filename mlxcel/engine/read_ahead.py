@@ -25,7 +25,8 @@ from .requests import Finish, GenerationRequest
 
 class ReadAhead:
     """Arrivals held while their entries are read. *read*: the read of a request's entry, started (None when
-    there is nothing to read); *wake*: called from the reader thread when a read ends."""
+    there is nothing to read); *wake*: called when a held arrival's read ends (on the reader thread, or on this
+    one if it ended first), to wake the worker."""
 
     def __init__(self, read: Callable[[GenerationRequest], Future[Any] | None], wake: Callable[[], None]) -> None:
         self._read, self._wake = read, wake

@@ -232,7 +232,12 @@ class Worker:
         prompt with images (its entries are keyed by them) or scored whole (it resumes from nothing)."""
         if request.images or request.prompt_logprobs:
             return None
-        return self.prefix.read_ahead(list(request.prompt_tokens))
+        try:
+            return self.prefix.read_ahead(list(request.prompt_tokens))
+        except Exception as exc:  # the arrival is admitted as without a read ahead, which says what is wrong
+            logger.warning("request %s: no read ahead of its prompt cache entry: %s: %s", request.id,
+                           type(exc).__name__, exc)
+            return None
 
     def _apply(self, intake: Intake, events: Events) -> None:
         for request_id in intake.cancelled:

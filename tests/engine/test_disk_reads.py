@@ -1,5 +1,5 @@
 """The disk tier's reads ahead: an entry's files summed from their bytes on the reader thread, as the worker
-sums the arrays it maps, so that a hit maps a file found whole without summing it again in the worker's turn."""
+sums the arrays it maps, so that a hit loads a file found whole without summing it again in the worker's turn."""
 
 from __future__ import annotations
 
@@ -44,11 +44,11 @@ def _saved(tmp_path: Path) -> tuple[Any, list[Any], np.ndarray]:
     return _tier(tmp_path, cache), cache, tokens  # a restart: the entry is on disk only
 
 
-def test_a_hit_read_ahead_maps_its_file_without_summing_it_again(tmp_path: Path,
+def test_a_hit_read_ahead_loads_its_file_without_summing_it_again(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import mlx.core as mx
 
-    import mlxcel.engine.prompt_disk as prompt_disk
+    import mlxcel.engine.disk_reads as disk_reads
 
     tier, cache, tokens = _saved(tmp_path)
     prompt = np.arange(25, dtype=np.int64)
@@ -57,8 +57,8 @@ def test_a_hit_read_ahead_maps_its_file_without_summing_it_again(tmp_path: Path,
     assert read is not None and tier.check_ahead(prompt, better_than=0) is read  # one read for its arrivals
     assert read.result(timeout=60)[0] is not None
     sums: list[int] = []
-    real = prompt_disk.checksum
-    monkeypatch.setattr(prompt_disk, "checksum", lambda arrays: sums.append(1) or real(arrays))
+    real = disk_reads.checksum
+    monkeypatch.setattr(disk_reads, "checksum", lambda arrays: sums.append(1) or real(arrays))
     held, back, _ = tier.fetch(prompt, better_than=0)
     assert sums == [] and np.array_equal(held, tokens)
     for got, want in zip(back, cache[:2], strict=False):
@@ -101,3 +101,42 @@ def test_a_read_ahead_that_finds_damage_leaves_the_finding_to_the_worker(tmp_pat
         assert tier.fetch(prompt, better_than=0) is None
     assert "ignoring and removing" in caplog.text and "checksum" in caplog.text
     tier.close()
+
+
+def test_a_file_this_tier_wrote_is_loaded_without_summing_it_again(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its bytes were summed as they were written: once the write is done, a hit loads it as a file the read
+    ahead found whole (it is not read ahead: there is nothing to wait for)."""
+    import mlxcel.engine.disk_reads as disk_reads
+
+    cache = _caches(20)
+    tier = _tier(tmp_path, cache)
+    tier.save(np.arange(20, dtype=np.int64), cache)
+    (record,) = tier._records.values()
+    assert record.pending.result(timeout=60) is not None
+    tier._reap()  # what the worker's next save or fetch does first
+    prompt = np.arange(25, dtype=np.int64)
+    read = tier.check_ahead(prompt, better_than=0)
+    assert read is not None and read.done()
+    sums: list[int] = []
+    real = disk_reads.checksum
+    monkeypatch.setattr(disk_reads, "checksum", lambda arrays: sums.append(1) or real(arrays))
+    assert tier.fetch(prompt, better_than=0) is not None and sums == []
+    tier.close()
+
+
+def test_a_header_whose_shape_is_not_its_bytes_is_not_found_whole(tmp_path: Path) -> None:
+    """mx.load makes each array from its header's shape and dtype, so a sum over the byte ranges alone would
+    pass a header damaged there."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    from mlxcel.engine.disk_files import file_checksum
+
+    path = tmp_path / "entry.safetensors"
+    save_prompt_cache(str(path), _caches(20), {"mlxcel_format": "2"})
+    data = path.read_bytes()
+    damaged = data.replace(b'"shape":[1,2,256,16]', b'"shape":[1,2,128,16]', 1)
+    assert damaged != data
+    path.write_bytes(damaged)
+    with pytest.raises(ValueError, match="do not match its shape"):
+        file_checksum(path)

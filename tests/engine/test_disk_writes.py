@@ -76,25 +76,35 @@ def _tier(root: Path, layers: list[Any]) -> Any:
 def test_a_prompt_its_entry_serves_while_it_is_written_resumes_from_its_arrays_and_a_failed_write_is_a_miss(
         tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry is listed as soon as it is handed to the writer; a prompt it serves before the write is done
-    (held here) resumes from the cache the write is made from, without waiting. A write that fails (here the
+    (held here) resumes from the arrays being written, without waiting. A write that fails (here the
     entry's name is a directory) is a warning, and after it a miss; the tier goes on writing, and a restart
     reads back what was written."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
 
     import mlxcel.engine.prompt_disk as prompt_disk
     from mlxcel.engine.prompt_disk import _name
 
     release = threading.Event()
     real = prompt_disk.write
-    monkeypatch.setattr(prompt_disk, "write", lambda tensors, path: release.wait(60) and real(tensors, path))
+
+    def held(tensors: Any, path: Path) -> str:
+        assert release.wait(60)
+        return real(tensors, path)
+
+    monkeypatch.setattr(prompt_disk, "write", held)
     cache = _caches(20)
     tier = _tier(tmp_path, cache)
     tokens = np.arange(20, dtype=np.int64)
     tier.save(tokens, cache)
     assert tier.entries == 1
-    held, back, drafter = tier.fetch(np.arange(21, dtype=np.int64), better_than=0)
-    assert back is cache and np.array_equal(held, tokens) and drafter is None
+    kept, back, drafter = tier.fetch(np.arange(21, dtype=np.int64), better_than=0)
     assert not list(tier.directory.glob("*.safetensors"))  # nothing written yet
+    assert np.array_equal(kept, tokens) and drafter is None and len(back) == len(cache)
+    for got, want in zip(back, cache, strict=True):  # a cache of its own, over the arrays being written
+        assert got is not want and type(got) is type(want)
+        for (name, g), (_, w) in zip(tree_flatten(got.state), tree_flatten(want.state), strict=True):
+            assert (g is None and w is None) or mx.array_equal(g, w).item(), name
     release.set()
 
     broken = np.arange(1, 21, dtype=np.int64)
@@ -107,8 +117,8 @@ def test_a_prompt_its_entry_serves_while_it_is_written_resumes_from_its_arrays_a
     assert tier.entries == 2 and len([p for p in tier.directory.glob("*.safetensors") if p.is_file()]) == 2
     restarted = _tier(tmp_path, cache)
     assert restarted.fetch(np.arange(1, 22, dtype=np.int64), better_than=0) is None
-    held, back, _ = restarted.fetch(np.arange(21, dtype=np.int64), better_than=0)
-    assert np.array_equal(held, tokens) and back is not cache
+    kept, back, _ = restarted.fetch(np.arange(21, dtype=np.int64), better_than=0)
+    assert np.array_equal(kept, tokens)
     assert mx.array_equal(back[0].state[0], cache[0].state[0]).item()
     restarted.close()
 

@@ -61,18 +61,15 @@ def test_a_cancel_ends_a_held_arrival_here_and_the_scheduler_never_sees_it() -> 
     reads = Reads()
     ahead = ReadAhead(reads.read, reads.wake)
     scheduler = Scheduler(BATCH4)
-    passed, _ = ahead.sort([*submit("disk"), Cancel("disk"), *submit("none")])
-    assert [m.request.id for m in passed if isinstance(m, Submit)] == ["none"]
-    _, ended = ahead.sort([Cancel("disk")])  # a second cancel of it, later: nothing held any more
-    assert ended == []
-    passed, ended = ahead.sort([*submit("disk2"), Cancel("disk2")])
-    assert passed == [] and len(ended) == 1
-    request_id, finish = ended[0]
-    assert (request_id, finish.reason, finish.prompt_tokens, finish.error) == \
-        ("disk2", "cancelled", 3, "the client went away")
-    reads.started["disk2"].set_result((None, None))  # the read still ends; the wake-up finds nothing to pass
-    assert ahead.sort([ReadDone()]) == ([], [])
-    assert scheduler.take(passed).admitted == []
+    passed, ended = ahead.sort([*submit("disk"), Cancel("disk"), *submit("none")])
+    intake = scheduler.take(passed)
+    assert [r.id for r, _ in intake.admitted] == ["none"] and intake.finished == [] and intake.cancelled == []
+    assert [(request_id, f.reason, f.prompt_tokens, f.error) for request_id, f in ended] == \
+        [("disk", "cancelled", 3, "the client went away")]
+    passed, ended = ahead.sort([Cancel("disk")])  # the engine's second cancel of it: nothing held, nothing ended
+    assert ended == [] and scheduler.take(passed).cancelled == []
+    reads.started["disk"].set_result((None, None))  # the read still ends; its wake-up finds nothing to pass
+    assert ahead.sort([ReadDone()]) == ([], []) and scheduler.held == 1
 
 
 def test_a_stop_ends_the_held_arrivals_with_the_stops_error() -> None:
