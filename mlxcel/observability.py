@@ -240,15 +240,16 @@ class Observability:
         r.register(_GatewayCollector(self))
         r.register(_PrefixCacheCollector(self))
 
-    def publish_load(self, sequences: list[tuple[int, int]], parallel: int) -> None:
+    def publish_load(self, sequences: list[tuple[int, int]], parallel: int, reading: int = 0) -> None:
         """Slots, batch size and queue depth from the (prompt tokens, decoded) of every sequence held,
-        those decoding first: the first *parallel* hold the slots, the rest wait."""
+        those decoding first: the first *parallel* hold the slots, the rest wait; and *reading* arrivals wait
+        too, for their prompt cache entries (:mod:`.engine.read_ahead`)."""
         serving = sequences[:parallel]
         self.slots = tuple(SlotState(id=i, is_processing=i < len(serving),
                                      n_prompt_tokens=serving[i][0] if i < len(serving) else 0,
                                      n_decoded=serving[i][1] if i < len(serving) else 0)
                            for i in range(parallel))
-        self.waiting = len(sequences) - len(serving)
+        self.waiting = len(sequences) - len(serving) + reading
         self.batch_size.set(len(serving))
         self.queue_depth.set(self.waiting)
 

@@ -392,4 +392,4 @@ class Worker:
         ordered = sorted(self.sequences.values(),
                          key=lambda s: self.scheduler.place(s.request.id) in ("waiting", "scoring"))
         self.observability.publish_load([(len(s.request.prompt_tokens), s.output.generated) for s in ordered],
-                                        self.scheduler.capabilities.parallel)
+                                        self.scheduler.capabilities.parallel, reading=len(self.read_ahead))

@@ -157,8 +157,9 @@ async def test_a_stream_goes_on_while_another_prompts_entry_is_read_from_disk(
     async def ask_next(url: str) -> None:
         resumed.update(await _ask(url, NEXT))
 
-    async with running_server(["--model", str(model)]) as url, httpx.AsyncClient(base_url=url, timeout=120) as \
-            client, client.stream("POST", "/v1/completions", json=stream_body) as stream:
+    async with running_server(["--model", str(model), "--metrics"]) as url, \
+            httpx.AsyncClient(base_url=url, timeout=120) as client, \
+            client.stream("POST", "/v1/completions", json=stream_body) as stream:
         lines = aiter(stream.aiter_lines())
         while not (await anext(lines)).startswith("data: {"):
             pass  # the stream is decoding
@@ -168,7 +169,8 @@ async def test_a_stream_goes_on_while_another_prompts_entry_is_read_from_disk(
             meanwhile = 0
             while meanwhile < 10:
                 meanwhile += (await anext(lines)).startswith("data: {")
-            assert not resumed  # still waiting for its entry
+            assert not resumed  # still waiting for its entry, and counted as waiting
+            assert "\nmlxcel_queue_depth 1.0\n" in (await client.get("/metrics")).text
             release.set()
         async for _ in lines:
             pass
