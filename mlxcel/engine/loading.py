@@ -139,11 +139,20 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     if settings.batch and settings.parallel > 1 and no_batch is not None:
         logger.warning("%s: serving one sequence at a time (%s)", checkpoint.name, no_batch)
     drafts = settings.drafter is not None and settings.batch and sharding is None  # the burst is set up below
-    _measure_products(model, checkpoint.name, settings.block_size if drafts else 1,
-                      settings.parallel + 1 if no_batch is None else 1)  # the batch's overflow place is a row too
+    memo = _probe_memo(hints, checkpoint, settings, host.label) if drafts and hints is not None else None
+    widest = settings.parallel + 1 if no_batch is None else 1  # the batch's overflow place is a row too
+    kept = memo.split(settings.block_size, widest if mx.default_device() == mx.cpu else 1) if memo else None
+    if kept is not None:
+        from ..models.row_exact import adopt
+        from .probe_memo import KEPT
+
+        adopt(model, kept)
+        logger.info("%s: the row split %s", checkpoint.name, KEPT)
+    else:
+        _measure_products(model, checkpoint.name, settings.block_size if drafts else 1, widest)
+        memo = _measured_for_the_probes(memo, model, settings.block_size)
     speculation = None
     pairing = None
-    memo = None
     no_burst: str | None = "no drafter configured (--mtp, --draft-model)"
     if settings.drafter is not None and not settings.batch:
         no_burst = "--no-batch"
@@ -156,8 +165,6 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     elif drafts and settings.drafter is not None:  # with --no-batch no drafter is loaded
         from .speculation import set_up
 
-        if hints is not None:
-            memo = _probe_memo(hints, checkpoint, settings, host.label, model)
         speculation = set_up(settings.drafter, checkpoint, model, stream, host.label, settings.block_size, vocab,
                              settings.policy.allow_inexact, settings.draft_quantize, check=check,
                              new_cache=new_cache, memo=memo)
@@ -177,25 +184,38 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
                   grammar_tokenizer(tokenizer, vocab, eos), memo)
 
 
-def _probe_memo(hints: HintStore, checkpoint: CheckpointInfo, settings: WorkerSettings, hardware: str,
-                model: Any) -> ProbeMemo | None:
-    """What an earlier start's exactness probes found for this pairing here (:mod:`.probe_memo`), or None where
-    it cannot be told (a file that cannot be read: the probes run, as without a cache)."""
-    from ..models.row_exact import measure
+def _probe_memo(hints: HintStore, checkpoint: CheckpointInfo, settings: WorkerSettings, hardware: str
+                ) -> ProbeMemo | None:
+    """What an earlier start's exactness probes found for this pairing here, and the row split measured before
+    them (:mod:`.probe_memo`), or None where it cannot be told (a file that cannot be read: the probes run, as
+    without a cache)."""
     from .probe_memo import ProbeMemo, fingerprint
 
     assert settings.drafter is not None
     try:
-        # What the burst's probe measures first on every backend (the CPU's steps measured it already): a kept
-        # outcome runs without the probe, and its "rows" split needs the measurement, which the fingerprint
-        # covers. (Where it raises, the probe's own measurement raises again, and vetoes.)
-        measure(model, settings.block_size)
         probed = {"kv_bits": settings.kv_bits, "draft_quantize": settings.draft_quantize,
                   "context_length": checkpoint.context_length}
         return ProbeMemo(hints, PairingKey(checkpoint.name, settings.drafter.name, hardware, settings.block_size),
-                         fingerprint(model, checkpoint.path, settings.drafter.path, probed))
+                         fingerprint(checkpoint.path, settings.drafter.path, probed))
     except Exception as exc:  # whatever goes wrong here means "probe", never a failed start
         logger.warning("probing exactness at every start: the probes' kept outcomes cannot be used (%s: %s)",
+                       type(exc).__name__, exc)
+        return None
+
+
+def _measured_for_the_probes(memo: ProbeMemo | None, model: Any, block_size: int) -> ProbeMemo | None:
+    """*memo*, with the row split kept in it: measured as the burst's probe first measures it, on every backend
+    (the CPU's steps measured it already), since a kept outcome runs without the probe and its "rows" split
+    needs the measurement. Where that raises, None (the probe's own measurement raises again, and vetoes)."""
+    from ..models.row_exact import measure
+
+    if memo is None:
+        return None
+    try:
+        memo.save_split(measure(model, block_size))
+        return memo
+    except Exception as exc:
+        logger.warning("probing exactness at every start: the row split cannot be kept (%s: %s)",
                        type(exc).__name__, exc)
         return None
 

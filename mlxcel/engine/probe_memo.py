@@ -14,9 +14,11 @@ builds (mlxcel's by its source files, which a development checkout edits
 without a version bump), the BLAS and its threads, the CPU and the OS, the
 device, the loaded BLAS and MLX libraries' files, the target's and the
 drafter's files (names, sizes and modification times), the settings that reach
-the probed forward (``--kv-bits``, ``--draft-quantize``, the context length)
-and the products :mod:`~mlxcel.models.row_exact` measured for this model just
-before. A file that does not match is logged and replaced after the probe.
+the probed forward (``--kv-bits``, ``--draft-quantize``, the context length).
+A file that does not match is logged and replaced after the probe. The row
+split :mod:`~mlxcel.models.row_exact` measured before the probes (which
+products pad or chunk: its bytes depend on the same things) is kept with their
+outcomes, and a start that takes them takes it too, instead of measuring it.
 
 Worker thread only (the fingerprint reads mlx's device).
 """
@@ -31,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..models.row_exact import RowSplit
 from ..models.speculative import DESCRIBE
 from ..policy import HintStore, PairingKey
 from .exactness import ProbeResult
@@ -55,6 +58,7 @@ class ProbeMemo:
         self._hints, self._key, self._fingerprint = hints, key, fingerprint
         self._burst: ProbeResult | None = None
         self._batch: dict[str, Any] | None = None
+        self._split: dict[str, Any] | None = None
         record = hints.load_probe(key)
         if record is None:
             return
@@ -68,7 +72,26 @@ class ProbeMemo:
         problem = self._read(record)
         if problem is not None:
             logger.warning("ignoring the exactness probes' outcomes %s: %s; probing again", path, problem)
-            self._burst = self._batch = None
+            self._burst = self._batch = self._split = None
+
+    def split(self, max_rows: int, max_batch: int) -> RowSplit | None:
+        """The row split stored for this fingerprint, measured for exactly *max_rows* positions and
+        *max_batch* rows; None: measure it."""
+        kept = self._split
+        if kept is None or (kept["max_rows"], kept["max_batch"]) != (max_rows, max_batch):
+            return None
+        return RowSplit({(o, i): n for o, i, n in kept["chunks"]}, kept["share"], max_rows, max_batch,
+                        kept["steps"], frozenset((o, i) for o, i in kept["batch_shapes"]),
+                        {(o, i): n for o, i, n in kept["pads"]})
+
+    def save_split(self, split: RowSplit) -> None:
+        """Keep *split*, measured at this start (the probes' outcomes, measured after it, are dropped)."""
+        self._burst = self._batch = None
+        self._split = {"chunks": sorted([*shape, n] for shape, n in split.chunks.items()),
+                       "pads": sorted([*shape, n] for shape, n in split.pads.items()),
+                       "batch_shapes": sorted(list(shape) for shape in split.batch_shapes), "share": split.share,
+                       "max_rows": split.max_rows, "max_batch": split.max_batch, "steps": split.steps}
+        self._save()
 
     def burst(self) -> ProbeResult | None:
         """The burst's probe outcome stored for this fingerprint, or None: probe."""
@@ -91,9 +114,14 @@ class ProbeMemo:
         self._save()
 
     def _read(self, record: dict[str, Any]) -> str | None:
-        burst, batch = record.get("burst"), record.get("batch")
-        if set(record) != {"fingerprint", "burst", "batch"}:
+        burst, batch, split = record.get("burst"), record.get("batch"), record.get("split")
+        if set(record) != {"fingerprint", "split", "burst", "batch"}:
             return "its fields are not those of the probes' outcomes"
+        if split is not None:
+            problem = _split_problem(split)
+            if problem is not None:
+                return problem
+            self._split = split
         if burst is not None:
             if not (isinstance(burst, dict) and set(burst) == {"split", "detail"}
                     and (burst["split"] is None or (isinstance(burst["split"], str) and burst["split"] in DESCRIBE))
@@ -112,20 +140,35 @@ class ProbeMemo:
 
     def _save(self) -> None:
         burst = None if self._burst is None else {"split": self._burst.split, "detail": self._burst.detail}
-        self._hints.save_probe(self._key, {"fingerprint": self._fingerprint, "burst": burst, "batch": self._batch})
+        self._hints.save_probe(self._key, {"fingerprint": self._fingerprint, "split": self._split, "burst": burst,
+                                           "batch": self._batch})
 
 
-def fingerprint(model: Any, target: Path, drafter: Path, settings: Mapping[str, object]) -> dict[str, str]:
-    """What the probes' bytes depend on besides the pairing key and the kernels' versions (module docstring):
-    *target* and *drafter* the served files, *settings* those that reach the probed forward, and *model*'s
-    products measured for its rows (``model.row_split``)."""
+def _split_problem(split: Any) -> str | None:
+    """What is wrong with a stored row split, or None."""
+    def shapes(value: Any, width: int) -> bool:
+        return isinstance(value, list) and all(
+            isinstance(v, list) and len(v) == width and all(type(n) is int and n > 0 for n in v) for v in value)
+
+    if not (isinstance(split, dict) and set(split) == {"chunks", "pads", "batch_shapes", "share", "max_rows",
+                                                        "max_batch", "steps"}
+            and shapes(split["chunks"], 3) and shapes(split["pads"], 3) and shapes(split["batch_shapes"], 2)
+            and type(split["share"]) in (int, float) and type(split["max_rows"]) is int
+            and type(split["max_batch"]) is int and type(split["steps"]) is bool):
+        return "its row split is not one"
+    return None
+
+
+def fingerprint(target: Path, drafter: Path, settings: Mapping[str, object]) -> dict[str, str]:
+    """What the probes' bytes (and the row split's) depend on besides the pairing key and the kernels' versions
+    (module docstring): *target* and *drafter* the served files, *settings* those that reach the probed
+    forward."""
     import mlx
     import mlx.core as mx
     import mlx_lm
 
     from .. import blas
 
-    split = getattr(model, "row_split", None)
     return {
         "mlxcel": _files_digest(Path(__file__).resolve().parent.parent, "**/*.py"),
         "mlx": _files_digest(Path(next(iter(mlx.__path__))), "**/*"),  # a development build keeps its version
@@ -139,9 +182,6 @@ def fingerprint(model: Any, target: Path, drafter: Path, settings: Mapping[str, 
         "target": _files_digest(target, "**/*"),
         "drafter": _files_digest(drafter, "**/*"),
         "settings": repr(sorted(settings.items())),
-        "row_split": "none" if split is None else repr((
-            sorted(split.chunks.items()), sorted(split.pads.items()), sorted(split.batch_shapes),
-            split.steps, split.max_rows, split.max_batch)),
     }
 
 

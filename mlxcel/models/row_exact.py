@@ -155,14 +155,12 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
         max_rows, max_batch = max(max_rows, known.max_rows), max(max_batch, known.max_batch)
     sizes: dict[tuple[int, int], int] = {}
     samples: dict[tuple[int, int], Any] = {}
-    layers: list[Any] = []
     for _, module in model.named_modules():
         if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating):
             shape = (int(module.weight.shape[0]), int(module.weight.shape[1]))
             sizes[shape] = sizes.get(shape, 0) + module.weight.nbytes
             if _plain(module):
                 samples.setdefault(shape, module)  # the model's own: no copy of a large head
-                layers.append(module)
     most = max_rows * max_batch
     steps = mx.default_device() == mx.cpu
     chunks, pads, batched = {}, {}, set()
@@ -187,14 +185,27 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
     total = sum(sizes.values())
     split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched), pads)
     split.share = sum(sizes[s] for s in split.shapes) / total if total else 0.0
+    return adopt(model, split)
+
+
+def adopt(model: Any, split: RowSplit) -> RowSplit:
+    """Make *model*'s layers of *split*'s shapes pad or chunk as it says: a split :func:`measure` found, or one
+    an earlier start on this machine found for this model, kept with the exactness probes' outcomes
+    (:mod:`mlxcel.engine.probe_memo`)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    layers = [module for _, module in model.named_modules()
+              if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating)
+              and _plain(module)]
     for layer in layers:
-        if tuple(layer.weight.shape) in chunks.keys() | pads.keys() | batched:
+        if tuple(layer.weight.shape) in split.chunks.keys() | split.pads.keys() | split.batch_shapes:
             if not hasattr(layer, "row_split"):
                 layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
             layer.row_split = split  # a plain attribute: not a parameter, never saved
         elif hasattr(layer, "row_split"):
             layer.row_split = split  # measured again: its shape needs no chunks now
-    if steps:
+    if split.steps:
         _flatten_pairs(model)
     model.row_split = split
     return split

@@ -83,7 +83,10 @@ def cache() -> Path:
 
 
 async def test_a_restart_takes_the_outcomes_and_a_rewritten_file_probes_again(
-        target: Path, probes: Counter[str], cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+        target: Path, probes: Counter[str], cache: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxcel.models import row_exact
+
     first = await _start(target)
     assert probes == {"probe_exactness": 1, "probe_batch_widths": 1}
     (record,) = _records(cache)
@@ -91,11 +94,21 @@ async def test_a_restart_takes_the_outcomes_and_a_rewritten_file_probes_again(
     assert stored["burst"]["split"] is not None and stored["burst"]["detail"] is None  # exact: the burst runs
     assert stored["batch"] == {"widths": [2, 6], "declined": {}}  # --parallel 4: widths 2..5, all exact
 
+    measured: list[int] = []
+
+    class Measured(row_exact.RowSplit):  # what a measurement builds (a kept split is built by the memo)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            measured.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(row_exact, "RowSplit", Measured)
     with caplog.at_level(logging.INFO, logger="mlxcel"):
         second = await _start(target)
     assert probes == {"probe_exactness": 1, "probe_batch_widths": 1}  # neither ran again
+    assert measured == []  # nor the row split's measurement: kept with them
     assert second == first  # the same policy as it starts, the same texts
     assert any("found at an earlier start on this machine" in r.getMessage() for r in caplog.records)
+    assert any("the row split found at an earlier start" in r.getMessage() for r in caplog.records)
 
     status = (target / "config.json").stat()  # rewritten in place: another modification time
     os.utime(target / "config.json", ns=(status.st_atime_ns, status.st_mtime_ns + 1_000_000_000))
@@ -111,12 +124,12 @@ async def test_a_restart_takes_the_outcomes_and_a_rewritten_file_probes_again(
 
 def test_the_fingerprint_follows_the_files_and_the_settings(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
-    taken = fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None})
-    assert fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None}) == taken
-    quantized = fingerprint(object(), tmp_path, tmp_path, {"kv_bits": 8})
+    taken = fingerprint(tmp_path, tmp_path, {"kv_bits": None})
+    assert fingerprint(tmp_path, tmp_path, {"kv_bits": None}) == taken
+    quantized = fingerprint(tmp_path, tmp_path, {"kv_bits": 8})
     assert {k for k in taken if quantized[k] != taken[k]} == {"settings"}
     (tmp_path / "model.safetensors").write_bytes(b"0")
-    assert {k for k, v in fingerprint(object(), tmp_path, tmp_path, {"kv_bits": None}).items()
+    assert {k for k, v in fingerprint(tmp_path, tmp_path, {"kv_bits": None}).items()
             if v != taken[k]} == {"target", "drafter"}
 
 
@@ -144,7 +157,8 @@ async def test_a_probe_that_could_not_run_is_not_kept(target: Path, probes: Coun
         patch.setattr(exactness, "probe_exactness", fails)
         vetoed, _ = await _start(target)
     assert vetoed["decline_detail"].startswith("The exactness probe could not run: RuntimeError")
-    assert _records(cache) == []  # it proved nothing: the next start probes
+    (record,) = _records(cache)  # the row split measured before it is kept; no outcome: the next start probes
+    assert json.loads(record.read_text())["record"]["burst"] is None
     restarted, _ = await _start(target)
     assert restarted["decline_detail"] is None and probes["probe_exactness"] == 1
 
@@ -196,21 +210,49 @@ def test_the_batch_outcome_is_kept_for_its_widths_and_a_new_burst_outcome_drops_
     assert vetoed.batch(range(2, 6)) is None  # measured after the burst's outcome it followed
 
 
+SPLIT = {"chunks": [[64, 32, 3]], "pads": [[64, 32, 2]], "batch_shapes": [], "share": 0.25, "max_rows": 4,
+         "max_batch": 5, "steps": True}
+
+
 @pytest.mark.parametrize("record", [
-    {"fingerprint": PRINT, "burst": {"split": "diagonal", "detail": None}, "batch": None},
-    {"fingerprint": PRINT, "burst": {"split": "rows", "detail": "both"}, "batch": None},
-    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2], "declined": {}}},
-    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2, 6], "declined": {"four": "x"}}},
-    {"fingerprint": PRINT, "burst": None},
-    {"fingerprint": PRINT, "burst": {"split": ["rows"], "detail": None}, "batch": None},
-    {"fingerprint": PRINT, "burst": None, "batch": {"widths": [2, 6], "declined": {"²": "x"}}},
+    {"fingerprint": PRINT, "split": None, "burst": {"split": "diagonal", "detail": None}, "batch": None},
+    {"fingerprint": PRINT, "split": None, "burst": {"split": "rows", "detail": "both"}, "batch": None},
+    {"fingerprint": PRINT, "split": None, "burst": None, "batch": {"widths": [2], "declined": {}}},
+    {"fingerprint": PRINT, "split": None, "burst": None, "batch": {"widths": [2, 6], "declined": {"four": "x"}}},
+    {"fingerprint": PRINT, "split": None, "burst": None},
+    {"fingerprint": PRINT, "split": None, "burst": {"split": ["rows"], "detail": None}, "batch": None},
+    {"fingerprint": PRINT, "split": None, "burst": None, "batch": {"widths": [2, 6], "declined": {"²": "x"}}},
+    {"fingerprint": PRINT, "burst": None, "batch": None},
+    {"fingerprint": PRINT, "split": {**SPLIT, "chunks": [[64, 32]]}, "burst": None, "batch": None},
+    {"fingerprint": PRINT, "split": {**SPLIT, "steps": 1}, "burst": None, "batch": None},
+    {"fingerprint": PRINT, "split": {**SPLIT, "pads": [[64, 32, 0]]}, "burst": None, "batch": None},
 ], ids=["unknown-split", "split-and-veto", "one-width", "named-width", "no-batch-field", "split-a-list",
-        "a-digit-not-ascii"])
+        "a-digit-not-ascii", "no-row-split-field", "a-chunk-without-its-rows", "steps-not-a-bool", "no-rows"])
 def test_a_malformed_record_is_ignored_with_a_warning(tmp_path: Path, record: dict[str, Any],
                                                       caplog: pytest.LogCaptureFixture) -> None:
     hints = HintStore(tmp_path, {})
     hints.save_probe(KEY, record)
     with caplog.at_level(logging.WARNING, logger="mlxcel"):
         memo = ProbeMemo(hints, KEY, PRINT)
-    assert (memo.burst(), memo.batch(range(2, 6))) == (None, None)
+    assert (memo.burst(), memo.batch(range(2, 6)), memo.split(4, 5)) == (None, None, None)
     assert [r.getMessage() for r in caplog.records if "probing again" in r.getMessage()]
+
+
+def test_the_row_split_is_kept_for_its_bounds_and_a_new_one_drops_the_outcomes_measured_after_it(
+        tmp_path: Path) -> None:
+    from mlxcel.models.row_exact import RowSplit
+
+    hints = HintStore(tmp_path, {"mlx": "1"})
+    memo = ProbeMemo(hints, KEY, PRINT)
+    assert memo.split(4, 5) is None
+    measured = RowSplit({(64, 32): 3, (128, 64): 1}, 0.25, 4, 5, True, frozenset({(32, 64)}), {(64, 32): 2})
+    memo.save_split(measured)
+    memo.save_burst(ProbeResult("rows", None))
+    again = ProbeMemo(hints, KEY, PRINT)
+    kept = again.split(4, 5)
+    assert kept is not None and again.burst() == ProbeResult("rows", None)
+    assert (kept.chunks, kept.pads, kept.batch_shapes, kept.share, kept.max_rows, kept.max_batch, kept.steps) == \
+        ({(64, 32): 3, (128, 64): 1}, {(64, 32): 2}, frozenset({(32, 64)}), 0.25, 4, 5, True)
+    assert again.split(4, 9) is None and again.split(3, 5) is None  # other bounds (--parallel, K): measured
+    again.save_split(measured)  # measured again: what was probed after the last measurement goes
+    assert ProbeMemo(hints, KEY, PRINT).burst() is None
