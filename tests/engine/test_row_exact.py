@@ -59,6 +59,39 @@ def test_measured_shapes_give_each_row_the_same_bytes_at_every_width(tmp_path: P
     assert not mx.array_equal(twin(x), mx.concatenate([twin(x[:, i:i + 1]) for i in range(8)], axis=1)).item()
 
 
+def test_a_kept_split_adopted_by_a_fresh_model_is_the_one_measured(tmp_path: Path, on_an_mlx_thread: None) -> None:
+    """A restart adopts the split an earlier start measured, kept with the exactness probes' outcomes
+    (:mod:`mlxcel.engine.probe_memo`): the same layers pad and chunk, with the same split, and a step of a
+    measured shape gives each row the bytes it gives in the model that measured it."""
+    from mlx_lm import load
+
+    from mlxcel.engine.probe_memo import ProbeMemo
+    from mlxcel.policy import HintStore, PairingKey
+
+    path = build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)
+    (measured, _), (fresh, _) = load(str(path)), load(str(path))
+    split = row_exact.measure(measured, 4, max_batch=5)
+    key, hints = PairingKey("qwen35", "qwen35#mtp", "cpu-test", 4), HintStore(tmp_path / "cache", {"mlx": "1"})
+    ProbeMemo(hints, key, {"blas": "this one"}).save_split(split)
+    kept = ProbeMemo(hints, key, {"blas": "this one"}).split(4, 5)
+    assert kept is not None and row_exact.adopt(fresh, kept) is kept
+
+    def classes(model: nn.Module) -> list[tuple[str, str]]:
+        return [(name, type(module).__name__) for name, module in model.named_modules()]
+
+    def fields(split: row_exact.RowSplit) -> tuple[object, ...]:
+        return split.chunks, split.pads, split.batch_shapes, split.share, split.max_rows, split.max_batch, split.steps
+
+    assert classes(fresh) == classes(measured) and any(name.startswith("RowSplit") for _, name in classes(fresh))
+    assert fields(fresh.row_split) == fields(measured.row_split)
+    for shape in split.pads.keys() | split.chunks.keys():
+        mine, theirs = (next(m for _, m in model.named_modules()
+                             if isinstance(m, nn.Linear) and tuple(m.weight.shape) == shape)
+                        for model in (fresh, measured))
+        steps = mx.random.normal((5, 1, shape[1]), key=mx.random.key(2))
+        assert mx.array_equal(mine(steps), theirs(steps)).item(), shape
+
+
 @pytest.mark.requires_openblas
 def test_a_chunked_shape_multiplies_a_rows_verify_a_row_at_a_time(on_an_mlx_thread: None) -> None:
     # The fallback for a shape whose larger products do not all agree: chunks of rows that give each row its
