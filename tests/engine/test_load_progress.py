@@ -32,4 +32,31 @@ def test_the_last_progress_line_of_the_loading_thread_and_none_after(caplog: pyt
     assert observability.loading is None
     loader.info("loaded m in 2.5s")  # the handler is gone with the load
     assert observability.loading is None
-    assert not any(type(h).__name__ == "_LastLine" for h in logging.getLogger("mlxcel").handlers)
+    assert not logging.getLogger("mlxcel.models.loader").filters  # the tap is gone with the load
+
+
+def test_progress_is_taken_below_the_logs_level_and_not_printed() -> None:
+    """``--log-level warning``: the start's INFO lines still reach ``/health``, and only its warnings the log;
+    once the load ends each logger's level is its own again."""
+    observability: Any = SimpleNamespace(loading=None)
+    printed: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: printed.append(record.getMessage())  # type: ignore[method-assign]
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    loader = logging.getLogger("mlxcel.models.loader")
+    try:
+        with reported(observability):
+            loader.info("loading %s: %d%% of tensors", "m", 44)
+            assert observability.loading == "loading m: 44% of tensors"
+            loader.warning("a warning still prints")
+            logging.getLogger("mlxcel.engine.prompt_disk").info("another module's INFO line: not a step")
+        assert printed == ["a warning still prints"]
+        assert loader.level == logging.NOTSET and not loader.filters and loader.getEffectiveLevel() == logging.WARNING
+        loader.info("after the load")
+        assert observability.loading is None and printed == ["a warning still prints"]
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
