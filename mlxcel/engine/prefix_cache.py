@@ -27,10 +27,10 @@ from __future__ import annotations
 import copy
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 
@@ -85,6 +85,25 @@ def usable(held: np.ndarray, rewinds: bool, tokens: np.ndarray) -> int:
     return min(common, len(tokens) - 1) if rewinds else 0
 
 
+class _Kept(Protocol):
+    tokens: np.ndarray
+    rewinds: bool
+
+
+K = TypeVar("K", bound=_Kept)
+
+
+def best_for(kept: Iterable[K], prompt: np.ndarray, better_than: int = 0) -> tuple[K | None, int]:
+    """Of *kept* (entries in memory or on disk), the one standing for the most of *prompt*, if more than
+    *better_than* tokens, and how much it stands for (else *better_than*)."""
+    best, length = None, better_than
+    for entry in kept:
+        n = usable(entry.tokens, entry.rewinds, prompt)
+        if n > length:
+            best, length = entry, n
+    return best, length
+
+
 @dataclass
 class Entry:
     key: tuple[int, ...]
@@ -133,7 +152,7 @@ class PrefixCache:
         if self.off or not tokens:
             return Resumed(None, list(tokens))
         prompt = np.asarray(tokens, dtype=np.int64)
-        best, length = self._best(prompt)
+        best, length = best_for(self._held.values(), prompt)
         if self.disk is not None:
             loaded = self.disk.fetch(prompt, better_than=length)
             if loaded is not None:
@@ -158,15 +177,6 @@ class PrefixCache:
         # A batch hands back mlx-lm's own cache classes; the family's are what its sequences run on.
         return Resumed(family(self._model_type).adopt_cache(cache), list(tokens[length:]), drafter)
 
-    def _best(self, prompt: np.ndarray) -> tuple[Entry | None, int]:
-        """The entry in memory standing for the most of *prompt*, and how much it stands for."""
-        best, length = None, 0
-        for entry in self._held.values():
-            n = usable(entry.tokens, entry.rewinds, prompt)
-            if n > length:
-                best, length = entry, n
-        return best, length
-
     def read_ahead(self, tokens: list[int]) -> Future[Any] | None:
         """Where an entry on disk would serve more of *tokens* than memory does, its files read and checked on
         the disk tier's reader thread, so that :meth:`fetch` loads them without a check in the worker's turn:
@@ -174,7 +184,7 @@ class PrefixCache:
         if self.off or not tokens or self.disk is None:
             return None
         prompt = np.asarray(tokens, dtype=np.int64)
-        return self.disk.check_ahead(prompt, better_than=self._best(prompt)[1])
+        return self.disk.check_ahead(prompt, better_than=best_for(self._held.values(), prompt)[1])
 
     def store(self, tokens: list[int], cache: list[Any]) -> None:
         """Keep a finished sequence's cache, which holds exactly *tokens*."""

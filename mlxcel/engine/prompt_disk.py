@@ -59,7 +59,7 @@ from .disk_files import (
 from .disk_reads import cache_from, checked, load_cache
 from .disk_writes import Writer, cache_tensors, write
 from .messages import WorkerSettings
-from .prefix_cache import PrefixCache, rewindable, usable
+from .prefix_cache import PrefixCache, best_for, rewindable
 
 logger = logging.getLogger(__name__)
 
@@ -214,20 +214,11 @@ class DiskTier:
             path.unlink(missing_ok=True)
             _drafter_path(path).unlink(missing_ok=True)
 
-    def _best(self, prompt: np.ndarray, better_than: int) -> _Record | None:
-        """The entry standing for the most of *prompt*, if more than *better_than* tokens."""
-        best, length = None, better_than
-        for record in self._records.values():
-            n = usable(record.tokens, record.rewinds, prompt)
-            if n > length:
-                best, length = record, n
-        return best
-
     def check_ahead(self, prompt: np.ndarray, better_than: int) -> Future[Any] | None:
         """Start reading the files of the entry :meth:`fetch` would give for *prompt*, and checking them against
         their checksums, on the reader thread: the read (running or done: one read serves every arrival), None
         when there is nothing to read (no entry, or one still being written, whose arrays are in memory)."""
-        best = self._best(prompt, better_than)
+        best, _ = best_for(self._records.values(), prompt, better_than)
         if best is None or best.pending is not None:
             return None
         if best.checked is None:
@@ -239,7 +230,7 @@ class DiskTier:
         """The entry on disk standing for more of *prompt* than *better_than* tokens, read: (its tokens, its
         cache, the drafter's (token, state) kept with it or None); None when there is none, or it cannot be
         read. Files :meth:`check_ahead` found whole, and unchanged since, are not checked again."""
-        best = self._best(prompt, better_than)
+        best, _ = best_for(self._records.values(), prompt, better_than)
         if best is not None and best.held is not None:  # being written, or not yet reaped: its arrays are here
             best.used = time.time()
             return best.tokens, *best.held

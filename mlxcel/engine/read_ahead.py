@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .messages import Cancel, Inbound, Message, ReadDone, Stop, Submit
-from .requests import Finish, GenerationRequest
+from .requests import Finish, GenerationRequest, cancelled_unadmitted
 
 
 class ReadAhead:
@@ -50,8 +50,7 @@ class ReadAhead:
                 break
             if isinstance(message, Cancel) and message.request_id in self._held:
                 submit, _ = self._held.pop(message.request_id)
-                ended.append((message.request_id, Finish("cancelled", len(submit.request.prompt_tokens), 0,
-                                                         error="the client went away")))
+                ended.append((message.request_id, cancelled_unadmitted(submit.request)))
                 continue
             if isinstance(message, Submit):
                 read = self._read(message.request)

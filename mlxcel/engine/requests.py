@@ -136,6 +136,14 @@ class Finish:
 
 Event = TextDelta | Finish | PromptLogprobs
 
+#: Why a cancelled request ended.
+CLIENT_GONE = "the client went away"
+
+
+def cancelled_unadmitted(request: GenerationRequest) -> Finish:
+    """The finish of *request* cancelled before the worker admitted it: nothing generated."""
+    return Finish("cancelled", len(request.prompt_tokens), 0, error=CLIENT_GONE)
+
 
 @dataclass
 class BurstStats:

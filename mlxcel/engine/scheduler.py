@@ -38,7 +38,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from .messages import Cancel, Message, Stop, Submit
-from .requests import Finish, GenerationRequest
+from .requests import Finish, GenerationRequest, cancelled_unadmitted
 
 Place = Literal["scoring", "solo", "waiting", "batch"]
 """Where a held sequence is: its prompt being scored, decoding (or to decode) alone, waiting for a place in the
@@ -156,8 +156,7 @@ class Scheduler:
                 submitted[message.request.id] = message.request
             elif isinstance(message, Cancel) and message.request_id in submitted:
                 request = submitted.pop(message.request_id)
-                intake.finished.append((request.id, Finish("cancelled", len(request.prompt_tokens), 0,
-                                                           error="the client went away")))
+                intake.finished.append((request.id, cancelled_unadmitted(request)))
             elif self._held.pop(message.request_id, None) is not None:
                 intake.cancelled.append(message.request_id)
         arrivals = [r for r in submitted.values() if not self._refused(r, intake)]

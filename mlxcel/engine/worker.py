@@ -35,7 +35,7 @@ from .batch_turn import BatchTurns
 from .instrument import Instrument
 from .messages import Inbound, LoadCancelled, ReadDone, WorkerSettings
 from .read_ahead import ReadAhead
-from .requests import ErrorType, Event, Finish, FinishReason, GenerationRequest
+from .requests import CLIENT_GONE, ErrorType, Event, Finish, FinishReason, GenerationRequest
 from .scheduler import BatchTurn, Capabilities, Intake, Place, Scheduler, ScoreTurn, SoloTurn
 from .sequence import Sequence, new_sequence
 from .solo_turn import SoloTurns
@@ -243,7 +243,7 @@ class Worker:
         for request_id in intake.cancelled:
             sequence = self.sequences[request_id]
             self.forget(sequence)
-            events.append((request_id, self.finish(sequence, "cancelled", "the client went away")))
+            events.append((request_id, self.finish(sequence, "cancelled", CLIENT_GONE)))
         self.batch_turns.insert_each(intake.to_batch)
         for request, place in intake.admitted:
             self._admit(request, place, events)
