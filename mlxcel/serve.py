@@ -73,7 +73,7 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
                                             config.max_queue_depth).start(name, config.blas, ledger,
                                                                           config.instrument)
     app = guard_transport(app, drain_limit=config.options.max_body_bytes,
-                          drain_seconds=config.connections.keep_alive_timeout)
+                          drain_seconds=config.connections.keep_alive_timeout, stopping=shutdown)
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None

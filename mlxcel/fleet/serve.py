@@ -62,7 +62,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
                   policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload,
                   budget=config.budget, metrics=config.metrics)
     app = guard_transport(fleet, drain_limit=config.max_body_bytes,
-                          drain_seconds=config.connections.keep_alive_timeout)
+                          drain_seconds=config.connections.keep_alive_timeout, stopping=shutdown)
     hypercorn = HypercornConfig()
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None

@@ -19,7 +19,9 @@ Two things go wrong with quart-trio on hypercorn without it:
   quart's message reader is already consuming, so the connection can carry the
   next request; if the body is over the limit (declared, or as a chunked body
   arrives) or too slow, it adds ``Connection: close`` instead, so client and
-  server agree the connection ends.
+  server agree the connection ends. A stopping server does not wait: the
+  connection ends with the graceful shutdown, and the wait would hold the
+  answer (a 503 to a body still arriving) until the graceful period ran out.
 """
 
 from __future__ import annotations
@@ -81,12 +83,12 @@ class _Body:
         return self.complete and not self._oversized(limit)
 
 
-def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float) -> Asgi:
+def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float, stopping: trio.Event) -> Asgi:
     """Wrap *app* (see the module docstring).
 
     An early answer waits for at most *drain_limit* bytes of body and *drain_seconds*
     (the server passes ``--max-body-bytes`` and the keep-alive timeout: as long as
-    it would wait for an idle client).
+    it would wait for an idle client); once *stopping* is set, for none.
     """
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
@@ -103,7 +105,7 @@ def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float) -> Asgi
         async def shielded_send(message: Message) -> None:
             with trio.CancelScope(shield=True):
                 if message["type"] == "http.response.start" \
-                        and not await body.reusable(drain_limit, drain_seconds):
+                        and (stopping.is_set() or not await body.reusable(drain_limit, drain_seconds)):
                     message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
                 await send(message)
 

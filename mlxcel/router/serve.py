@@ -73,7 +73,7 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
         options = RouterOptions(api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
                                 show_addresses=config.show_addresses)
         app = guard_transport(create_router_app(state, options), drain_limit=config.max_body_bytes,
-                              drain_seconds=limits.keep_alive_timeout)
+                              drain_seconds=limits.keep_alive_timeout, stopping=shutdown)
         nursery.start_soon(lambda: watch(nodes, client, backend_headers, interval=config.health_interval,
                                          timeout=config.probe_timeout, first_round=probed))
 
