@@ -131,8 +131,8 @@ def permutation_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 
 @pytest.mark.slow
-def test_the_policy_profiles_settles_restores_and_reprofiles_a_new_k(permutation_pairs: dict[str, Path],
-                                                                      tmp_path: Path) -> None:
+def test_the_policy_profiles_settles_and_restores(permutation_pairs: dict[str, Path], tmp_path: Path) -> None:
+    # (A new K is a new pairing to profile: tests/server/test_gemma4.py checks it, through the same policy.)
     # Under mlx's reference BLAS, where the wide verify is exact and a round's products cost enough that
     # the agreeing head's burst clearly pays (under OpenBLAS the row split's verdict is near the line).
     env = {"MLXCEL_MTP_PROFILE_SAMPLES": "2", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_BLAS": "off"}
@@ -148,9 +148,6 @@ def test_the_policy_profiles_settles_restores_and_reprofiles_a_new_k(permutation
     assert len(list((tmp_path / "cache" / "mtp-policy").glob("*[!h].json"))) == 2  # hints kept for the next start
     _, restored = _served_texts(permutation_pairs["agreeing"], tmp_path, ["--mtp"], [], **env)
     assert b1_verdict(restored) == b1_verdict(agreeing)  # restored, not measured again
-    _, fresh = _served_texts(permutation_pairs["agreeing"], tmp_path, ["--mtp"], [],
-                             **{**env, "MLXCEL_DRAFT_BLOCK_SIZE": "3"})
-    assert (fresh["state"], fresh["block_size"], fresh["samples_remaining"]) == ("profiling", 3, 2)
 
 
 @pytest.mark.requires_openblas  # what this checks is OpenBLAS's kernels; CI requires it
