@@ -25,7 +25,8 @@ this tree on huge pages). ``--step-log``: every server logs each batch step (row
 kept) to its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
 r-th mod N), so that a side's figure is not one process's: two processes of one build can differ by 3-8% for their
 whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a server of
-``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free).
+``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free; at ``--depth 2048`` and 16
+streams 3.3 GB, and one of nine was killed for memory).
 ``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
 as a server does once per machine: its costs persist; every server's first steps at a width pay for new
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
