@@ -147,9 +147,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         trio.run(serve_main, config)
-    except KeyboardInterrupt:
-        return 0
-    except BaseException as exc:  # the model failed to load after the port was bound
+    except BaseException as exc:  # the model failed to load after the port was bound, or an interrupt
+        if isinstance(_first_error(exc), KeyboardInterrupt):  # bare, or from inside a nursery
+            return 0
         print(f"mlxcel serve: stopped: {_first_error(exc)}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     return 0

@@ -78,12 +78,17 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
-    hypercorn.graceful_timeout = 5.0
+    hypercorn.graceful_timeout = config.connections.graceful_timeout
 
     async def stopped() -> None:
         await shutdown.wait()
         observability.state = "stopping"
         engine.stop()
+        # The listener's graceful period starts when this returns: once the worker has ended every open
+        # request. Its turn in progress (a prefill chunk: 9 s of a 1 GB model on one CPU thread) could outlast
+        # the period, and the answers would be cut off with their connections. New arrivals meanwhile are 503s;
+        # a second signal stops at once (http/signals.py).
+        await engine.finished.wait()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.run)

@@ -99,6 +99,12 @@ class Fleet:
                 slot.engine.stop()
         self._notify()
 
+    async def engines_ended(self) -> None:
+        """Return once every engine started has returned (after :meth:`stop`: each open request has had its end)."""
+        for slot in self.slots.values():
+            if slot.state in ("loading", "loaded", "unloading"):
+                await slot.stopped.wait()
+
     async def _preload(self, slot: Slot) -> None:
         try:
             await self.ready(slot)

@@ -67,11 +67,12 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
-    hypercorn.graceful_timeout = 5.0
+    hypercorn.graceful_timeout = config.connections.graceful_timeout
 
     async def stopped() -> None:
         await shutdown.wait()
         fleet.stop()
+        await fleet.engines_ended()  # the graceful period from the engines' end, as one model's (mlxcel/serve.py)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(fleet.run)

@@ -79,6 +79,9 @@ class ConnectionLimits:
     """Seconds one write to a client may wait for it to read (its socket buffers full) before the connection
     is closed, and its request cancelled as for a disconnect: a client that never reads would otherwise hold
     its places in the engine for as long as it stays connected."""
+    graceful_timeout: float = 5.0
+    """Seconds a stopping server's listener waits for open answers to be written before it closes their
+    connections (a serving node starts counting once its worker has ended every open request)."""
 
 
 def connection_limits(args: Any) -> ConnectionLimits:

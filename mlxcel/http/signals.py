@@ -1,4 +1,4 @@
-"""SIGINT and SIGTERM as a graceful shutdown, for both roles' processes."""
+"""SIGINT and SIGTERM as a graceful shutdown, for both roles' processes; a second one stops without waiting."""
 
 from __future__ import annotations
 
@@ -12,15 +12,25 @@ logger = logging.getLogger(__name__)
 
 
 async def until_signalled(serve: Callable[[trio.Event], Awaitable[None]]) -> None:
-    """``serve(shutdown)``, with *shutdown* set by the first SIGINT or SIGTERM; returns when *serve* does."""
+    """``serve(shutdown)``, with *shutdown* set by the first SIGINT or SIGTERM; returns when *serve* does.
+
+    A second signal cancels *serve*: what its graceful shutdown still waits for (connections in the graceful
+    period) is abandoned. A turn the MLX worker is in (a prefill chunk) still ends first: native code cannot be
+    interrupted. The receiver stays installed until *serve* returns, so no signal becomes a KeyboardInterrupt
+    (which would end the process with a traceback instead of a clean exit).
+    """
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
         async def on_signals() -> None:
             with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
-                    logger.info("received %s: shutting down", signal.Signals(signum).name)
-                    shutdown.set()
-                    return
+                    name = signal.Signals(signum).name
+                    if not shutdown.is_set():
+                        logger.info("received %s: shutting down (another signal stops without waiting)", name)
+                        shutdown.set()
+                    else:
+                        logger.warning("received %s again: stopping without waiting for open answers", name)
+                        nursery.cancel_scope.cancel()
 
         nursery.start_soon(on_signals)
         await serve(shutdown)

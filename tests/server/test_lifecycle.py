@@ -189,6 +189,80 @@ def test_sigterm_mid_stream_ends_the_stream_cleanly_and_exits_0(llama: Path, tmp
     assert "received SIGTERM: shutting down" in log.read_text()
 
 
+async def test_a_second_signal_stops_without_waiting_for_the_graceful_shutdown() -> None:
+    """The first SIGINT or SIGTERM asks for a graceful shutdown; a second cancels what it still waits for, and
+    neither becomes a KeyboardInterrupt (which ended the process with status 2 and a blank reason)."""
+    import os
+
+    from mlxcel.http.signals import until_signalled
+
+    seen: list[str] = []
+
+    async def serve(shutdown: trio.Event) -> None:
+        await shutdown.wait()
+        seen.append("shutting down")
+        try:
+            await trio.sleep_forever()  # a graceful shutdown that does not end by itself
+        except trio.Cancelled:
+            seen.append("cancelled")
+            raise
+
+    async def until(count: int) -> None:
+        while len(seen) < count:
+            await trio.sleep(0.01)  # a signal arrives through trio's wakeup descriptor, not as a task's step
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(until_signalled, serve)
+            await trio.testing.wait_all_tasks_blocked()
+            os.kill(os.getpid(), signal.SIGTERM)
+            await until(1)
+            os.kill(os.getpid(), signal.SIGINT)
+            await until(2)
+    assert seen == ["shutting down", "cancelled"]
+
+
+async def test_a_request_whose_turn_outlasts_the_graceful_period_still_gets_its_503(llama: Path) -> None:
+    """A stop while the worker is in a long turn (a prefill chunk: 9 s of a 1 GB model on one CPU thread) ends
+    the request when the turn ends. The listener's graceful period starts only then: counted from the stop, it
+    closed the connection first, and the client got no answer at all."""
+    import dataclasses
+
+    from mlxcel.serve import ServeConfig, run_server
+    from tests.server.conftest import serve_config
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hold(point: str, request: object) -> None:
+        if point == "prefill" and not entered.is_set():
+            entered.set()
+            release.wait(30)
+
+    config = serve_config(["--model", str(llama)], instrument=Hooks(at=hold))
+    assert isinstance(config, ServeConfig)
+    config = dataclasses.replace(config, connections=dataclasses.replace(config.connections, graceful_timeout=0.2))
+    shutdown = trio.Event()
+    answers: list[httpx.Response] = []
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                          task_status=task_status))
+            await wait_ready(url)
+
+            async def ask() -> None:
+                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                    answers.append(await client.post("/v1/completions", json={"prompt": "def f(x):",
+                                                                              "max_tokens": 4}))
+
+            nursery.start_soon(ask)
+            await trio.to_thread.run_sync(entered.wait, 30)
+            shutdown.set()
+            await trio.sleep(1.0)  # five graceful periods, real time: the turn outlasts it
+            release.set()
+    assert [a.status_code for a in answers] == [503]
+    assert answers[0].json()["error"]["message"] == "server shutting down"
+
+
 async def test_requests_whose_bodies_are_still_arriving_at_shutdown_get_a_503(llama: Path) -> None:
     """The report's SIGTERM while 20 clients were uploading 1 MB bodies: those still sending when the graceful
     period ended got no answer at all. A body still arriving when the server stops is a 503 at once, closing the
