@@ -148,7 +148,9 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trio.run(serve_main, config)
     except BaseException as exc:  # the model failed to load after the port was bound, or an interrupt
-        if isinstance(_first_error(exc), KeyboardInterrupt):  # bare, or from inside a nursery
+        from .http.signals import interrupted
+
+        if interrupted(exc):
             return 0
         print(f"mlxcel serve: stopped: {_first_error(exc)}", file=sys.stderr)
         return EXIT_LOAD_FAILED

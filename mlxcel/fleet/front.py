@@ -95,15 +95,11 @@ class Fleet:
         self._stopping = True
         self._idle_scope.cancel()
         for slot in self.slots.values():
+            if slot.observability is not None:  # a request the stop ends answers 503, as one model's does
+                slot.observability.state = "stopping"
             if slot.engine is not None:
                 slot.engine.stop()
         self._notify()
-
-    async def engines_ended(self) -> None:
-        """Return once every engine started has returned (after :meth:`stop`: each open request has had its end)."""
-        for slot in self.slots.values():
-            if slot.state in ("loading", "loaded", "unloading"):
-                await slot.stopped.wait()
 
     async def _preload(self, slot: Slot) -> None:
         try:
@@ -131,6 +127,8 @@ class Fleet:
         assert parts is not None
         try:
             engine, observability, slot.app = parts.start(slot.entry.id, self._blas, self.ledger)
+            if self._stopping:  # stopped since its load began, before :meth:`stop` could see this engine
+                engine.stop()
             slot.engine, slot.observability = engine, observability
             logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
             async with trio.open_nursery() as nursery:

@@ -72,7 +72,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     async def stopped() -> None:
         await shutdown.wait()
         fleet.stop()
-        await fleet.engines_ended()  # the graceful period from the engines' end, as one model's (mlxcel/serve.py)
+        await engines_ended(fleet)  # the graceful period from the engines' end, as one model's (mlxcel/serve.py)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(fleet.run)
@@ -84,4 +84,13 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
         logger.info("%s", page.announce(urls))
         task_status.started(urls)
         await shutdown.wait()
+        await engines_ended(fleet)
         nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1
+
+
+async def engines_ended(fleet: Fleet) -> None:
+    """Return once every engine *fleet* started has returned (after ``fleet.stop()``: each open request has had
+    its end)."""
+    for slot in fleet.slots.values():
+        if slot.state in ("loading", "loaded", "unloading"):
+            await slot.stopped.wait()

@@ -16,8 +16,8 @@ async def until_signalled(serve: Callable[[trio.Event], Awaitable[None]]) -> Non
 
     A second signal cancels *serve*: what its graceful shutdown still waits for (connections in the graceful
     period) is abandoned. A turn the MLX worker is in (a prefill chunk) still ends first: native code cannot be
-    interrupted. The receiver stays installed until *serve* returns, so no signal becomes a KeyboardInterrupt
-    (which would end the process with a traceback instead of a clean exit).
+    interrupted. The receiver stays installed until *serve* returns or a second signal comes, so neither of the
+    first two becomes a KeyboardInterrupt (a third may: :func:`interrupted` tells the command line so).
     """
     shutdown = trio.Event()
     async with trio.open_nursery() as nursery:
@@ -35,3 +35,10 @@ async def until_signalled(serve: Callable[[trio.Event], Awaitable[None]]) -> Non
         nursery.start_soon(on_signals)
         await serve(shutdown)
         nursery.cancel_scope.cancel()
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether *exc* is a KeyboardInterrupt, bare or first in an exception group (trio's nurseries wrap it)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return isinstance(exc, KeyboardInterrupt)

@@ -22,7 +22,7 @@ from hypercorn.config import Config as HypercornConfig
 
 from .. import page
 from ..http.listener import serve as serve_http
-from ..http.signals import until_signalled
+from ..http.signals import interrupted, until_signalled
 from ..http.transport import guard_transport
 from ..usage import UsageError
 from .app import RouterOptions, RouterState, create_router_app
@@ -108,6 +108,8 @@ def serve_router(args: argparse.Namespace) -> int:
         return 2
     try:
         trio.run(main, config)
-    except KeyboardInterrupt:
-        return 0
+    except BaseException as exc:
+        if interrupted(exc):  # a signal after the receiver (mlxcel/http/signals.py)
+            return 0
+        raise
     return 0

@@ -255,10 +255,12 @@ async def test_a_request_whose_turn_outlasts_the_graceful_period_still_gets_its_
                                                                               "max_tokens": 4}))
 
             nursery.start_soon(ask)
-            await trio.to_thread.run_sync(entered.wait, 30)
-            shutdown.set()
-            await trio.sleep(1.0)  # five graceful periods, real time: the turn outlasts it
-            release.set()
+            try:
+                await trio.to_thread.run_sync(entered.wait, 30)
+                shutdown.set()
+                await trio.sleep(1.0)  # five graceful periods, real time: the turn outlasts it
+            finally:
+                release.set()
     assert [a.status_code for a in answers] == [503]
     assert answers[0].json()["error"]["message"] == "server shutting down"
 
