@@ -148,19 +148,13 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         trio.run(serve_main, config)
     except BaseException as exc:  # the model failed to load after the port was bound, or an interrupt
-        from .http.signals import interrupted
+        from .http.signals import first_error, interrupted
 
         if interrupted(exc):
             return 0
-        print(f"mlxcel serve: stopped: {_first_error(exc)}", file=sys.stderr)
+        print(f"mlxcel serve: stopped: {first_error(exc)}", file=sys.stderr)
         return EXIT_LOAD_FAILED
     return 0
-
-
-def _first_error(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
 
 
 def build_parser() -> argparse.ArgumentParser:

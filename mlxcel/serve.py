@@ -78,7 +78,6 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
-    hypercorn.graceful_timeout = config.connections.graceful_timeout
 
     async def stopped() -> None:
         await shutdown.wait()
@@ -87,7 +86,7 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
         # The listener's graceful period starts when this returns: once the worker has ended every open
         # request. Its turn in progress (a prefill chunk: 9 s of a 1 GB model on one CPU thread) could outlast
         # the period, and the answers would be cut off with their connections. New arrivals meanwhile are 503s;
-        # a second signal stops at once (http/signals.py).
+        # a second signal stops without waiting (http/signals.py).
         await engine.finished.wait()
 
     async with trio.open_nursery() as nursery:
@@ -101,7 +100,7 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
         # HTTP server ends after its graceful shutdown. Either ends the other.
         await engine.finished.wait()
         shutdown.set()
-        nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1
+        nursery.cancel_scope.deadline = trio.current_time() + config.connections.graceful_timeout + 1
 
 
 def raise_open_file_limit() -> int:

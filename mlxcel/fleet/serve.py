@@ -67,7 +67,6 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
-    hypercorn.graceful_timeout = config.connections.graceful_timeout
 
     async def stopped() -> None:
         await shutdown.wait()
@@ -85,7 +84,7 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
         task_status.started(urls)
         await shutdown.wait()
         await engines_ended(fleet)
-        nursery.cancel_scope.deadline = trio.current_time() + hypercorn.graceful_timeout + 1
+        nursery.cancel_scope.deadline = trio.current_time() + config.connections.graceful_timeout + 1
 
 
 async def engines_ended(fleet: Fleet) -> None:

@@ -308,6 +308,7 @@ async def serve(app: Any, config: Config, limits: ConnectionLimits, *,
     """``hypercorn.trio.serve`` for plain HTTP, with the connection bound. Reports the bound URLs."""
     asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
     config.keep_alive_timeout = limits.keep_alive_timeout
+    config.graceful_timeout = limits.graceful_timeout
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)

@@ -37,8 +37,13 @@ async def until_signalled(serve: Callable[[trio.Event], Awaitable[None]]) -> Non
         nursery.cancel_scope.cancel()
 
 
-def interrupted(exc: BaseException) -> bool:
-    """Whether *exc* is a KeyboardInterrupt, bare or first in an exception group (trio's nurseries wrap it)."""
+def first_error(exc: BaseException) -> BaseException:
+    """*exc*, or the first error of an exception group (trio's nurseries wrap what ends a served process)."""
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
-    return isinstance(exc, KeyboardInterrupt)
+    return exc
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether *exc* is a KeyboardInterrupt, bare or first in an exception group."""
+    return isinstance(first_error(exc), KeyboardInterrupt)

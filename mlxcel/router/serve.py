@@ -64,7 +64,6 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
     hypercorn.bind = [f"{config.host}:{config.port}"]
     hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
     hypercorn.errorlog = logging.getLogger("hypercorn.error")
-    hypercorn.graceful_timeout = config.connections.graceful_timeout
     limits = config.connections
     async with backend_client(config.backend_timeout) as client, trio.open_nursery() as nursery:
         probed = trio.Event()
