@@ -19,7 +19,6 @@ import resource
 from dataclasses import dataclass, field
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from . import page
 from .engine import WorkerSettings
@@ -29,7 +28,6 @@ from .fleet.slot import ModelParts, model_charge
 from .http.listener import ConnectionLimits
 from .http.listener import serve as serve_http
 from .http.signals import until_signalled
-from .http.transport import guard_transport
 from .models.loader import CheckpointInfo
 from .server import ServerOptions
 from .server.native import wait_for_native_calls
@@ -72,15 +70,8 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
     engine, observability, app = ModelParts(config.checkpoint, config.worker, config.options,
                                             config.max_queue_depth).start(name, config.blas, ledger,
                                                                           config.instrument)
-    app = guard_transport(app, drain_limit=config.options.max_body_bytes,
-                          drain_seconds=config.connections.keep_alive_timeout, stopping=shutdown)
-    hypercorn = HypercornConfig()
-    hypercorn.bind = [f"{config.host}:{config.port}"]
-    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
-    hypercorn.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
 
     async def stopped() -> None:
-        await shutdown.wait()
         observability.state = "stopping"
         engine.stop()
         # The listener's graceful period starts when this returns: once the worker has ended every open
@@ -92,7 +83,9 @@ async def run_server(config: ServeConfig | FleetConfig, *, shutdown: trio.Event 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(engine.run)
         urls = await nursery.start(lambda task_status: serve_http(
-            app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
+            app, bind=f"{config.host}:{config.port}", limits=config.connections,
+            max_body_bytes=config.options.max_body_bytes, access_log=config.access_log, shutdown=shutdown,
+            ending=stopped, task_status=task_status))
         logger.info("listening on %s", ", ".join(urls))
         logger.info("%s", page.announce(urls))
         task_status.started(urls)

@@ -25,10 +25,11 @@ from .. import page
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
 from ..http.errors import ApiError
+from ..http.waits import first_of
 from ..policy import MtpPolicy, PolicySettings
 from ..server.memory import MemoryLedger
 from . import asgi
-from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, read_body, replaying, send_error, send_json
+from .asgi import PingedStream, Receive, Scope, Send, lifespan, model_named, replaying, send_error, send_json
 from .catalog import Catalog, ModelEntry
 from .metrics import fleet_registry, serve_metrics
 from .residency import idle_too_long, next_idle_deadline, size, to_unload_for
@@ -69,7 +70,7 @@ class Fleet:
         self._nursery: trio.Nursery | None = None
         self._not_loaded = MtpPolicy(policy).snapshot.not_loaded().to_wire()
         self._idle_scope = trio.CancelScope()
-        self._stopping = False
+        self._stopping = trio.Event()
         self._started = False
         """Whether the default model's first load has ended, loaded or not: until then ``/health`` is 503."""
         self._metrics = fleet_registry(lambda: list(self.slots.values()), self.ledger) if metrics else None
@@ -92,7 +93,7 @@ class Fleet:
 
     def stop(self) -> None:
         """Stop every engine and load nothing more (the server is shutting down): :meth:`run` then returns."""
-        self._stopping = True
+        self._stopping.set()
         self._idle_scope.cancel()
         for slot in self.slots.values():
             if slot.observability is not None:  # a request the stop ends answers 503, as one model's does
@@ -127,13 +128,13 @@ class Fleet:
         assert parts is not None
         try:
             engine, observability, slot.app = parts.start(slot.entry.id, self._blas, self.ledger)
-            if self._stopping:  # stopped since its load began, before :meth:`stop` could see this engine
+            if self._stopping.is_set():  # stopped since its load began, before :meth:`stop` could see this engine
                 engine.stop()
             slot.engine, slot.observability = engine, observability
             logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(engine.run)
-                await _first_of(engine.ready, engine.finished)
+                await first_of(engine.ready, engine.finished)
                 if engine.ready.is_set() and not engine.finished.is_set():
                     slot.state = "loaded"
                     logger.info("%s is loaded", slot.entry.id)
@@ -204,7 +205,7 @@ class Fleet:
         try:
             with trio.move_on_after(LOAD_WAIT):
                 while True:
-                    if self._stopping:
+                    if self._stopping.is_set():
                         raise ApiError(503, "the server is shutting down", type="server_error",
                                        code="shutting_down")
                     if slot.state == "loaded":
@@ -276,7 +277,10 @@ class Fleet:
             await page.send_answer(send, found)  # here, not by the default model's app: showing it loads no model
             return
         if method == "POST" and path in MODEL_ROUTES and self._authorized(scope):
-            messages, complete = await read_body(receive, self._max_body_bytes)
+            read = await asgi.read_body_unless_stopped(scope, receive, send, self._max_body_bytes, self._stopping)
+            if read is None:
+                return
+            messages, complete = read
             replay = replaying(messages, receive)
             body = b"".join(m.get("body", b"") for m in messages)
             model, streamed = await model_named(body) if complete else (None, False)
@@ -386,13 +390,3 @@ class Fleet:
             await send_error(send, scope, key_required())
             return
         await self._forward(self.default, scope, receive, send)
-
-
-async def _first_of(*events: trio.Event) -> None:
-    async with trio.open_nursery() as nursery:
-        async def wait(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-        for event in events:
-            nursery.start_soon(wait, event)
-

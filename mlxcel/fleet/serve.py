@@ -17,12 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from .. import page
 from ..http.listener import ConnectionLimits
 from ..http.listener import serve as serve_http
-from ..http.transport import guard_transport
 from ..policy import PolicySettings
 from .catalog import Catalog, ModelEntry
 from .front import Fleet
@@ -61,22 +59,16 @@ async def run_fleet(config: FleetConfig, *, shutdown: trio.Event | None = None,
     fleet = Fleet(config.catalog, config.build, api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
                   policy=config.policy, blas=config.blas, max_loaded=config.max_loaded, idle_unload=config.idle_unload,
                   budget=config.budget, metrics=config.metrics)
-    app = guard_transport(fleet, drain_limit=config.max_body_bytes,
-                          drain_seconds=config.connections.keep_alive_timeout, stopping=shutdown)
-    hypercorn = HypercornConfig()
-    hypercorn.bind = [f"{config.host}:{config.port}"]
-    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
-    hypercorn.errorlog = logging.getLogger("hypercorn.error")
-
     async def stopped() -> None:
-        await shutdown.wait()
         fleet.stop()
         await engines_ended(fleet)  # the graceful period from the engines' end, as one model's (mlxcel/serve.py)
 
     async with trio.open_nursery() as nursery:
         await nursery.start(fleet.run)
         urls = await nursery.start(lambda task_status: serve_http(
-            app, hypercorn, config.connections, shutdown_trigger=stopped, task_status=task_status))
+            fleet, bind=f"{config.host}:{config.port}", limits=config.connections,
+            max_body_bytes=config.max_body_bytes, access_log=config.access_log, shutdown=shutdown,
+            ending=stopped, task_status=task_status))
         count = len(config.catalog.entries)
         logger.info("listening on %s, serving %d model%s: %s", ", ".join(urls), count, "s" if count > 1 else "",
                     ", ".join(config.catalog.ids()))

@@ -57,6 +57,8 @@ from hypercorn.trio.worker_context import WorkerContext
 from hypercorn.typing import ConnectionState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
+from .transport import guard_transport
+
 logger = logging.getLogger(__name__)
 
 SEND_PIECE = 16 * 1024
@@ -302,13 +304,28 @@ async def _accept_loop(listener: trio.SocketListener, connections: _Connections,
         nursery.start_soon(start, stream)
 
 
-async def serve(app: Any, config: Config, limits: ConnectionLimits, *,
-                shutdown_trigger: Callable[[], Awaitable[None]],
+async def serve(app: Any, *, bind: str, limits: ConnectionLimits, max_body_bytes: int, access_log: bool,
+                shutdown: trio.Event, ending: Callable[[], Awaitable[None]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """``hypercorn.trio.serve`` for plain HTTP, with the connection bound. Reports the bound URLs."""
-    asgi = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    """``hypercorn.trio.serve`` for plain HTTP on *bind* (``host:port``), with the connection bound, *app* behind
+    the transport guard (:mod:`.transport`). Reports the bound URLs. Serves until *shutdown* is set; then awaits
+    *ending* (what must end before the graceful period may start: a worker ending every open request) and gives
+    the open answers :attr:`ConnectionLimits.graceful_timeout` to be written."""
+    config = Config()
+    config.bind = [bind]
+    config.accesslog = logging.getLogger("hypercorn.access") if access_log else None
+    config.errorlog = logging.getLogger("hypercorn.error")  # through our handlers, once
     config.keep_alive_timeout = limits.keep_alive_timeout
     config.graceful_timeout = limits.graceful_timeout
+    guarded: Any = guard_transport(app, drain_limit=max_body_bytes, drain_seconds=limits.keep_alive_timeout,
+                                   stopping=shutdown)  # Any: hypercorn types the ASGI callable by its own events
+    asgi = wrap_app(guarded, config.wsgi_max_body_size, "asgi")
+
+    async def shutdown_trigger() -> None:
+        await shutdown.wait()
+        if ending is not None:
+            await ending()
+
     lifespan_state: dict[str, Any] = {}
     lifespan = Lifespan(asgi, config, lifespan_state)
     context = WorkerContext(None)

@@ -19,9 +19,10 @@ Two things go wrong with quart-trio on hypercorn without it:
   quart's message reader is already consuming, so the connection can carry the
   next request; if the body is over the limit (declared, or as a chunked body
   arrives) or too slow, it adds ``Connection: close`` instead, so client and
-  server agree the connection ends. A stopping server does not wait: the
-  connection ends with the graceful shutdown, and the wait would hold the
-  answer (a 503 to a body still arriving) until the graceful period ran out.
+  server agree the connection ends. A stopping server does not wait (nor
+  goes on waiting once it stops): the connection ends with the graceful
+  shutdown, and the wait would hold the answer (a 503 to a body still
+  arriving) until the graceful period ran out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import trio
+
+from .waits import first_of
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -73,14 +76,14 @@ class _Body:
     def _oversized(self, limit: int) -> bool:
         return self.received > limit or (self.declared is not None and self.declared > limit)
 
-    async def reusable(self, limit: int, seconds: float) -> bool:
-        """Whether the connection can carry another request after this answer: the whole body has
-        arrived (waiting for it, bounded), and it is not over *limit* (then the answer always closes,
-        whether or not the rest happened to arrive)."""
+    async def reusable(self, limit: int, seconds: float, stopping: trio.Event) -> bool:
+        """Whether the connection can carry another request after this answer: the server is not stopping, the
+        whole body has arrived (waiting for it, bounded, and not past a stop), and it is not over *limit* (then
+        the answer always closes, whether or not the rest happened to arrive)."""
         with trio.move_on_after(seconds):
-            while not (self.complete or self.disconnected or self._oversized(limit)):
-                await self.changed.wait()
-        return self.complete and not self._oversized(limit)
+            while not (self.complete or self.disconnected or self._oversized(limit) or stopping.is_set()):
+                await first_of(self.changed, stopping)
+        return self.complete and not self._oversized(limit) and not stopping.is_set()
 
 
 def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float, stopping: trio.Event) -> Asgi:
@@ -105,7 +108,7 @@ def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float, stoppin
         async def shielded_send(message: Message) -> None:
             with trio.CancelScope(shield=True):
                 if message["type"] == "http.response.start" \
-                        and (stopping.is_set() or not await body.reusable(drain_limit, drain_seconds)):
+                        and not await body.reusable(drain_limit, drain_seconds, stopping):
                     message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
                 await send(message)
 

@@ -18,12 +18,10 @@ import logging
 
 import httpx
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from .. import page
 from ..http.listener import serve as serve_http
 from ..http.signals import interrupted, until_signalled
-from ..http.transport import guard_transport
 from ..usage import UsageError
 from .app import RouterOptions, RouterState, create_router_app
 from .forward import Forwarder
@@ -60,10 +58,6 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
         shutdown = trio.Event()
     nodes = [Node(id=f"node-{i}", url=url) for i, url in enumerate(config.backends)]
     backend_headers = {"Authorization": f"Bearer {config.backend_api_key}"} if config.backend_api_key else {}
-    hypercorn = HypercornConfig()
-    hypercorn.bind = [f"{config.host}:{config.port}"]
-    hypercorn.accesslog = logging.getLogger("hypercorn.access") if config.access_log else None
-    hypercorn.errorlog = logging.getLogger("hypercorn.error")
     limits = config.connections
     async with backend_client(config.backend_timeout) as client, trio.open_nursery() as nursery:
         probed = trio.Event()
@@ -71,17 +65,14 @@ async def run_router(config: RouterConfig, *, shutdown: trio.Event | None = None
         state = RouterState(nodes=nodes, forwarder=forwarder, nursery=nursery, probed=probed)
         options = RouterOptions(api_keys=config.api_keys, max_body_bytes=config.max_body_bytes,
                                 show_addresses=config.show_addresses)
-        app = guard_transport(create_router_app(state, options), drain_limit=config.max_body_bytes,
-                              drain_seconds=limits.keep_alive_timeout, stopping=shutdown)
+        app = create_router_app(state, options)
         nursery.start_soon(lambda: watch(nodes, client, backend_headers, interval=config.health_interval,
                                          timeout=config.probe_timeout, first_round=probed))
 
-        async def stopped() -> None:
-            await shutdown.wait()
-
         async with trio.open_nursery() as http:
             urls = await http.start(lambda task_status: serve_http(
-                app, hypercorn, limits, shutdown_trigger=stopped, task_status=task_status))
+                app, bind=f"{config.host}:{config.port}", limits=limits, max_body_bytes=config.max_body_bytes,
+                access_log=config.access_log, shutdown=shutdown, task_status=task_status))
             logger.info("router listening on %s; %d backend(s), placement %s", ", ".join(urls), len(nodes),
                         config.placement)
             logger.info("%s", page.announce(urls))

@@ -237,3 +237,38 @@ async def test_a_lone_model_under_a_memory_budget_reserves_each_requests_cache(s
 def test_a_lone_model_over_its_memory_budget_is_refused_at_start(scripted: dict[str, Path]) -> None:
     said = refused("--model", str(scripted["hello"]), "--prompt-cache-bytes", "1M", "--memory-budget", "1M")
     assert "needs 1.6" in said and "more than --memory-budget 1.05 MB" in said
+
+
+async def test_a_body_still_arriving_at_shutdown_gets_a_503(scripted: dict[str, Path], tmp_path: Path) -> None:
+    """As one model's server: the front reads a body for its ``model``, and a stop during that read answers 503 at
+    once. It once waited on for the rest, and the graceful period closed the connection with no answer."""
+    from urllib.parse import urlsplit
+
+    from mlxcel.serve import run_server
+    from tests.server.conftest import serve_config
+
+    root = tmp_path / "models"
+    root.mkdir()
+    (root / "bye").symlink_to(scripted["bye"], target_is_directory=True)
+    shutdown = trio.Event()
+    config = serve_config(["--model", str(scripted["hello"]), "--model-dir", str(root)])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                          task_status=task_status))
+            await wait_ready(url)
+            parts = urlsplit(url)
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
+                                  b'\r\nContent-Length: 1000000\r\n\r\n{"model": "bye", "messages": "' + b"x" * 1000)
+            await trio.sleep(0.5)  # the front is reading a body that stops coming
+            shutdown.set()
+            received = b""
+            with trio.move_on_after(2):  # well inside the 5 s graceful period
+                while not received.endswith(b"}") and (chunk := await stream.receive_some(65536)):
+                    received += chunk
+            await stream.aclose()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"\r\nconnection: close" in head.lower(), received
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("server_error", "unavailable")

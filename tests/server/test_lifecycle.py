@@ -300,3 +300,34 @@ async def test_requests_whose_bodies_are_still_arriving_at_shutdown_get_a_503(ll
                 await stream.aclose()
     assert all(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers
     assert all(b"\r\nconnection: close\r\n" in answer.lower() for answer in answers), answers
+
+
+async def test_an_early_answer_waiting_for_the_rest_of_a_body_goes_out_when_the_server_stops(llama: Path) -> None:
+    """An answer before the body has all arrived (here a 401) waits, bounded by the keep-alive timeout, for the rest,
+    so that the connection can carry the next request. A stop during that wait ends it: the answer goes out at once
+    with ``Connection: close``, where it once waited out the whole timeout (30 s here), past the graceful period."""
+    from urllib.parse import urlsplit
+
+    from mlxcel.serve import run_server
+    from tests.server.conftest import serve_config
+
+    shutdown = trio.Event()
+    config = serve_config(["--model", str(llama), "--api-key", "k", "--keep-alive-timeout", "30"])
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                          task_status=task_status))
+            await wait_ready(url)
+            parts = urlsplit(url)
+            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+            await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer wrong\r\n"
+                                  b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            await trio.sleep(0.5)  # the 401 is waiting for the other 99 bytes, which never come
+            shutdown.set()
+            received = b""
+            with trio.move_on_after(2):
+                while b"\r\n\r\n" not in received and (chunk := await stream.receive_some(65536)):
+                    received += chunk
+            await stream.aclose()
+    assert received.startswith(b"HTTP/1.1 401"), received
+    assert b"\r\nconnection: close\r\n" in received.lower(), received
