@@ -9,7 +9,8 @@ from typing import Any
 
 import trio
 
-from ..http.errors import ApiError, anthropic_body
+from ..engine.stopping import Stopping
+from ..http.errors import ApiError, anthropic_body, unavailable
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -59,21 +60,16 @@ async def read_body(receive: Receive, limit: int) -> tuple[list[dict[str, Any]],
 
 
 async def read_body_unless_stopped(scope: Scope, receive: Receive, send: Send, limit: int,
-                                   stopping: trio.Event) -> tuple[list[dict[str, Any]], bool] | None:
-    """:func:`read_body`'s answer; or None, once this has answered 503 itself because *stopping* was set while the
-    body was still arriving (as one model's server does: waiting for the rest could outlast the graceful period,
+                                   stopping: Stopping) -> tuple[list[dict[str, Any]], bool] | None:
+    """:func:`read_body`'s answer; or None, once this has answered 503 itself because the server stopped before
+    the body had all arrived (as one model's server does: waiting for the rest could outlast the graceful period,
     and the connection would close with no answer)."""
     read = None
-    async with trio.open_nursery() as nursery:
-        async def cancel_on_stop() -> None:
-            await stopping.wait()
-            nursery.cancel_scope.cancel()
-        nursery.start_soon(cancel_on_stop)
+    with stopping.cancelled():
         read = await read_body(receive, limit)
-        nursery.cancel_scope.cancel()
     if read is None:
-        await send_error(send, scope, ApiError(503, "the server is shutting down; the request's body had not all "
-                                                    "arrived", type="server_error", code="unavailable"))
+        await send_error(send, scope, unavailable("the server is shutting down; the request's body had not all "
+                                                  "arrived", "unavailable"))
     return read
 
 

@@ -22,9 +22,10 @@ from urllib.parse import parse_qs
 import trio
 
 from .. import page
+from ..engine.stopping import Stopping
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
-from ..http.errors import ApiError
+from ..http.errors import ApiError, unavailable
 from ..http.waits import first_of
 from ..policy import MtpPolicy, PolicySettings
 from ..server.memory import MemoryLedger
@@ -70,7 +71,7 @@ class Fleet:
         self._nursery: trio.Nursery | None = None
         self._not_loaded = MtpPolicy(policy).snapshot.not_loaded().to_wire()
         self._idle_scope = trio.CancelScope()
-        self._stopping = trio.Event()
+        self._stopping = Stopping()
         self._started = False
         """Whether the default model's first load has ended, loaded or not: until then ``/health`` is 503."""
         self._metrics = fleet_registry(lambda: list(self.slots.values()), self.ledger) if metrics else None
@@ -93,7 +94,7 @@ class Fleet:
 
     def stop(self) -> None:
         """Stop every engine and load nothing more (the server is shutting down): :meth:`run` then returns."""
-        self._stopping.set()
+        self._stopping.close()
         self._idle_scope.cancel()
         for slot in self.slots.values():
             if slot.observability is not None:  # a request the stop ends answers 503, as one model's does
@@ -128,7 +129,7 @@ class Fleet:
         assert parts is not None
         try:
             engine, observability, slot.app = parts.start(slot.entry.id, self._blas, self.ledger)
-            if self._stopping.is_set():  # stopped since its load began, before :meth:`stop` could see this engine
+            if self._stopping.closing:  # stopped since its load began, before :meth:`stop` could see this engine
                 engine.stop()
             slot.engine, slot.observability = engine, observability
             logger.info("loading %s (%s)", slot.entry.id, slot.entry.path)
@@ -205,9 +206,8 @@ class Fleet:
         try:
             with trio.move_on_after(LOAD_WAIT):
                 while True:
-                    if self._stopping.is_set():
-                        raise ApiError(503, "the server is shutting down", type="server_error",
-                                       code="shutting_down")
+                    if self._stopping.closing:
+                        raise unavailable("the server is shutting down", "unavailable")
                     if slot.state == "loaded":
                         return slot.app
                     if slot.state == "failed":

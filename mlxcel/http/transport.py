@@ -91,7 +91,8 @@ def guard_transport(app: Any, *, drain_limit: int, drain_seconds: float, stoppin
 
     An early answer waits for at most *drain_limit* bytes of body and *drain_seconds*
     (the server passes ``--max-body-bytes`` and the keep-alive timeout: as long as
-    it would wait for an idle client); once *stopping* is set, for none.
+    it would wait for an idle client); once *stopping* is set, for none, and a wait
+    under way ends.
     """
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:

@@ -261,7 +261,9 @@ async def test_a_body_still_arriving_at_shutdown_gets_a_503(scripted: dict[str, 
             stream = await trio.open_tcp_stream(parts.hostname, parts.port)
             await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
                                   b'\r\nContent-Length: 1000000\r\n\r\n{"model": "bye", "messages": "' + b"x" * 1000)
-            await trio.sleep(0.5)  # the front is reading a body that stops coming
+            with trio.move_on_after(0.5) as reading:  # the front reads a body that stops coming
+                await stream.receive_some(1)
+            assert reading.cancelled_caught, "answered before the stop"
             shutdown.set()
             received = b""
             with trio.move_on_after(2):  # well inside the 5 s graceful period
