@@ -31,7 +31,8 @@ goodput, with the classic step measured directly, never as "speculation with no 
   speculation wins again clearly (by :data:`SWITCH_GAIN`), or does not lose with drafts that agree more than when
   it parked (:data:`RISEN`); where it only ties, the looks after each cooldown are what it costs, and they grow
   rarer. Then K = 1 is measured once more, and each wider K that could pay at what it cost before the park, less
-  a margin (:data:`STALE_COST`).
+  a margin (:data:`STALE_COST`). The park's first classic step times the classic step again (nothing does while a
+  K runs), and ends the park where the best K measured beats it as timed now.
 
 The same rule decides for a lone request (width 1: the B=1 burst, round by round) once the policy lets the burst run
 and is not profiling: the policy's verdict says whether the burst may run at all (the contract's B=1 verdict), this
@@ -113,6 +114,8 @@ class _Cell:
     cooldown: int = FIRST_COOLDOWN
     deficit: float = 0.0
     """Tokens a row the speculative steps here made fewer of than classic steps would have (:data:`DEFICIT`)."""
+    resume: tuple[int, float] | None = None
+    """The best K measured when the cell parked, and the share of rows drafting: the park's first classic step's."""
     restored: set[int] = field(default_factory=set)
     """The Ks whose cost an earlier run or another width measured, used as measured until measured here: a
     verify's by :data:`TRIALS` trials, then averaged; the classic step's first measurement is trusted at once
@@ -171,8 +174,17 @@ class DraftLength:
     # -- what the engine reports -------------------------------------------------
 
     def classic(self, width: int, depth: int, seconds: float) -> None:
-        """A classic step of *width* rows took *seconds*."""
-        self._cell(width, depth).add(0, seconds)
+        """A classic step of *width* rows took *seconds*; the first while parked checks the park, which rested on
+        the classic step as last timed (16 rows at 2k: 0.44 s, then 0.48-0.54 s in the same process, parked a K = 3
+        that made 6% more; docs/benchmarks.md, 2026-12-06, sixteenth): the deficit was counted against that."""
+        cell = self._cell(width, depth)
+        cell.add(0, seconds)
+        if cell.parked_for and cell.resume:
+            (k, share), cell.resume = cell.resume, None
+            cell.costs[0] = seconds  # timed now, not the reference the park rested on
+            if self._yields(k, share) and self._rate(cell, k, share) > self._rate(cell, 0):
+                cell.parked_for, cell.running, cell.deficit, cell.losses = 0, k, 0.0, 0
+                cell.cooldown = max(FIRST_COOLDOWN, cell.cooldown // 2)
 
     def speculative(self, width: int, depth: int, drafts: int, seconds: float, kept: Sequence[int],
                     chosen: bool = True, timed: bool = True) -> None:
@@ -194,7 +206,7 @@ class DraftLength:
             if rate < LOSS_MARGIN / classic:
                 cell.losses += 1
                 if cell.losses >= PATIENCE and cell.deficit >= DEFICIT:
-                    self._park(cell)
+                    self._park(cell, len(kept) / width)
             elif self._yields(drafts, len(kept) / width):  # a step that yields next to nothing is no success
                 cell.losses = 0
                 # A tie is no reason to look again sooner after a park (the acceptance worked out only if need be).
@@ -231,7 +243,7 @@ class DraftLength:
         if parked_from is not None and depth >= parked_from and not cell.prior_taken and \
                 not any(k > 0 for k in cell.costs):
             cell.prior_taken = True  # once: after the cooldown this depth band is measured as any other
-            self._park(cell)
+            self._park(cell, share)
         if cell.parked_for > 0:
             self.acceptance.parked()
             cell.parked_for -= 1
@@ -272,7 +284,7 @@ class DraftLength:
                 self._rate(cell, best, share) > SWITCH_GAIN * self._rate(cell, cell.running, share):
             cell.running = best
         if cell.running == 0:  # classic wins here: look again after a cooldown, as after losses
-            self._park(cell)
+            self._park(cell, share)
             return 0
         cell.steps += 1
         # The Ks not run go stale (and a cell's first measurements are its noisiest: a new shape's one-off
@@ -320,7 +332,10 @@ class DraftLength:
         """Whether K's drafts are expected to add at least :data:`MIN_DRAFT_YIELD` tokens a row."""
         return self.expected_tokens(k, share) - 1 >= MIN_DRAFT_YIELD
 
-    def _park(self, cell: _Cell) -> None:
+    def _park(self, cell: _Cell, share: float) -> None:
+        measured = [k for k in range(1, self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
+        best = max(measured, key=lambda k: self._rate(cell, k, share)) if measured and 0 in cell.costs else 0
+        cell.resume = (best, share) if best else None
         cell.parked_for, cell.losses, cell.running, cell.looking = cell.cooldown, 0, 0, 0
         cell.parked_yield = self.expected_tokens(self.max_drafts) - 1
         cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)

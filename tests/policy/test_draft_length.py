@@ -356,3 +356,27 @@ def test_steps_the_rule_did_not_choose_count_their_cost_but_never_park() -> None
     for _ in range(math.ceil(DEFICIT / 3)):  # each of the rule's own loses 3 tokens to the classic step
         rule.speculative(1, 100, 3, 0.040, [0])
     assert rule._cells[(1, 0)].parked_for > 0
+
+
+def test_a_park_resting_on_a_stale_classic_timing_ends_at_the_parks_first_classic_step() -> None:
+    """Nothing times the classic step while a K runs, and its cost moves within a process (16 rows at 2k: 0.44 s at
+    its first timing, 0.48-0.54 s later). Timed low, it makes a K that beats it look like a tie, and the rows' bursts
+    of rejection park that K. The park's first classic step times it again, and where the best K beats it as timed
+    now, the park ends. On the rule without that check: 294 and 98 classic steps here, not at most 40."""
+    def cost() -> Callable[[int, int, int], float]:
+        timed = [0]
+
+        def seconds(width: int, depth: int, k: int) -> float:
+            if k == 0:
+                timed[0] += 1
+                return 0.442 if timed[0] <= 2 else 0.442 * 1.12  # its trials read 12% under what it costs later
+            return sixteen_rows_at_2k(width, depth, k)
+        return seconds
+
+    for acceptance in (0.76, 0.80):  # K = 1 or 2 makes 35.5 tokens/s: classic 36.2 as first timed, 32.3 after
+        parked = 0
+        for seed in range(8):
+            _, chosen = run(DraftLength(3), cost(), lambda step, a=acceptance: a, 600, width=16, seed=seed, shared=True,
+                            step_up=0.2)
+            parked += chosen[100:].count(0)
+        assert parked <= 40, (acceptance, parked)
