@@ -204,6 +204,39 @@ async def wait_ready(url: str, timeout: float = 60) -> None:
                 await trio.sleep(0.02)
 
 
+@asynccontextmanager
+async def stoppable_server(config: ServeConfig | FleetConfig) -> AsyncIterator[tuple[str, trio.Event]]:
+    """A real `mlxcel serve` of *config* in this process, ready; yields its base URL and the shutdown event a
+    signal would set. On exit, the shutdown, and its end waited for."""
+    shutdown = trio.Event()
+    async with trio.open_nursery() as nursery:
+        (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
+                                                                      task_status=task_status))
+        await wait_ready(url)
+        yield url, shutdown
+        shutdown.set()
+
+
+async def raw_connection(url: str) -> trio.SocketStream:
+    """A TCP connection to the server at *url*, to write a request byte by byte."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    return await trio.open_tcp_stream(host, int(port))
+
+
+async def received(stream: trio.SocketStream, done: Callable[[bytes], bool], seconds: float = 2.0) -> bytes:
+    """What *stream* receives until *done* holds of it, the connection closes or *seconds* pass."""
+    data = b""
+    with trio.move_on_after(seconds):
+        while not done(data) and (chunk := await stream.receive_some(65536)):
+            data += chunk
+    return data
+
+
+def head_read(data: bytes) -> bool:
+    """Whether *data* holds an answer's whole head."""
+    return b"\r\n\r\n" in data
+
+
 def b1_verdict(policy: Mapping[str, object]) -> dict[str, object]:
     """A policy body less its ``batch`` field: what a restart restores of the B=1 verdict. (The rule of K's
     cells say which K it runs now, which a restart learns again: its costs are restored, not its choice.)"""

@@ -13,7 +13,15 @@ import trio
 
 from mlxcel.testing.tools import build_scripted_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import refused, running_server, wait_ready
+from tests.server.conftest import (
+    raw_connection,
+    received,
+    refused,
+    running_server,
+    serve_config,
+    stoppable_server,
+    wait_ready,
+)
 
 SCRIPTS = {"hello": ("Hello", " there", ",", " friend", "."), "bye": ("Bye", " for", " now", "."),
            "third": ("A", " third", " one", ".")}
@@ -242,35 +250,19 @@ def test_a_lone_model_over_its_memory_budget_is_refused_at_start(scripted: dict[
 async def test_a_body_still_arriving_at_shutdown_gets_a_503(scripted: dict[str, Path], tmp_path: Path) -> None:
     """As one model's server: the front reads a body for its ``model``, and a stop during that read answers 503 at
     once. It once waited on for the rest, and the graceful period closed the connection with no answer."""
-    from urllib.parse import urlsplit
-
-    from mlxcel.serve import run_server
-    from tests.server.conftest import serve_config
-
     root = tmp_path / "models"
     root.mkdir()
     (root / "bye").symlink_to(scripted["bye"], target_is_directory=True)
-    shutdown = trio.Event()
     config = serve_config(["--model", str(scripted["hello"]), "--model-dir", str(root)])
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
-                                                                          task_status=task_status))
-            await wait_ready(url)
-            parts = urlsplit(url)
-            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        async with stoppable_server(config) as (url, shutdown), await raw_connection(url) as stream:
             await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
                                   b'\r\nContent-Length: 1000000\r\n\r\n{"model": "bye", "messages": "' + b"x" * 1000)
-            with trio.move_on_after(0.5) as reading:  # the front reads a body that stops coming
-                await stream.receive_some(1)
-            assert reading.cancelled_caught, "answered before the stop"
+            # The front reads a body that stops coming: nothing is answered before the stop.
+            assert await received(stream, bool, seconds=0.5) == b""
             shutdown.set()
-            received = b""
-            with trio.move_on_after(2):  # well inside the 5 s graceful period
-                while not received.endswith(b"}") and (chunk := await stream.receive_some(65536)):
-                    received += chunk
-            await stream.aclose()
-    head, _, body = received.partition(b"\r\n\r\n")
-    assert head.startswith(b"HTTP/1.1 503") and b"\r\nconnection: close" in head.lower(), received
+            answer = await received(stream, lambda data: data.endswith(b"}"))  # well inside the graceful period
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503") and b"\r\nconnection: close" in head.lower(), answer
     error = json.loads(body)["error"]
     assert (error["type"], error["code"]) == ("server_error", "unavailable")

@@ -20,7 +20,17 @@ import trio.testing
 from mlxcel.engine.instrument import Hooks
 from mlxcel.testing.serving import child_env, free_port
 from tests.conftest import validate_wire
-from tests.server.conftest import hold_the_batch_probe, mlxcel, running_server, wait_ready
+from tests.server.conftest import (
+    head_read,
+    hold_the_batch_probe,
+    mlxcel,
+    raw_connection,
+    received,
+    running_server,
+    serve_config,
+    stoppable_server,
+    wait_ready,
+)
 
 
 async def test_policy_answers_worker_not_ready_while_the_model_loads(llama: Path) -> None:
@@ -74,7 +84,6 @@ async def test_health_says_what_a_long_start_is_doing(tmp_path: Path, monkeypatc
 async def test_a_shutdown_during_the_model_load_stops_it_between_slices(
         llama: Path, caplog: pytest.LogCaptureFixture) -> None:
     from mlxcel.serve import run_server
-    from tests.server.conftest import serve_config
 
     release = threading.Event()
     shutdown = trio.Event()
@@ -228,8 +237,7 @@ async def test_a_request_whose_turn_outlasts_the_graceful_period_still_gets_its_
     closed the connection first, and the client got no answer at all."""
     import dataclasses
 
-    from mlxcel.serve import ServeConfig, run_server
-    from tests.server.conftest import serve_config
+    from mlxcel.serve import ServeConfig
 
     entered, release = threading.Event(), threading.Event()
 
@@ -241,14 +249,9 @@ async def test_a_request_whose_turn_outlasts_the_graceful_period_still_gets_its_
     config = serve_config(["--model", str(llama)], instrument=Hooks(at=hold))
     assert isinstance(config, ServeConfig)
     config = dataclasses.replace(config, connections=dataclasses.replace(config.connections, graceful_timeout=0.2))
-    shutdown = trio.Event()
     answers: list[httpx.Response] = []
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
-                                                                          task_status=task_status))
-            await wait_ready(url)
-
+        async with stoppable_server(config) as (url, shutdown), trio.open_nursery() as nursery:
             async def ask() -> None:
                 async with httpx.AsyncClient(base_url=url, timeout=30) as client:
                     answers.append(await client.post("/v1/completions", json={"prompt": "def f(x):",
@@ -269,34 +272,19 @@ async def test_requests_whose_bodies_are_still_arriving_at_shutdown_get_a_503(ll
     """The report's SIGTERM while 20 clients were uploading 1 MB bodies: those still sending when the graceful
     period ended got no answer at all. A body still arriving when the server stops is a 503 at once, closing the
     connection (it once waited out the 5 s graceful period for the rest of the body)."""
-    from urllib.parse import urlsplit
-
-    from mlxcel.serve import run_server
-    from tests.server.conftest import serve_config
-
-    shutdown = trio.Event()
-    config = serve_config(["--model", str(llama)])
     answers: list[bytes] = []
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
-                                                                          task_status=task_status))
-            await wait_ready(url)
-            parts = urlsplit(url)
+        async with stoppable_server(serve_config(["--model", str(llama)])) as (url, shutdown):
             streams = []
             for _ in range(5):
-                stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+                stream = await raw_connection(url)
                 await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json"
                                       b"\r\nContent-Length: 1000000\r\n\r\n" + b'{"prompt": "' + b"x" * 1000)
                 streams.append(stream)
             await trio.sleep(0.5)  # the requests are in their handlers, reading bodies that stop coming
             shutdown.set()
             for stream in streams:
-                received = b""
-                with trio.move_on_after(2):  # well inside the 5 s graceful period
-                    while b"\r\n\r\n" not in received and (chunk := await stream.receive_some(65536)):
-                        received += chunk
-                answers.append(received)
+                answers.append(await received(stream, head_read))  # within 2 s: well inside the graceful period
                 await stream.aclose()
     assert all(answer.startswith(b"HTTP/1.1 503") for answer in answers), answers
     assert all(b"\r\nconnection: close\r\n" in answer.lower() for answer in answers), answers
@@ -306,30 +294,14 @@ async def test_an_early_answer_waiting_for_the_rest_of_a_body_goes_out_when_the_
     """An answer before the body has all arrived (here a 401) waits, bounded by the keep-alive timeout, for the rest,
     so that the connection can carry the next request. A stop during that wait ends it: the answer goes out at once
     with ``Connection: close``, where it once waited out the whole timeout (30 s here), past the graceful period."""
-    from urllib.parse import urlsplit
-
-    from mlxcel.serve import run_server
-    from tests.server.conftest import serve_config
-
-    shutdown = trio.Event()
     config = serve_config(["--model", str(llama), "--api-key", "k", "--keep-alive-timeout", "30"])
     with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            (url,) = await nursery.start(lambda task_status: run_server(config, shutdown=shutdown,
-                                                                          task_status=task_status))
-            await wait_ready(url)
-            parts = urlsplit(url)
-            stream = await trio.open_tcp_stream(parts.hostname, parts.port)
+        async with stoppable_server(config) as (url, shutdown), await raw_connection(url) as stream:
             await stream.send_all(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer wrong\r\n"
                                   b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
-            with trio.move_on_after(0.5) as held:  # the 401 waits for the other 99 bytes, which never come
-                await stream.receive_some(1)
-            assert held.cancelled_caught, "answered before the stop"
+            # The 401 waits for the other 99 bytes, which never come: nothing is answered before the stop.
+            assert await received(stream, bool, seconds=0.5) == b""
             shutdown.set()
-            received = b""
-            with trio.move_on_after(2):
-                while b"\r\n\r\n" not in received and (chunk := await stream.receive_some(65536)):
-                    received += chunk
-            await stream.aclose()
-    assert received.startswith(b"HTTP/1.1 401"), received
-    assert b"\r\nconnection: close\r\n" in received.lower(), received
+            answer = await received(stream, head_read)
+    assert answer.startswith(b"HTTP/1.1 401"), answer
+    assert b"\r\nconnection: close\r\n" in answer.lower(), answer
