@@ -122,6 +122,14 @@ class EmbeddingEngine:
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     def _work(self) -> None:
+        from ..models.attention import release_thread_state
+
+        try:
+            self._serve()
+        finally:
+            release_thread_state()  # this thread's compile cache, while the interpreter runs
+
+    def _serve(self) -> None:
         from ..hardware import detect_host
         from .encoder import Encoder
 
