@@ -25,12 +25,15 @@ def run_follower(checkpoint: CheckpointInfo, world: World) -> None:
         RuntimeError: rank 0 sent something this rank cannot follow, or a collective failed.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from ..models.attention import mlx_thread
+    from ..models.attention import mlx_thread, release_thread_state
     from .load import load_shard
     from .mirror import follow
 
-    with mlx_thread():  # every rank attends as a single process would
-        model, _ = load_shard(checkpoint, world)
-        logger.info("rank %d/%d: following rank 0", world.rank, world.size)
-        calls = follow(model, world.group)
+    try:
+        with mlx_thread():  # every rank attends as a single process would
+            model, _ = load_shard(checkpoint, world)
+            logger.info("rank %d/%d: following rank 0", world.rank, world.size)
+            calls = follow(model, world.group)
+    finally:
+        release_thread_state()
     logger.info("rank %d/%d: rank 0 stopped after %d model calls; exiting", world.rank, world.size, calls)

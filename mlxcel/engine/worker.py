@@ -91,10 +91,13 @@ class Worker:
     # -- the thread -------------------------------------------------------------
 
     def run(self) -> None:
-        from ..models.attention import mlx_thread
+        from ..models.attention import mlx_thread, release_thread_state
 
-        with mlx_thread():  # from the load on (its probe included), this thread's attention is mlxcel's
-            self._serve()
+        try:
+            with mlx_thread():  # from the load on (its probe included), this thread's attention is mlxcel's
+                self._serve()
+        finally:
+            release_thread_state()  # trio's cached thread outlives this run
 
     def _serve(self) -> None:
         from .load_progress import reported

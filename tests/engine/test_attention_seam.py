@@ -76,3 +76,24 @@ def test_a_query_at_a_time_is_refused_off_an_mlx_thread() -> None:
             pass  # nests, and restores what it found
         with attention.one_query_at_a_time():
             pass
+
+
+def test_a_thread_whose_mlx_work_ended_has_its_compile_cache_released_and_can_run_mlx_again() -> None:
+    """The worker runs on trio's cached threads, which outlive it. At its end it releases what MLX keeps per thread
+    (left to the thread's exit, its compile cache takes the GIL in a C++ destructor, and a test process aborted when
+    that exit fell in the interpreter's finalization), and leaves the thread a stream for its next job: without one
+    it fails with "There is no Stream(cpu, 0) in current thread"."""
+    results: list[Any] = []
+
+    def jobs() -> None:
+        doubled = mx.compile(lambda x: x * 2)
+        with attention.mlx_thread():
+            results.append(doubled(mx.array([1.0, 2.0])).tolist())
+        attention.release_thread_state()
+        results.append((mx.array([3.0]) + 1).tolist())  # the same thread's next job
+        results.append(doubled(mx.array([4.0])).tolist())  # compiled anew: the cache was emptied
+
+    thread = threading.Thread(target=jobs)
+    thread.start()
+    thread.join()
+    assert results == [[2.0, 4.0], [4.0], [8.0]]
