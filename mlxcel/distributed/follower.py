@@ -25,7 +25,8 @@ def run_follower(checkpoint: CheckpointInfo, world: World) -> None:
         RuntimeError: rank 0 sent something this rank cannot follow, or a collective failed.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from ..models.attention import mlx_thread, release_thread_state
+    from ..models.attention import mlx_thread
+    from ..models.thread_state import release_thread_state
     from .load import load_shard
     from .mirror import follow
 

@@ -122,7 +122,7 @@ class EmbeddingEngine:
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     def _work(self) -> None:
-        from ..models.attention import release_thread_state
+        from ..models.thread_state import release_thread_state
 
         try:
             self._serve()

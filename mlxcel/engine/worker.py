@@ -91,7 +91,8 @@ class Worker:
     # -- the thread -------------------------------------------------------------
 
     def run(self) -> None:
-        from ..models.attention import mlx_thread, release_thread_state
+        from ..models.attention import mlx_thread
+        from ..models.thread_state import release_thread_state
 
         try:
             with mlx_thread():  # from the load on (its probe included), this thread's attention is mlxcel's

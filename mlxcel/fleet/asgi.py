@@ -10,7 +10,7 @@ from typing import Any
 import trio
 
 from ..engine.stopping import Stopping
-from ..http.errors import ApiError, anthropic_body, unavailable
+from ..http.errors import ApiError, anthropic_body, shutting_down
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -68,8 +68,7 @@ async def read_body_unless_stopped(scope: Scope, receive: Receive, send: Send, l
     with stopping.cancelled():
         read = await read_body(receive, limit)
     if read is None:
-        await send_error(send, scope, unavailable("the server is shutting down; the request's body had not all "
-                                                  "arrived", "unavailable"))
+        await send_error(send, scope, shutting_down(body_unread=True))
     return read
 
 

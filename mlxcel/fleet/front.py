@@ -25,7 +25,7 @@ from .. import page
 from ..engine.stopping import Stopping
 from ..http.app import key_required
 from ..http.auth import credential, key_matches
-from ..http.errors import ApiError, unavailable
+from ..http.errors import ApiError, shutting_down
 from ..http.waits import first_of
 from ..policy import MtpPolicy, PolicySettings
 from ..server.memory import MemoryLedger
@@ -207,7 +207,7 @@ class Fleet:
             with trio.move_on_after(LOAD_WAIT):
                 while True:
                     if self._stopping.closing:
-                        raise unavailable("the server is shutting down", "unavailable")
+                        raise shutting_down()
                     if slot.state == "loaded":
                         return slot.app
                     if slot.state == "failed":

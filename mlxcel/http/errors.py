@@ -52,6 +52,14 @@ def unavailable(message: str, code: str) -> ApiError:
     return ApiError(503, message, type="server_error", code=code)
 
 
+def shutting_down(*, body_unread: bool = False) -> ApiError:
+    """503 ``unavailable``: the server is stopping. *body_unread*: it stopped before the request's body had all
+    arrived (answered at once: waiting for the rest could outlast the graceful period, which would close the
+    connection with no answer)."""
+    detail = "; the request's body had not all arrived" if body_unread else ""
+    return unavailable(f"the server is shutting down{detail}", "unavailable")
+
+
 HTTP_ERROR_TYPES = {
     401: ("authentication_error", "invalid_api_key"),
     404: ("invalid_request_error", "not_found"),

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from ..http.errors import unavailable
+from ..http.errors import shutting_down
 from .context import EngineApi
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ async def run_native(call: Callable[[], T], engine: EngineApi) -> T:
         trio.lowlevel.start_thread_soon(call, report, name="mlxcel native call")
         await done.wait()
         return result[0].unwrap()  # type: ignore[no-any-return]
-    raise unavailable("the server is shutting down", "unavailable")
+    raise shutting_down()
 
 
 def wait_for_native_calls(timeout: float | None = None) -> bool:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from quart import Quart, Response
 
 from ..engine import EngineUnavailable, Event, Finish, GenerationRequest, PromptLogprobs, QueueFull, TextDelta
-from ..http.errors import ApiError, bad_request, unavailable
+from ..http.errors import ApiError, bad_request, shutting_down, unavailable
 from ..http.scope import at_request_end
 from ..observability import ModelLimits
 from . import model_routes, shapes, structured
@@ -184,7 +184,7 @@ class Generation:
         """Readiness and *places* (one per choice), checked before any tokenizing; held until the request ends."""
         limits = self.ctx.observability.limits
         if self._stopping():
-            raise unavailable("the server is shutting down", "unavailable")
+            raise shutting_down()
         if not self.ctx.engine.ready.is_set() or limits is None:
             raise unavailable("the model is still loading", "model_loading")
         taken, capacity = self.ctx.places, self.ctx.engine.capacity

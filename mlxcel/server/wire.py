@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import trio
 from quart import Response, request
 
-from ..http.errors import ApiError, bad_request, unavailable
+from ..http.errors import ApiError, bad_request, shutting_down, unavailable
 from .schemas import json_problem
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ async def json_body(engine: EngineApi) -> dict[str, Any]:
     with engine.cancelled_on_stop():
         raw = await request.get_data(as_text=False)
     if raw is None:
-        raise unavailable("the server is shutting down; the request's body had not all arrived", "unavailable")
+        raise shutting_down(body_unread=True)
     assert isinstance(raw, bytes)
     return await off_the_loop_if_large(_parsed, raw, request.headers.get("Content-Type"))
 

@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxcel.models import attention
+from mlxcel.models import attention, thread_state
 
 
 def _lone_query() -> tuple[mx.array, mx.array, mx.array]:
@@ -89,7 +89,7 @@ def test_a_thread_whose_mlx_work_ended_has_its_compile_cache_released_and_can_ru
         doubled = mx.compile(lambda x: x * 2)
         with attention.mlx_thread():
             results.append(doubled(mx.array([1.0, 2.0])).tolist())
-        attention.release_thread_state()
+        thread_state.release_thread_state()
         results.append((mx.array([3.0]) + 1).tolist())  # the same thread's next job
         results.append(doubled(mx.array([4.0])).tolist())  # compiled anew: the cache was emptied
 
