@@ -3,7 +3,7 @@
     python -m benchmarks.batch_mtp [--streams 1 2 4 8 16] [--drafter aligned --context 0.0] [--k 4]
         [--layers 24 --hidden 1024 | --layers 12 --released] [--tokens 64] [--rounds 2] [--depth TOKENS] [--always]
         [--against-mlx-lm] [--before TREE [--before-env NAME=VALUE ...] [--before-sides on off]] [--warm] [--step-log]
-        [--processes N]
+        [--processes N] [--generations G]
         [--distinct] [--prompt-cache-bytes SIZE] [--fresh]
 
 For each width N, N greedy completions sent at once to each server in turn
@@ -27,6 +27,10 @@ r-th mod N), so that a side's figure is not one process's: two processes of one 
 whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a server of
 ``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free; at ``--depth 2048`` and 16
 streams 3.3 GB, and one of nine was killed for memory).
+``--generations G``: every server started G times in turn (a set of fresh processes each time, in the same cache
+directories: a restart keeps its persisted costs, as on a user's machine), and every width's rounds run on each set;
+the figures over all of them come last, with ``on/best`` of each generation. So a side's figure is G processes'
+where G sets would not fit in memory at once.
 ``--warm``: each width's first round untimed, for every server (the rule's first steps at a width measure it,
 as a server does once per machine: its costs persist; every server's first steps at a width pay for new
 shapes). ``--released``: the pairing's layers shaped as Qwen3.5-0.8B's (8 query heads of 256 over 2 KV heads,
@@ -55,6 +59,7 @@ import argparse
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from itertools import count
@@ -167,6 +172,10 @@ def main() -> None:
                              "killed for memory)")
     parser.add_argument("--processes", type=int, default=1,
                         help="servers for each side, taking rounds in turn (mlx_lm.server: one)")
+    parser.add_argument("--generations", type=int, default=1,
+                        help="start every server this many times in turn, each time with the same cache directory, "
+                             "and run every width's rounds on each (a side's figure over several processes, with "
+                             "only one set of them in memory)")
     args = parser.parse_args()
     positions = context_window(args.depth + args.tokens, 4096)
     model = args.model or mtp_model(args.drafter, args.context, args.layers, args.hidden, positions, args.released)
@@ -205,89 +214,131 @@ def main() -> None:
           f"{', each stream its own line after it' if args.distinct else ''}"
           f"{', each width after an untimed round' if args.warm else ''}")
     print(f"memory: {compact_memory()}")
-    with ExitStack() as stack:
-        def servers(*flags: str, env: dict[str, str] = env, tree: Path | None = None) -> list[str]:
-            """Every server a cache directory of its own: its own persisted costs, and its own disk tier (one
-            process owns a directory's tier: on a shared one only the first server up wrote its evictions)."""
-            return [stack.enter_context(server(model, *flags, *parallel, tree=tree, env={
-                **env, "MLXCEL_CACHE_DIR": stack.enter_context(tempfile.TemporaryDirectory())}))
-                for _ in range(args.processes)]
+    rounds = count()  # with --fresh, every round's texts are new, across generations too
 
-        urls = {"off": servers(), "on": servers("--mtp", "--metrics")}
-        if args.always:
-            urls["always"] = servers("--mtp", "--metrics", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"})
-        if args.before:
-            own = {**env, **dict(args.before_env)}
-            if "on" in args.before_sides:
-                urls["before"] = servers("--mtp", "--metrics", env=own, tree=args.before)
-            if "off" in args.before_sides:
-                urls["off_before"] = servers(env=own, tree=args.before)
-        if args.against_mlx_lm:
-            urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
-        client = stack.enter_context(httpx.Client(timeout=7200))
+    def round_of(streams: int) -> list[Prompt]:
+        """The prompts of a round of *streams*; with ``--fresh``, each ends with the round's number."""
+        batch = [prompts[i % len(prompts)] for i in range(streams)]
+        if not args.fresh:
+            return batch
+        tag = f"  # round {next(rounds)}"
+        return [p + tag if isinstance(p, str) else p + ids(tag) for p in batch]
 
-        def named(side: str) -> str | None:
-            return str(model) if side == "mlx_lm" else None
+    pooled: dict[int, dict[str, list[float]]] = {streams: {} for streams in args.streams}
+    each_generation: dict[int, list[dict[str, float]]] = {streams: [] for streams in args.streams}
+    with ExitStack() as kept, httpx.Client(timeout=7200) as client:
+        directories: dict[tuple[str, int], str] = {}
 
-        for side, url in each(urls):  # compile and fill caches before anything is timed
-            if shared:  # the context prefilled once: every stream's prompt resumes from its end
-                aggregate(client, url, shared, 1, named(side))
-            aggregate(client, url, (prompts * 2)[:2], 8, named(side))  # and a batch's first steps (at that depth)
-        for side in ("on", "before") if "before" in urls else ("on",):
-            for url in urls[side]:
-                print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
-        if args.depth and args.distinct:  # what every stream's prompt takes from the prefix cache
-            last = prompts[-1]
-            body = complete(client, urls["on"][0], last, 1)
-            print(f"a stream's prompt: {body['usage']['prompt_tokens_details']['cached_tokens']} of {len(last)} "
-                  "tokens from the prefix cache")
-        print(f"{'streams':>7} " + " ".join(f"{side:>9}" for side in urls) + f" {'on/off':>7}"
-              + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
-              + (f" {'on/bef':>7}" if "before" in urls else "") + (f" {'off/bef':>7}" if "off_before" in urls else "")
-              + "  steps by K (on)")
-        rounds = count()
+        def directory(side: str, index: int) -> str:
+            """A server's cache directory, the same for its side and index in every generation: a restarted
+            server keeps its persisted costs and verdict, as on a user's machine."""
+            if (side, index) not in directories:
+                directories[side, index] = kept.enter_context(tempfile.TemporaryDirectory())
+            return directories[side, index]
 
-        def round_of(streams: int) -> list[Prompt]:
-            """The prompts of a round of *streams*; with ``--fresh``, each ends with the round's number."""
-            batch = [prompts[i % len(prompts)] for i in range(streams)]
-            if not args.fresh:
-                return batch
-            tag = f"  # round {next(rounds)}"
-            return [p + tag if isinstance(p, str) else p + ids(tag) for p in batch]
+        for generation in range(args.generations):
+            if generation:
+                print(f"generation {generation + 1} of {args.generations}: every server started again "
+                      f"({compact_memory()})", flush=True)
+            with ExitStack() as stack:
+                def servers(side: str, *flags: str, env: dict[str, str] = env, tree: Path | None = None) -> list[str]:
+                    """Every server a cache directory of its own: its own persisted costs, and its own disk tier (one
+                    process owns a directory's tier: on a shared one only the first server up wrote its
+                    evictions)."""
+                    return [stack.enter_context(server(model, *flags, *parallel, tree=tree, env={
+                        **env, "MLXCEL_CACHE_DIR": directory(side, index)})) for index in range(args.processes)]
 
-        for streams in args.streams:
-            batch = round_of(streams)
-            for side, url in each(urls) if args.warm else ():
-                aggregate(client, url, batch, args.tokens, named(side))
-            before = steps_by_k(client, urls["on"])
-            rates: dict[str, list[float]] = {side: [] for side in urls}
-            by_process: dict[str, list[float]] = {url: [] for _, url in each(urls)}
-            for turn in range(args.rounds):
-                batch = round_of(streams)
-                for side, processes in urls.items():
-                    url = processes[turn % len(processes)]
-                    rate = aggregate(client, url, batch, args.tokens, named(side))
-                    rates[side].append(rate)
-                    by_process[url].append(rate)
-            after = steps_by_k(client, urls["on"])
-            steps = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)}
+                urls = {"off": servers("off"), "on": servers("on", "--mtp", "--metrics")}
+                if args.always:
+                    urls["always"] = servers("always", "--mtp", "--metrics", env={**env, "MLXCEL_ENABLE_MTP_B1": "1"})
+                if args.before:
+                    own = {**env, **dict(args.before_env)}
+                    if "on" in args.before_sides:
+                        urls["before"] = servers("before", "--mtp", "--metrics", env=own, tree=args.before)
+                    if "off" in args.before_sides:
+                        urls["off_before"] = servers("off_before", env=own, tree=args.before)
+                if args.against_mlx_lm:
+                    urls["mlx_lm"] = [stack.enter_context(mlx_lm_server(model, "--decode-concurrency", str(widest)))]
+                for streams, rates in one_generation(args, client, urls, model, prompts, shared, round_of).items():
+                    for side, values in rates.items():
+                        pooled[streams].setdefault(side, []).extend(values)
+                    each_generation[streams].append({side: median(values) for side, values in rates.items()})
+    if args.generations > 1:
+        print(f"every generation's rounds together ({args.generations} x {args.rounds} a side):")
+        print(header(list(pooled[args.streams[0]]), args) + "  on/best by generation")
+        for streams, rates in pooled.items():
             mid = {side: median(values) for side, values in rates.items()}
-            line = f"{streams:>7} " + " ".join(f"{mid[side]:>9.1f}" for side in urls) + \
-                f" {mid['on'] / mid['off']:>7.2f}"
-            if args.always:
-                line += f" {mid['on'] / max(mid['off'], mid['always']):>7.2f}"
-            if args.against_mlx_lm:
-                line += f" {mid['on'] / mid['mlx_lm']:>7.2f}"
-            if "before" in urls:
-                line += f" {mid['on'] / mid['before']:>7.2f}"
-            if "off_before" in urls:
-                line += f" {mid['off'] / mid['off_before']:>7.2f}"
-            print(line + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
-            if args.processes > 1:
-                print("        each process: " + "; ".join(
-                    f"{side} " + " ".join(f"{median(by_process[url]):.1f}" for url in processes)
-                    for side, processes in urls.items()), flush=True)
+            by_generation = " ".join(f"{g['on'] / max(g['off'], g['always']):.2f}" for g in each_generation[streams]) \
+                if args.always else ""
+            print(line(streams, mid, args) + "  " + by_generation, flush=True)
 
+
+def header(sides: list[str], args: argparse.Namespace) -> str:
+    return (f"{'streams':>7} " + " ".join(f"{side:>9}" for side in sides) + f" {'on/off':>7}"
+            + (f" {'on/best':>7}" if args.always else "") + (f" {'on/mlx':>7}" if args.against_mlx_lm else "")
+            + (f" {'on/bef':>7}" if "before" in sides else "") + (f" {'off/bef':>7}" if "off_before" in sides else ""))
+
+
+def line(streams: int, mid: dict[str, float], args: argparse.Namespace) -> str:
+    """A width's medians by side, and their ratios."""
+    text = f"{streams:>7} " + " ".join(f"{rate:>9.1f}" for rate in mid.values()) + f" {mid['on'] / mid['off']:>7.2f}"
+    if args.always:
+        text += f" {mid['on'] / max(mid['off'], mid['always']):>7.2f}"
+    if args.against_mlx_lm:
+        text += f" {mid['on'] / mid['mlx_lm']:>7.2f}"
+    if "before" in mid:
+        text += f" {mid['on'] / mid['before']:>7.2f}"
+    if "off_before" in mid:
+        text += f" {mid['off'] / mid['off_before']:>7.2f}"
+    return text
+
+
+def one_generation(args: argparse.Namespace, client: httpx.Client, urls: dict[str, list[str]], model: Path,
+                   prompts: list[Prompt], shared: list[Prompt],
+                   round_of: Callable[[int], list[Prompt]]) -> dict[int, dict[str, list[float]]]:
+    """Every width's rounds on the servers at *urls* (printed as they finish); each side's rates by width."""
+    def named(side: str) -> str | None:
+        return str(model) if side == "mlx_lm" else None
+
+    for side, url in each(urls):  # compile and fill caches before anything is timed
+        if shared:  # the context prefilled once: every stream's prompt resumes from its end
+            aggregate(client, url, shared, 1, named(side))
+        aggregate(client, url, (prompts * 2)[:2], 8, named(side))  # and a batch's first steps (at that depth)
+    for side in ("on", "before") if "before" in urls else ("on",):
+        for url in urls[side]:
+            print(f"the B=1 policy of `{side}`: {settle(client, url, prompts[0], args.tokens)}")
+    if args.depth and args.distinct:  # what every stream's prompt takes from the prefix cache
+        last = prompts[-1]
+        body = complete(client, urls["on"][0], last, 1)
+        print(f"a stream's prompt: {body['usage']['prompt_tokens_details']['cached_tokens']} of {len(last)} "
+              "tokens from the prefix cache")
+    print(header(list(urls), args) + "  steps by K (on)")
+    result: dict[int, dict[str, list[float]]] = {}
+    for streams in args.streams:
+        if args.warm:
+            batch = round_of(streams)
+            for side, url in each(urls):
+                aggregate(client, url, batch, args.tokens, named(side))
+        before = steps_by_k(client, urls["on"])
+        rates: dict[str, list[float]] = {side: [] for side in urls}
+        by_process: dict[str, list[float]] = {url: [] for _, url in each(urls)}
+        for turn in range(args.rounds):
+            batch = round_of(streams)
+            for side, processes in urls.items():
+                url = processes[turn % len(processes)]
+                rate = aggregate(client, url, batch, args.tokens, named(side))
+                rates[side].append(rate)
+                by_process[url].append(rate)
+        after = steps_by_k(client, urls["on"])
+        steps = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)}
+        mid = {side: median(values) for side, values in rates.items()}
+        print(line(streams, mid, args) + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
+        if args.processes > 1:
+            print("        each process: " + "; ".join(
+                f"{side} " + " ".join(f"{median(by_process[url]):.1f}" for url in processes)
+                for side, processes in urls.items()), flush=True)
+        result[streams] = rates
+    return result
 
 if __name__ == "__main__":
     main()
