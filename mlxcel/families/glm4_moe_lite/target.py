@@ -13,9 +13,11 @@ own position (decode shape). In a continuous batch the block is (B, K): each
 query row is the batch's classic step at that position, every row's left
 padding masked as that step masks it; a batch's rollback trims what every row
 rejected alike and moves the rest of each row's rejected keys into its padding
-(:func:`~mlxcel.models.batch_rollback.rollback_kv_rows`). The MoE is left batched (mlx-lm's switch MLP
-changes strategy only at 64 routed rows); the exactness probe checks every
-width at boot and vetoes the pairing where the bytes differ.
+(:func:`~mlxcel.models.batch_rollback.rollback_kv_rows`). The MoE's router
+gate multiplies through a linear layer, so that :mod:`~mlxcel.models.row_exact`
+splits its product as it splits every other. The MoE is left batched (mlx-lm's
+switch MLP changes strategy only at 64 routed rows); the exactness probe checks
+every width at boot and vetoes the pairing where the bytes differ.
 
 Relies on mlx-lm's ``Glm4MoeLiteAttention`` / decoder layer attribute names
 (pinned range in pyproject.toml; the probe and the parity tests fail loudly
@@ -24,9 +26,11 @@ when they change).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ...models.batch_rollback import rollback_kv_rows
 from ...models.speculative import BlockVerify, Split, split_forward
@@ -66,6 +70,35 @@ def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
     return projected
 
 
+def _gates_as_linear(model: Any) -> None:
+    """Give every MoE router gate of *model* its scores through an ``nn.Linear`` sharing the gate's weight.
+
+    mlx-lm's ``MoEGate`` multiplies ``x @ weight.T`` itself, out of :mod:`~mlxcel.models.row_exact`'s reach (it
+    measures and splits linear layers only), and an OpenBLAS whose kernel changes at 4 rows (8 x 64 on one machine:
+    4 rows against 1) gave a verify's positions other scores than their steps: other expert weights, 302-1,793 logit
+    bytes a position. As a linear layer its product is measured and split like every other."""
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is None or isinstance(gate, nn.Linear) or "scores" in gate:
+            continue  # a dense layer's MLP, or done already
+        scores = nn.Linear(gate.weight.shape[1], gate.weight.shape[0], bias=False)
+        scores.weight = gate.weight  # the same array: nothing copied
+        gate.scores = scores
+        gate.__class__ = _linear_gate(type(gate))  # type: ignore[arg-type]  # classes hash
+
+
+@functools.cache
+def _linear_gate(base: type) -> type:
+    """mlx-lm's gate class, its scores multiplied by its ``scores`` linear layer."""
+    from mlx_lm.models.glm4_moe_lite import group_expert_select
+
+    def call(self: Any, x: mx.array) -> Any:
+        return group_expert_select(self.scores(x), self.e_score_correction_bias, self.top_k, self.n_group,
+                                   self.topk_group, self.routed_scaling_factor, self.norm_topk_prob)
+
+    return type("LinearScoresMoEGate", (base,), {"__call__": call})
+
+
 class Glm4MoeLiteTarget:
     """The :class:`~mlxcel.models.speculative.SpeculativeTarget` of a GLM-4.7-Flash model.
 
@@ -75,6 +108,7 @@ class Glm4MoeLiteTarget:
     """
 
     def __init__(self, model: Any) -> None:
+        _gates_as_linear(model)
         self.model = model
         self.body = model.model
         self.lm_head = model.lm_head
