@@ -23,6 +23,11 @@ class Glm4MoeLite(Family):
     mtp = True
     head_type = "glm4_moe_lite_mtp"
 
+    def prepare(self, model: Any) -> None:
+        from .target import prepare
+
+        prepare(model)
+
     def target(self, model: Any) -> Any:
         from .target import Glm4MoeLiteTarget
 

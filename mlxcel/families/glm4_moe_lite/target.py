@@ -70,7 +70,7 @@ def _rowwise_attention(attn: Any, x: mx.array, cache: Any) -> mx.array:
     return projected
 
 
-def _gates_as_linear(model: Any) -> None:
+def prepare(model: Any) -> None:
     """Give every MoE router gate of *model* its scores through an ``nn.Linear`` sharing the gate's weight.
 
     mlx-lm's ``MoEGate`` multiplies ``x @ weight.T`` itself, out of :mod:`~mlxcel.models.row_exact`'s reach (it
@@ -108,7 +108,6 @@ class Glm4MoeLiteTarget:
     """
 
     def __init__(self, model: Any) -> None:
-        _gates_as_linear(model)
         self.model = model
         self.body = model.model
         self.lm_head = model.lm_head
