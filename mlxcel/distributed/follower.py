@@ -26,15 +26,12 @@ def run_follower(checkpoint: CheckpointInfo, world: World) -> None:
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..models.attention import mlx_thread
-    from ..models.thread_state import release_thread_state
+    from ..models.thread_state import released
     from .load import load_shard
     from .mirror import follow
 
-    try:
-        with mlx_thread():  # every rank attends as a single process would
-            model, _ = load_shard(checkpoint, world)
-            logger.info("rank %d/%d: following rank 0", world.rank, world.size)
-            calls = follow(model, world.group)
-    finally:
-        release_thread_state()
+    with released(), mlx_thread():  # every rank attends as a single process would
+        model, _ = load_shard(checkpoint, world)
+        logger.info("rank %d/%d: following rank 0", world.rank, world.size)
+        calls = follow(model, world.group)
     logger.info("rank %d/%d: rank 0 stopped after %d model calls; exiting", world.rank, world.size, calls)

@@ -122,12 +122,10 @@ class EmbeddingEngine:
         return [list(ids) for ids in self.tokenizer(texts, add_special_tokens=True)["input_ids"]]
 
     def _work(self) -> None:
-        from ..models.thread_state import release_thread_state
+        from ..models.thread_state import released
 
-        try:
+        with released():  # this thread's compile cache, while the interpreter runs
             self._serve()
-        finally:
-            release_thread_state()  # this thread's compile cache, while the interpreter runs
 
     def _serve(self) -> None:
         from ..hardware import detect_host

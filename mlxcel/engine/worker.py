@@ -92,13 +92,12 @@ class Worker:
 
     def run(self) -> None:
         from ..models.attention import mlx_thread
-        from ..models.thread_state import release_thread_state
+        from ..models.thread_state import released
 
-        try:
-            with mlx_thread():  # from the load on (its probe included), this thread's attention is mlxcel's
-                self._serve()
-        finally:
-            release_thread_state()  # trio's cached thread outlives this run
+        # From the load on (its probe included), this thread's attention is mlxcel's; trio's cached thread
+        # outlives this run, so what MLX keeps per thread is released at its end.
+        with released(), mlx_thread():
+            self._serve()
 
     def _serve(self) -> None:
         from .load_progress import reported

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 def release_thread_state() -> None:
     """At the end of a thread's MLX work (the worker's, a follower's, the embedding engine's): drop what MLX keeps
@@ -17,3 +20,12 @@ def release_thread_state() -> None:
 
     mx.clear_streams()
     mx.set_default_stream(mx.new_stream(mx.default_device()))
+
+
+@contextmanager
+def released() -> Iterator[None]:
+    """A thread's MLX work: whatever way the block ends, :func:`release_thread_state` after it."""
+    try:
+        yield
+    finally:
+        release_thread_state()
