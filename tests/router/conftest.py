@@ -1,4 +1,5 @@
-"""Real processes for the router tests: `mlxcel serve` nodes and `mlxcel serve --node-role router`, on loopback."""
+"""The router tests' servers: `mlxcel serve` nodes and `mlxcel serve --node-role router`, on loopback, as processes
+(:class:`Process`), or a router in this process where nothing touches its process (:func:`router_on_a_thread`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import trio
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.serving import child_env, free_port, wait_healthy
@@ -48,6 +52,59 @@ class Process:
                 self.process.wait()
 
 
+@dataclass(frozen=True)
+class Router:
+    """A router running in this process: its base URL (what the conftest's helpers read of a router)."""
+
+    url: str
+
+
+@contextmanager
+def router_on_a_thread(argv: Sequence[str]) -> Iterator[Router]:
+    """`mlxcel serve --port 0 *argv*` (a router's argv, :func:`router_args`) in this process: its config built
+    from the command line as the process builds it, its trio loop on a thread, so that a test may block on
+    synchronous requests. Yielded once it listens (its nodes are probed as in a process of its own). Leaving
+    the block shuts it down as SIGTERM would."""
+    from mlxcel.cli import build_parser
+    from mlxcel.router.options import build_router_config
+    from mlxcel.router.serve import run_router
+
+    config = build_router_config(build_parser().parse_args(["serve", "--port", "0", *argv]), env={})
+    stop, started = threading.Event(), threading.Event()
+    state: dict[str, Any] = {}
+
+    async def serve() -> None:
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            (state["url"],) = await nursery.start(lambda task_status: run_router(config, shutdown=shutdown,
+                                                                                   task_status=task_status))
+            started.set()
+            await trio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
+            shutdown.set()
+
+    def loop() -> None:
+        try:
+            trio.run(serve)
+        except BaseException as exc:
+            state["error"] = exc
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=loop, name="test-router-loop")
+    thread.start()
+    try:
+        started.wait()
+        if "error" in state:
+            raise AssertionError("the router did not start") from state["error"]
+        yield Router(state["url"])
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), "the router did not stop within 60 s"
+    if "error" in state:
+        raise AssertionError("the router failed") from state["error"]
+
+
 @contextmanager
 def processes(specs: Sequence[tuple[Sequence[str], dict[str, str] | None]], logs: Path) -> Iterator[list[Process]]:
     """Start every process at once (their startups overlap), yield them once all are healthy."""
@@ -63,7 +120,7 @@ def processes(specs: Sequence[tuple[Sequence[str], dict[str, str] | None]], logs
         yield started
 
 
-def wait_for_every_node(router: Process, count: int, timeout: float = 60) -> None:
+def wait_for_every_node(router: Process | Router, count: int, timeout: float = 60) -> None:
     """Until *router* has probed all *count* nodes healthy: its own /health answers 200 from the first."""
     deadline = time.monotonic() + timeout
     while httpx.get(f"{router.url}/health", timeout=5).json()["healthy_nodes"] < count:
@@ -75,13 +132,13 @@ def router_args(nodes: Sequence[Process], *extra: str) -> list[str]:
     return ["--node-role", "router", *[a for node in nodes for a in ("--backend", node.url)], *extra]
 
 
-def stats(router: Process, key: str | None = None) -> dict[str, Any]:
+def stats(router: Process | Router, key: str | None = None) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body: dict[str, Any] = httpx.get(f"{router.url}/router/stats", headers=headers, timeout=10).json()
     return body
 
 
-def node_stats(router: Process, node_id: str, key: str | None = None) -> dict[str, Any]:
+def node_stats(router: Process | Router, node_id: str, key: str | None = None) -> dict[str, Any]:
     (row,) = [n for n in stats(router, key)["nodes"] if n["id"] == node_id]
     return row
 

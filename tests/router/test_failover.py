@@ -1,5 +1,11 @@
 """Nodes killed under a router: what a node died with is a 502, never replayed; what never reached a node
-moves; nothing hangs; none left is a 503."""
+moves; nothing hangs; none left is a 503.
+
+The nodes that are stopped or killed are `mlxcel serve` processes. The router, and a node that only answers,
+whose processes nothing here touches, run in this process (:func:`router_on_a_thread`,
+:func:`tests.server.conftest.server_on_a_thread`): the same servers over the same HTTP, without the interpreter
+and imports a process of its own costs.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,8 @@ import pytest
 import trio
 
 from mlxcel.testing.checkpoints import build_checkpoint
-from tests.router.conftest import node_stats, processes, router_args, stats
+from tests.router.conftest import node_stats, processes, router_args, router_on_a_thread, stats
+from tests.server.conftest import server_on_a_thread
 
 pytestmark = pytest.mark.slow
 QUICK = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
@@ -21,7 +28,7 @@ QUICK = {"prompt": "def f(x):", "max_tokens": 8, "temperature": 0}
 async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
     model = str(build_checkpoint(tmp_path / "llama", "llama", scale=2.0))
     with processes([(["--model", model, "--slots"], None)] * 2, tmp_path / "logs") as nodes, \
-            processes([(router_args(nodes, "--health-interval", "60"), None)], tmp_path / "logs") as (router,):
+            router_on_a_thread(router_args(nodes, "--health-interval", "60")) as router:
         # Probed once at start: the router learns of the deaths from its requests alone.
         with trio.fail_after(30):
             while not all(n["healthy"] for n in stats(router)["nodes"]):
@@ -103,14 +110,16 @@ async def test_killing_nodes_mid_run(tmp_path: Path) -> None:
 
 async def test_a_request_that_never_reached_a_dead_node_moves_to_another(tmp_path: Path) -> None:
     model = str(build_checkpoint(tmp_path / "llama", "llama", scale=2.0))
-    with processes([(["--model", model, "--slots"], None)] * 2, tmp_path / "logs") as nodes, \
-            processes([(router_args(nodes, "--health-interval", "60", "--placement", "round-robin"), None)],
-                      tmp_path / "logs") as (router,):
+    # node-0 is a process, to be killed; node-1, which only answers, the same server in this process.
+    with processes([(["--model", model, "--slots"], None)], tmp_path / "logs") as (doomed,), \
+            server_on_a_thread(["--model", model, "--slots"], {}) as survivor, \
+            router_on_a_thread(["--node-role", "router", "--backend", doomed.url, "--backend", survivor,
+                                "--health-interval", "60", "--placement", "round-robin"]) as router:
         with trio.fail_after(30):
             while not all(n["healthy"] for n in stats(router)["nodes"]):
                 await trio.sleep(0.05)
-        nodes[0].process.kill()  # idle: the router still believes it healthy (no probe for 60 s)
-        nodes[0].process.wait()
+        doomed.process.kill()  # idle: the router still believes it healthy (no probe for 60 s)
+        doomed.process.wait()
         answers = [httpx.post(f"{router.url}/v1/completions", json=QUICK, timeout=60) for _ in range(2)]
         # Round robin sends one of the two to node-0, whose connection is refused: never delivered, so it moves.
         assert [a.status_code for a in answers] == [200, 200]

@@ -237,6 +237,14 @@ def head_read(data: bytes) -> bool:
     return b"\r\n\r\n" in data
 
 
+def anthropic_client(url: str, key: str = "unused") -> Any:
+    """The ``anthropic`` SDK's client for the server at *url*, without retries. The SDK is imported here, not at a
+    module's top: its import costs ~3 s, which every xdist worker would pay collecting the module."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
+
+
 def b1_verdict(policy: Mapping[str, object]) -> dict[str, object]:
     """A policy body less its ``batch`` field: what a restart restores of the B=1 verdict. (The rule of K's
     cells say which K it runs now, which a restart learns again: its costs are restored, not its choice.)"""

@@ -12,23 +12,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import pytest
 import trio
 
-from tests.server.conftest import HELLO, TINY_PNG, running_server
+from tests.server.conftest import HELLO, TINY_PNG, anthropic_client, running_server
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
            "input_schema": {"type": "object", "properties": {"city": {"enum": ["Paris", "Berlin"]}},
                             "required": ["city"]}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-
-
-def _client(url: str, key: str = "unused") -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0)
 
 
 def _rendered_length(checkpoint: Path, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
@@ -42,7 +35,7 @@ def _rendered_length(checkpoint: Path, messages: list[dict[str, Any]], tools: li
 
 
 def _text_session(url: str) -> dict[str, Any]:
-    with _client(url) as client:
+    with anthropic_client(url) as client:
         whole = client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=ASK)
         with client.messages.stream(model="claude-sonnet-4-5", max_tokens=64, messages=ASK) as stream:
             kinds = [event.type for event in stream]
@@ -76,7 +69,7 @@ async def test_text_whole_and_streamed_with_its_stop_reasons_and_usage(hello_mod
 
 
 def _tool_session(url: str) -> dict[str, Any]:
-    with _client(url) as client:
+    with anthropic_client(url) as client:
         whole = client.messages.create(model="default", max_tokens=64, messages=ASK, tools=[WEATHER])
         with client.messages.stream(model="default", max_tokens=64, messages=ASK, tools=[WEATHER]) as stream:
             streamed = stream.get_final_message()
@@ -142,8 +135,10 @@ async def test_what_claude_code_sends_is_accepted_and_the_billing_line_never_rea
 
 
 def _error_session(url: str) -> dict[str, Any]:
+    import anthropic
+
     caught: dict[str, Any] = {}
-    with _client(url, key="the-key") as client:
+    with anthropic_client(url, key="the-key") as client:
         for name, call in {
             "model": lambda: client.messages.create(model="gpt-4o", max_tokens=8, messages=ASK),
             "image": lambda: client.messages.create(model="default", max_tokens=8, messages=[{
@@ -155,7 +150,7 @@ def _error_session(url: str) -> dict[str, Any]:
                 call()
             except anthropic.APIStatusError as exc:
                 caught[name] = exc
-    with _client(url, key="wrong") as client:
+    with anthropic_client(url, key="wrong") as client:
         try:
             client.messages.create(model="default", max_tokens=8, messages=ASK)
         except anthropic.APIStatusError as exc:
@@ -165,6 +160,8 @@ def _error_session(url: str) -> dict[str, Any]:
 
 async def test_errors_are_anthropic_shaped_with_the_matching_status_and_both_key_headers_pass(
         hello_model: Path) -> None:
+    import anthropic
+
     async with running_server(["--model", str(hello_model), "--api-key", "the-key"]) as url:
         caught = await trio.to_thread.run_sync(_error_session, url)
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:

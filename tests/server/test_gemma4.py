@@ -48,9 +48,9 @@ def _exact_server(target: Path, assistant: Path, tmp_path: Path, **env: str) -> 
         yield client
 
 
-def _texts(client: httpx.Client, max_tokens: int, **extra: Any) -> list[dict[str, Any]]:
+def _texts(client: httpx.Client, max_tokens: int, prompts: list[str] = PROMPTS, **extra: Any) -> list[dict[str, Any]]:
     bodies = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         response = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
                                                          "temperature": 0, **extra})
         response.raise_for_status()
@@ -104,7 +104,7 @@ def test_the_policy_profiles_settles_restores_and_reprofiles_a_new_k(gemma: dict
     for kind in ("agreeing", "random"):
         with _exact_server(gemma["permutation"], gemma[kind], tmp_path, **env) as client:
             before = client.get("/v1/internal/mtp-policy").json()
-            _texts(client, 48)
+            _texts(client, 48, PROMPTS[:2])  # the two profiled requests: the policy settles on the second
             verdicts[kind] = client.get("/v1/internal/mtp-policy").json()
         assert (before["state"], before["samples_remaining"], before["drafter"]) == ("profiling", 2, gemma[kind].name)
     agreeing, random = verdicts["agreeing"], verdicts["random"]

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import numpy as np
 import openai
@@ -24,7 +23,7 @@ import pytest
 from PIL import Image
 
 from mlxcel.families.gemma4.tiny_vision import build_vision_checkpoint
-from tests.server.conftest import read_tool_screenshot, server_on_a_thread
+from tests.server.conftest import anthropic_client, read_tool_screenshot, server_on_a_thread
 
 QUESTION = "What is this?"
 TOKENS = 8
@@ -102,7 +101,7 @@ def test_an_image_prompt_answers_as_transformers_on_each_api(url: str, checkpoin
             model="default", stream=True, **_chat(_image(0))) if chunk.choices)
     assert streamed == expected
     source = {"type": "base64", "media_type": "image/png", "data": _png(_image(0))}
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
             {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}])
     assert "".join(block.text for block in message.content if block.type == "text") == expected
@@ -143,7 +142,7 @@ def test_a_screenshot_a_tool_returned_is_seen(url: str) -> None:
     """Claude Code's Read tool returns an image inside a ``tool_result``: the model sees it (another image,
     another answer), through the ``anthropic`` SDK."""
     answers = []
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         for seed in (5, 6):
             source = {"type": "base64", "media_type": "image/png", "data": _png(_image(seed))}
             message = read_tool_screenshot(client, source, TOKENS)

@@ -216,8 +216,9 @@ async def test_a_lone_sequence_handed_to_the_batch_mid_stream_keeps_its_text(
     """A request decoding alone parks when a second one arrives and continues in the batch, unchanged."""
     async with running_server(["--model", str(checkpoints[family]), "--parallel", "4", "--metrics"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
-        # Long enough to be mid-stream when the second request arrives; the handoff counter says it was.
-        body = {"prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}
+        # Long enough to be mid-stream when the second request arrives (it is sent as the first text arrives,
+        # and its 30 tokens end long before these 200 do); the handoff counter says it was.
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}
         alone = (await client.post(f"{url}/v1/completions", json=body)).json()["choices"][0]["text"]
 
         async def handoffs() -> float:

@@ -138,8 +138,8 @@ def test_the_policy_profiles_settles_and_restores(permutation_pairs: dict[str, P
     env = {"MLXCEL_MTP_PROFILE_SAMPLES": "2", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_BLAS": "off"}
     verdicts = {}
     for kind, target in permutation_pairs.items():
-        bodies, verdicts[kind] = _served_texts(target, tmp_path, ["--mtp"], **env)
-        assert all(b["timings"]["draft_rounds"] > 0 for b in bodies[:2])  # the two profiled requests
+        bodies, verdicts[kind] = _served_texts(target, tmp_path, ["--mtp"], PROMPTS[:2], **env)
+        assert all(b["timings"]["draft_rounds"] > 0 for b in bodies)  # the two profiled requests
     agreeing, random = verdicts["agreeing"], verdicts["random"]
     assert agreeing["drafter"] == "inkling-permutation-agreeing#mtp"
     assert (agreeing["state"], agreeing["verdict"], agreeing["acceptance_rate"]) == ("settled", "enable", 1.0)

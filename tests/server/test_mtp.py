@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -50,23 +51,42 @@ async def _policy(client: httpx.AsyncClient, url: str) -> dict[str, object]:
     return body
 
 
-async def _texts(model: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: int) -> list[tuple[str, dict]]:
-    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
-    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", str(k))
-    out = []
-    async with running_server(["--model", str(model), "--mtp"]) as url, httpx.AsyncClient(timeout=120) as client:
-        for prompt in PROMPTS:
-            for max_tokens in (7, 90):
-                body = await _complete(client, url, prompt, max_tokens)
-                out.append((body["choices"][0]["text"], body["timings"]))  # type: ignore[index]
-    return out
+Texts = Callable[[str, str, int | None], Awaitable[list[tuple[str, dict]]]]
+
+
+@pytest.fixture(scope="module")
+def texts(mtp_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Texts:
+    """``texts(model, pin, k)``: each prompt's temperature-0 text and timings at 7, then 90 tokens, from a server
+    of *model* with MTP pinned *pin* at block size *k* (None: the default), on a cache root of its own (no
+    prompt cache or probe outcome of another server). Served once a module: several tests read one answer."""
+    served: dict[tuple[str, str, int | None], list[tuple[str, dict]]] = {}
+
+    async def get(model: str, pin: str, k: int | None) -> list[tuple[str, dict]]:
+        if (model, pin, k) not in served:
+            out = []
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
+                patch.setenv("MLXCEL_CACHE_DIR", str(tmp_path_factory.mktemp("texts")))
+                if k is not None:
+                    patch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", str(k))
+                async with running_server(["--model", str(mtp_models[model]), "--mtp"]) as url, \
+                        httpx.AsyncClient(timeout=120) as client:
+                    for prompt in PROMPTS:
+                        for max_tokens in (7, 90):
+                            body = await _complete(client, url, prompt, max_tokens)
+                            out.append((body["choices"][0]["text"], body["timings"]))  # type: ignore[index]
+            served[model, pin, k] = out
+        return served[model, pin, k]
+
+    return get
 
 
 @pytest.mark.parametrize("k", [2, 3, 4])
-async def test_temperature_zero_is_byte_identical_with_and_without_mtp(
-        mtp_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch, k: int) -> None:
-    classic = await _texts(mtp_models["partial"], monkeypatch, "0", k)
-    speculative = await _texts(mtp_models["partial"], monkeypatch, "1", k)
+async def test_temperature_zero_is_byte_identical_with_and_without_mtp(texts: Texts, k: int) -> None:
+    # Classic decode (MTP pinned off) drafts nothing: K, the drafts a round, never reaches its text. One
+    # reference for every K.
+    classic = await texts("partial", "0", None)
+    speculative = await texts("partial", "1", k)
     assert [text for text, _ in speculative] == [text for text, _ in classic]
     assert all(timings["draft_n"] == 0 for _, timings in classic)
     proposed = sum(timings["draft_n"] for _, timings in speculative)
@@ -74,15 +94,14 @@ async def test_temperature_zero_is_byte_identical_with_and_without_mtp(
     assert 0 < accepted < proposed  # the bursts really ran, with rejections to roll back
 
 
-async def test_the_mlx_converted_layout_drafts_the_same(mtp_models: dict[str, Path],
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    raw = await _texts(mtp_models["partial"], monkeypatch, "1", 4)
-    converted = await _texts(mtp_models["partial-mlx"], monkeypatch, "1", 4)
+async def test_the_mlx_converted_layout_drafts_the_same(texts: Texts) -> None:
+    raw = await texts("partial", "1", 4)
+    converted = await texts("partial-mlx", "1", 4)
     assert [(t, s["draft_n"], s["draft_n_accepted"]) for t, s in converted] == [
         (t, s["draft_n"], s["draft_n_accepted"]) for t, s in raw]
 
 
-async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path], tmp_path: Path,
+async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path], texts: Texts, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`--draft-model DIR`: the same head split into its own directory drafts the same, under its own name."""
     import mlx.core as mx
@@ -94,11 +113,11 @@ async def test_a_drafter_directory_beside_the_target(mtp_models: dict[str, Path]
     tensors = mx.load(str(source / "model.safetensors"))
     mx.save_safetensors(str(drafter / "mtp.safetensors"),
                         {k: v for k, v in tensors.items() if k.startswith("mtp.")})  # type: ignore[union-attr]
-    in_checkpoint = await _texts(source, monkeypatch, "1", 3)
+    in_checkpoint = await texts("partial", "1", 3)
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
-    # A cache of its own: resumed from the first server's prompt caches on disk, a prompt would draft from its
-    # second step (a drafter's state is kept in memory only), and draft less.
-    monkeypatch.setenv("MLXCEL_CACHE_DIR", str(tmp_path / "second-cache"))
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    # The test's own cache root, not the first server's: resumed from its prompt caches on disk, a prompt would
+    # draft from its second step (a drafter's state is kept in memory only), and draft less.
     async with running_server(["--model", str(source), "--draft-model", str(drafter)]) as url, \
             httpx.AsyncClient(timeout=60) as client:
         policy = await _policy(client, url)
@@ -393,9 +412,9 @@ async def test_answers_too_short_to_time_classic_decode_are_not_samples(
     """A verdict is never settled from rounds alone: the static gate must not pass for a measurement."""
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
     monkeypatch.setenv("MLXCEL_MTP_PROFILE_SAMPLES", "2")
-    async with running_server(["--model", str(mtp_models["aligned"]), "--mtp"]) as url, \
+    async with running_server(["--model", str(mtp_models["partial"]), "--mtp"]) as url, \
             httpx.AsyncClient(timeout=120) as client:
-        for i in range(4):  # a round, then the last token: no room for the three timed classic steps
+        for i in range(4):  # 3 tokens, a round among them: no room for the three timed classic steps
             timings = (await _complete(client, url, f"{PROMPTS[i % 3]} # {i}", 3))["timings"]
             assert timings["draft_rounds"] >= 1  # type: ignore[index]  # the burst ran
         short = await _policy(client, url)
@@ -427,7 +446,7 @@ def test_a_verdict_never_crosses_blas_libraries(mtp_models: dict[str, Path], tmp
     reference BLAS (a process of its own: one start, not two)."""
     from mlxcel.testing.serving import serve_subprocess
 
-    model = mtp_models["aligned"]
+    model = mtp_models["partial"]  # which pairing does not matter here: the 4-layer one probes and decodes fastest
     env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache"), "MLXCEL_MTP_PROFILE_SAMPLES": "1",
            "MLXCEL_DRAFT_BLOCK_SIZE": "3"}
 

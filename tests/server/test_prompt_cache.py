@@ -19,7 +19,7 @@ import pytest
 
 from mlxcel.testing.base import THINKING_CHATML
 from mlxcel.testing.checkpoints import build_checkpoint
-from tests.server.conftest import running_server
+from tests.server.conftest import anthropic_client, running_server
 
 SYSTEM = {"role": "system", "content": "You are a coding agent working in a repository. " * 12}
 
@@ -138,11 +138,10 @@ async def test_a_new_conversation_resumes_from_the_shared_system_prompt(cache_mo
 
 
 async def test_messages_report_the_snapshot_hit_as_cache_reads(cache_models: dict[str, Path]) -> None:
-    import anthropic
     import trio
 
     def session(url: str) -> list[Any]:
-        with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+        with anthropic_client(url) as client:
             ask: Any = [{"role": "user", "content": "Fix the bug"}]
             first = client.messages.create(model="default", max_tokens=4, system=SYSTEM["content"], messages=ask)
             again: Any = [*ask, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Thanks"}]

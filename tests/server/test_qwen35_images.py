@@ -20,7 +20,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import numpy as np
 import openai
@@ -28,7 +27,7 @@ import pytest
 from PIL import Image
 
 from mlxcel.families.qwen3_5.tiny_vision import build_vision_checkpoint
-from tests.server.conftest import read_tool_screenshot, server_on_a_thread
+from tests.server.conftest import anthropic_client, read_tool_screenshot, server_on_a_thread
 
 QUESTION = "What is this?"
 TOKENS = 12
@@ -114,7 +113,7 @@ def test_an_image_prompt_answers_as_transformers_on_each_api_with_mtp(url: str, 
             model="default", stream=True, **_chat(_image(0))) if chunk.choices)
     assert streamed == expected
     source = {"type": "base64", "media_type": "image/png", "data": _data_url(_image(0)).split(",")[1]}
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
             {"role": "user", "content": [{"type": "image", "source": source}, {"type": "text", "text": QUESTION}]}])
     assert "".join(block.text for block in message.content if block.type == "text") == expected
@@ -197,7 +196,7 @@ def test_a_screenshot_a_tool_returned_is_seen(url: str, checkpoint: Path) -> Non
                     "name": "Read", "arguments": {"file_path": "shot.png"}}}]},
                 {"role": "tool", "content": [{"type": "image"}]}]
     answers = []
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         for seed in (5, 7):
             source = {"type": "base64", "media_type": "image/png", "data": _data_url(_image(seed)).split(",")[1]}
             message = read_tool_screenshot(client, source, TOKENS)
@@ -241,7 +240,7 @@ def test_an_image_by_url_is_fetched_where_allowed(url: str, checkpoint: Path, or
     body = _chat(_image(0))
     body["messages"][0]["content"][0]["image_url"]["url"] = f"{origin}/shot.png"
     assert _said(httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()) == expected
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         message = client.messages.create(model="default", max_tokens=TOKENS, extra_body={"temperature": 0}, messages=[
             {"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": f"{origin}/shot.png"}},
                                          {"type": "text", "text": QUESTION}]}])

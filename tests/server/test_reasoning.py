@@ -15,14 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx
 import openai
 import pytest
 import trio
 
 from mlxcel.testing.base import THINKING_CHATML
-from tests.server.conftest import running_server
+from tests.server.conftest import anthropic_client, running_server
 
 SCRIPT = ("Let me see.", "</think>", "Hello", " there", ".")
 REASONING, ANSWER, UNSPLIT = "Let me see.", "Hello there.", "Let me see.</think>Hello there."
@@ -91,7 +90,7 @@ async def test_chat_completions_send_the_reasoning_under_both_names_and_take_it_
 
 
 def _anthropic_session(url: str) -> dict[str, Any]:
-    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0) as client:
+    with anthropic_client(url) as client:
         whole = client.messages.create(model="claude-sonnet-4-5", max_tokens=64, messages=ASK,
                                        thinking={"type": "enabled", "budget_tokens": 1024})
         with client.messages.stream(model="default", max_tokens=64, messages=ASK) as stream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -23,10 +24,56 @@ def raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                 context_scale=0.05)
 
 
-def _split(raw: Path, out: Path, *extra: str, tensors: int = 15) -> None:
-    result = mlxcel("split-mtp", "-m", str(raw), "-o", str(out), *extra)
-    assert result.returncode == 0, result.stderr
-    assert f"wrote {tensors} tensors" in result.stderr  # progress and the result, for a person
+def _split(raw: Path, out: Path, *extra: str, tensors: int = 15, process: bool = False) -> None:
+    """`mlxcel split-mtp`: its entry point (:func:`mlxcel.cli.main`, what the console script calls) in this
+    process, or with *process* the console script end to end (what a new interpreter adds is its imports)."""
+    argv = ["split-mtp", "-m", str(raw), "-o", str(out), *extra]
+    if process:
+        result = mlxcel(*argv)
+        status, stderr = result.returncode, result.stderr
+    else:
+        import io
+        from contextlib import redirect_stderr
+
+        from mlxcel.cli import main
+
+        with redirect_stderr(io.StringIO()) as written:
+            status = main(argv)
+        stderr = written.getvalue()
+    assert status == 0, stderr
+    assert f"wrote {tensors} tensors" in stderr  # progress and the result, for a person
+
+
+@pytest.fixture(scope="module")
+def head(raw: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """*raw*'s head split out with K = 2, by the console script: what every test that serves such a head reads
+    (none writes to it)."""
+    out = tmp_path_factory.mktemp("split-head") / "qwen35-partial-MTP"
+    _split(raw, out, "--block-size", "2", process=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(raw: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """*raw* converted by mlx-lm's own converter (which drops the head), once per kind ("4bit", "8bit",
+    "bf16") for the module: the tests only read the conversions."""
+    from mlx_lm import convert
+
+    root = tmp_path_factory.mktemp("converted")
+    made: dict[str, Path] = {}
+
+    def conversion(kind: str) -> Path:
+        if kind not in made:
+            out = root / f"qwen35-partial-{kind}"
+            if kind == "bf16":
+                convert(str(raw), mlx_path=str(out), dtype="bfloat16")
+            else:
+                convert(str(raw), mlx_path=str(out), quantize=True, q_bits=int(kind.removesuffix("bit")),
+                        q_group_size=32)
+            made[kind] = out
+        return made[kind]
+
+    return conversion
 
 
 async def _run(argv: list[str]) -> tuple[list[dict[str, object]], dict[str, object]]:
@@ -38,6 +85,14 @@ async def _run(argv: list[str]) -> tuple[list[dict[str, object]], dict[str, obje
             "prompt": p, "max_tokens": 40, "temperature": 0})).json() for p in PROMPTS]
         policy = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
     return bodies, policy
+
+
+async def _probed(argv: list[str]) -> dict[str, object]:
+    """The MTP policy a server of *argv* boots into, read once it is ready: what the exactness probe said
+    (decided at load; the tests read nothing else of such a run, so it decodes nothing)."""
+    async with running_server(argv) as url, httpx.AsyncClient(timeout=60) as client:
+        policy: dict[str, object] = (await client.get(f"{url}/v1/internal/mtp-policy")).json()
+    return policy
 
 
 @pytest.mark.slow
@@ -94,9 +149,7 @@ def test_split_mtp_refuses_clearly(raw: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, tmp_path: Path) -> None:
-    head = tmp_path / "head"
-    _split(raw, head)
+def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, head: Path, tmp_path: Path) -> None:
     extra = tmp_path / "extra"
     shutil.copytree(head, extra)
     with safe_open(str(head / "model.safetensors"), "np") as f:
@@ -119,20 +172,16 @@ def test_a_directory_that_is_not_a_head_is_refused_at_startup(raw: Path, tmp_pat
 @pytest.mark.slow
 @pytest.mark.parametrize("bits", [4, 8])
 async def test_a_quantized_conversion_serves_the_burst_with_the_split_head(
-        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bits: int) -> None:
+        head: Path, converted: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        bits: int) -> None:
     """mlx-lm's own converter drops the head (as community conversions do); the split head brings it back.
     Whatever the probe says of a quantized verify here, the server says it and stays right."""
-    from mlx_lm import convert
-
-    quantized = tmp_path / f"qwen35-partial-{bits}bit"
-    convert(str(raw), mlx_path=str(quantized), quantize=True, q_bits=bits, q_group_size=32)
+    quantized = converted(f"{bits}bit")
     assert json.loads((quantized / "config.json").read_text())["quantization"]["bits"] == bits
-    head = tmp_path / "head"
-    _split(raw, head, "--block-size", "2")
     assert "converted without its MTP layer" in refused("-m", str(quantized), "-o", str(tmp_path / "nothing"),
                                                         command="split-mtp")
 
-    _, probed = await _run(["--model", str(quantized), "--draft-model", str(head)])  # what the probe says
+    probed = await _probed(["--model", str(quantized), "--draft-model", str(head)])  # what the probe says
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     on, _ = await _run(["--model", str(quantized), "--draft-model", str(head)])
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
@@ -147,17 +196,13 @@ async def test_a_quantized_conversion_serves_the_burst_with_the_split_head(
 
 @pytest.mark.slow
 async def test_a_bf16_checkpoint_serves_correctly_on_the_cpu_and_says_it_is_slow(
-        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+        head: Path, converted: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
     import logging
 
-    from mlx_lm import convert
-
-    bf16 = tmp_path / "qwen35-partial-bf16"
-    convert(str(raw), mlx_path=str(bf16), dtype="bfloat16")
-    head = tmp_path / "head"
-    _split(raw, head, "--block-size", "2")
-    with caplog.at_level(logging.WARNING, logger="mlxcel"):
-        _, probed = await _run(["--model", str(bf16), "--draft-model", str(head)])
+    bf16 = converted("bf16")
+    with caplog.at_level(logging.WARNING, logger="mlxcel"):  # said as the weights load
+        probed = await _probed(["--model", str(bf16), "--draft-model", str(head)])
     slow = [r.getMessage() for r in caplog.records if "bfloat16 weights" in r.getMessage()]
     assert len(slow) == 1 and "slower than float32" in slow[0]
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
@@ -200,7 +245,7 @@ async def test_a_qwen3_8_shaped_checkpoint_serves_with_its_head(tmp_path: Path,
     model = build_mtp_checkpoint(tmp_path / "qwen38-tiny", drafter="aligned", context_scale=0.05)
     _as_qwen3_8(model)
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "2")
-    _, profiling = await _run(["--model", str(model), "--mtp"])
+    profiling = await _probed(["--model", str(model), "--mtp"])
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     on, _ = await _run(["--model", str(model), "--mtp"])
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
@@ -231,7 +276,7 @@ async def test_a_qwen3_6_moe_target_serves_the_burst_with_its_moe_head(tmp_path:
     head = tmp_path / "qwen36-moe-tiny-MTP"
     _split(moe, head, "--block-size", "3", tensors=20)  # router, shared expert and its gate, 3 stacked experts
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
-    _, probed = await _run(["--model", str(moe), "--mtp"])
+    probed = await _probed(["--model", str(moe), "--mtp"])
     assert (probed["target"], probed["drafter"], probed["block_size"]) == (
         "qwen36-moe-tiny", "qwen36-moe-tiny#mtp", 3)
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
@@ -251,24 +296,16 @@ async def test_a_qwen3_6_moe_target_serves_the_burst_with_its_moe_head(tmp_path:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["split head", "4-bit target", "bf16 target", "qwen3.8", "qwen3.6 moe"])
 async def test_every_variant_profiles_settles_and_names_its_pairing(
-        raw: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+        raw: Path, head: Path, converted: Callable[[str], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        variant: str) -> None:
     """The policy lifecycle for each way the Qwen line is downloaded: profiling, two samples, settled, persisted."""
     import os
 
-    from mlx_lm import convert
-
-    head = tmp_path / "qwen35-partial-MTP"
     if variant == "split head":
         argv, target, drafter = ["--model", str(raw), "--draft-model", str(head)], raw.name, head.name
-        _split(raw, head, "--block-size", "2")
     elif variant in ("4-bit target", "bf16 target"):
-        converted = tmp_path / f"qwen35-partial-{variant.split()[0]}"
-        if variant == "4-bit target":
-            convert(str(raw), mlx_path=str(converted), quantize=True, q_bits=4, q_group_size=32)
-        else:
-            convert(str(raw), mlx_path=str(converted), dtype="bfloat16")
-        _split(raw, head, "--block-size", "2")
-        argv, target, drafter = ["--model", str(converted), "--draft-model", str(head)], converted.name, head.name
+        target_dir = converted("4bit" if variant == "4-bit target" else "bf16")
+        argv, target, drafter = ["--model", str(target_dir), "--draft-model", str(head)], target_dir.name, head.name
     else:
         model = build_mtp_checkpoint(tmp_path / variant.replace(" ", "-"), drafter="aligned", context_scale=0.05,
                                      moe=variant == "qwen3.6 moe")
