@@ -89,12 +89,13 @@ def acceptance_rate(samples: list[BurstSample]) -> float | None:
 def estimate_speedup(samples: list[BurstSample]) -> float | None:
     """Estimated B=1 speedup of the burst over classic decode.
 
-    (mean accepted drafts per round + 1) x classic step time / mean round time.
-    Acceptance is pooled over every round; the two times are medians across
-    samples, because the first burst of a process carries one-off compile cost
-    that a mean would smear over the whole window. None when no sample probed a
-    classic step or no round took measurable time (a round time so small that
-    the ratio overflows included: no float, and no JSON number, holds it).
+    (mean accepted drafts per round + 1) x classic step time / mean round time,
+    the times' quotient at most 1 (:func:`_speedup`). Acceptance is pooled over
+    every round; the two times are medians across samples, because the first
+    burst of a process carries one-off compile cost that a mean would smear over
+    the whole window. None when no sample probed a classic step or no round took
+    measurable time (a round time so small that the ratio overflows included: no
+    float, and no JSON number, holds it).
     """
     if not samples:
         return None
@@ -103,8 +104,16 @@ def estimate_speedup(samples: list[BurstSample]) -> float | None:
     round_time = statistics.median(rounds)
     if not classic or round_time <= 0:
         return None
-    speedup = _tokens_per_round(samples) * statistics.median(classic) / round_time
-    return speedup if math.isfinite(speedup) else None
+    return _speedup(_tokens_per_round(samples), statistics.median(classic), round_time)
+
+
+def _speedup(tokens: float, step: float, round_time: float) -> float | None:
+    """*tokens* a round of *round_time* against one a classic step of *step*: a round never counted cheaper than a
+    step. It runs the target over the pending token and the drafts, and the head besides, so a round timed below a
+    step is the clock's noise (a spell of load while the classic steps were timed): with drafts that are never kept,
+    it would estimate a burst that cannot pay above 1, and on a busy machine enable it. None: not a float."""
+    quotient = step / round_time
+    return tokens * min(1.0, quotient) if math.isfinite(quotient) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,8 +156,8 @@ def estimate_depth_limit(samples: list[BurstSample]) -> DepthLimit | None:
     round_at_shallowest = round_at0 + round_slope * shallowest
     if not math.isfinite(crossing) or crossing <= shallowest or round_at_shallowest <= 0:
         return None  # (not finite: times too small for their quotients to be floats)
-    shallow = tokens * (step_at0 + step_slope * shallowest) / round_at_shallowest
-    return DepthLimit(math.ceil(crossing), shallow) if math.isfinite(shallow) else None
+    shallow = _speedup(tokens, step_at0 + step_slope * shallowest, round_at_shallowest)
+    return DepthLimit(math.ceil(crossing), shallow) if shallow is not None else None
 
 
 def _tokens_per_round(samples: list[BurstSample]) -> float:

@@ -30,6 +30,25 @@ def test_speedup_formula() -> None:
     assert estimate_speedup([s]) == pytest.approx(1.5)
 
 
+def test_a_round_is_never_counted_cheaper_than_a_classic_step() -> None:
+    # A head that never agrees, its classic steps timed in a spell of load (12 ms, its rounds 10 ms): the clock
+    # says 1.2x, above the enable line; a round runs the target and the head, so it cannot cost less than a step.
+    never = [BurstSample(rounds=4, proposed=8, accepted=0, round_seconds=0.040, classic_steps=3,
+                         classic_seconds=0.036) for _ in range(4)]
+    assert estimate_speedup(never) == pytest.approx(1.0)
+    assert decide(estimate_speedup(never), static_gate=True) == "decline"
+    # The same clock with drafts kept half the time: the tokens a round yields, no more.
+    half = [BurstSample(rounds=4, proposed=8, accepted=4, round_seconds=0.040, classic_steps=3,
+                        classic_seconds=0.036) for _ in range(4)]
+    assert estimate_speedup(half) == pytest.approx(2.0)
+    # The depth limit's estimate at the shallowest sample is bounded alike: rounds that grow faster with depth
+    # than the steps they replace, the shallowest round timed below its step.
+    deep = [BurstSample(rounds=2, proposed=4, accepted=0, round_seconds=2 * (0.010 + 3e-6 * d), classic_steps=1,
+                        classic_seconds=0.012 + 1e-6 * d, depth=d) for d in (0, 2_000, 4_000, 6_000)]
+    limit = estimate_depth_limit(deep)
+    assert limit is not None and limit.shallow_speedup == pytest.approx(1.0)
+
+
 def test_first_burst_compile_cost_does_not_swing_the_estimate() -> None:
     steady = [sample(speedup=2.0) for _ in range(3)]
     compile_heavy = BurstSample(rounds=1, proposed=3, accepted=2, round_seconds=5.0,
