@@ -141,24 +141,20 @@ def test_a_model_name_holding_markup_is_shown_as_text(browser: Any, mtp_model: P
 
 
 def test_a_routers_page_lists_its_nodes(browser: Any, mtp_model: Path, tmp_path: Path) -> None:
-    from tests.router.conftest import Process, wait_for_every_node
+    from tests.router.conftest import router_on_a_thread, wait_for_every_node
 
     env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
-    with server_on_a_thread(["--model", str(mtp_model), "--port", "0"], env) as node:
-        router = Process(["--node-role", "router", "--backend", node], tmp_path / "router.log")
-        try:
-            router.wait_healthy()
-            wait_for_every_node(router, 1)
-            browser.get(router.url + "/")
-            _until(lambda: browser.execute_script("return document.body.dataset.loaded") == "yes")
-            assert browser.find_element(By.ID, "router-section").is_displayed()
-            assert not browser.find_element(By.ID, "policy-section").is_displayed()
-            rows = browser.find_elements(By.CSS_SELECTOR, "#nodes-table tr")
-            assert len(rows) == 2 and rows[1].text.startswith("node-0 yes 0 0 0 unavailable")
-            assert "1 of 1 healthy" in browser.find_element(By.ID, "router-facts").text
-            assert leave_page(browser) == []
-        finally:
-            router.stop()
+    with server_on_a_thread(["--model", str(mtp_model), "--port", "0"], env) as node, \
+            router_on_a_thread(["--node-role", "router", "--backend", node]) as router:
+        wait_for_every_node(router, 1)
+        browser.get(router.url + "/")
+        _until(lambda: browser.execute_script("return document.body.dataset.loaded") == "yes")
+        assert browser.find_element(By.ID, "router-section").is_displayed()
+        assert not browser.find_element(By.ID, "policy-section").is_displayed()
+        rows = browser.find_elements(By.CSS_SELECTOR, "#nodes-table tr")
+        assert len(rows) == 2 and rows[1].text.startswith("node-0 yes 0 0 0 unavailable")
+        assert "1 of 1 healthy" in browser.find_element(By.ID, "router-facts").text
+        assert leave_page(browser) == []
 
 
 def test_with_several_models_the_menu_picks_whose_policy_is_shown(browser: Any, mtp_model: Path,

@@ -1,8 +1,9 @@
 """The router in front of two real serving nodes: its surface, its keys, streaming, disconnects, no mlx.
 
-Every test here talks HTTP to real processes: two `mlxcel serve` nodes on a
+The cluster's tests talk HTTP to real processes: two `mlxcel serve` nodes on a
 tiny llama (keyed; one with /metrics, one with /slots) and a router with its
-own key that presents the nodes' key.
+own key that presents the nodes' key. Others run a router in this process, in
+front of those nodes or of scripted sockets, or its command line's refusals.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +30,11 @@ from tests.router.conftest import (
     ROUTER_KEY,
     Process,
     node_stats,
-    processes,
     router_args,
     texts,
     wait_for_every_node,
 )
-from tests.server.conftest import mlxcel
+from tests.server.conftest import refused
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {ROUTER_KEY}"}
@@ -44,12 +46,31 @@ GREEDY = {"prompt": "def f(x):", "max_tokens": 12, "temperature": 0}
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, list[Process]]]:
     root = tmp_path_factory.mktemp("router")
     model = str(build_checkpoint(root / "llama", "llama", scale=2.0))
-    with processes([(["--model", model, "--api-key", NODE_KEY, "--metrics"], None),
-                    (["--model", model, "--api-key", NODE_KEY, "--slots"], None)], root / "logs") as nodes, \
-            processes([(router_args(nodes, "--api-key", ROUTER_KEY, "--backend-api-key", NODE_KEY,
-                                    "--health-interval", "0.5"), None)], root / "logs") as (router,):
+    logs = root / "logs"
+    logs.mkdir()
+    with ExitStack() as stack:
+        # The three start at once (a node's port is known before it listens): the router's start overlaps the
+        # nodes', and it probes them until they serve. They stop at once too.
+        started: list[Process] = []
+        stack.callback(_stop_together, started)
+        nodes = [Process(["--model", model, "--api-key", NODE_KEY, flag], logs / f"node-{i}.log")
+                 for i, flag in enumerate(("--metrics", "--slots"))]
+        started += nodes
+        router = Process(router_args(nodes, "--api-key", ROUTER_KEY, "--backend-api-key", NODE_KEY,
+                                     "--health-interval", "0.5"), logs / "router.log")
+        started.append(router)
+        for process in started:
+            process.wait_healthy()
         wait_for_every_node(router, len(nodes))
         yield router, nodes
+
+
+def _stop_together(started: list[Process]) -> None:
+    stopping = [threading.Thread(target=process.stop) for process in started]
+    for thread in stopping:
+        thread.start()
+    for thread in stopping:
+        thread.join()
 
 
 def test_the_router_mounts_its_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
@@ -199,12 +220,17 @@ def test_the_router_process_never_imports_mlx_and_takes_its_settings_from_the_en
     (["--node-role", "router", "--backend", "http://127.0.0.1:1"], {"MLXCEL_ROUTER_STATS_VERBOSE": "maybe"},
      "MLXCEL_ROUTER_STATS_VERBOSE='maybe' is not valid"),
 ])
-def test_bad_router_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str], expected: str) -> None:
-    result = mlxcel("serve", "--port", str(free_port()), *argv, env=env, timeout=60)
-    assert result.returncode == 2, result.stderr
-    lines = [line for line in result.stderr.splitlines() if line.startswith("mlxcel")]
-    assert len(lines) == 1 and expected in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+def test_bad_router_settings_are_one_line_and_exit_2(argv: list[str], env: dict[str, str], expected: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # Refused before anything process-wide: the command line's own entry point in this process (refused()).
+    for name in ("MLXCEL_NODE_ROLE", "MLXCEL_ROUTER_BACKENDS", "MLXCEL_ROUTER_STATS_VERBOSE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    stderr = refused(*argv)
+    lines = [line for line in stderr.splitlines() if line.startswith("mlxcel")]
+    assert len(lines) == 1 and expected in lines[0], stderr
+    assert "Traceback" not in stderr
 
 
 async def test_addresses_are_shown_only_when_asked(cluster: tuple[Process, list[Process]]) -> None:

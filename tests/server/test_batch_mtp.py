@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -11,7 +12,7 @@ import trio
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from tests.conftest import validate_wire
-from tests.server.conftest import open_stream, running_server
+from tests.server.conftest import open_stream, running_server, server_on_a_thread
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for i in range(10):",
            "x = [", "while True:"]
@@ -37,6 +38,36 @@ async def _at_once(url: str, requests: list[dict[str, object]], stagger: float =
             for i in range(len(requests)):
                 nursery.start_soon(one, i)
     return bodies
+
+
+def _classic_sets() -> dict[str, tuple[list[dict[str, object]], float]]:
+    """The request sets the exactness tests compare with classic decode, by name: (requests, stagger)."""
+    return {
+        # Six requests for four places, different lengths: rows join a speculating batch and leave it mid-way.
+        "joining": ([{"prompt": p, "max_tokens": 20 + 9 * i, "temperature": 0} for i, p in enumerate(PROMPTS)],
+                    0.02),
+        # Rows that cannot draft (a grammar, logprobs) beside rows that can.
+        "riding": ([{"prompt": PROMPTS[0], "max_tokens": 70, "temperature": 0},
+                    {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
+                     "response_format": {"type": "json_schema", "json_schema": {"name": "row", "schema": SCHEMA}}},
+                    {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "logprobs": 2},
+                    {"prompt": PROMPTS[3], "max_tokens": 70, "temperature": 0}], 0.0),
+        "staying": ([{"prompt": p, "max_tokens": 60, "temperature": 0} for p in PROMPTS[:3]], 0.0),
+    }
+
+
+@pytest.fixture(scope="module")
+def classic(partial: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Classic decode's answers (MTP pinned off) to each of :func:`_classic_sets`, each set sent together as its
+    test sends it to the speculating server, one set after the other to one server without a prompt cache (so
+    each set is prefilled as on a fresh server); then that server's policy ``batch`` and batch steps by drafts.
+    MLXCEL_DRAFT_BLOCK_SIZE is left unset: pinned off, the batch drafts nothing at any K."""
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("batch-mtp-classic")), "MLXCEL_ENABLE_MTP_B1": "0"}
+    argv = ["--model", str(partial), "--mtp", "--parallel", "4", "--metrics", "--prompt-cache-size", "0"]
+    with server_on_a_thread(argv, env) as url:
+        answers: dict[str, Any] = {name: trio.run(_at_once, url, requests, stagger)
+                                   for name, (requests, stagger) in _classic_sets().items()}
+        return {**answers, "batch": trio.run(_policy_batch, url), "steps": trio.run(_steps, url)}
 
 
 async def _policy_batch(url: str) -> dict[str, object]:
@@ -70,15 +101,14 @@ async def _serve_all(model: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: 
 
 @pytest.mark.parametrize("k", [2, 4])
 async def test_temperature_zero_text_is_classic_decodes_with_rows_joining_and_leaving(
-        partial: Path, monkeypatch: pytest.MonkeyPatch, k: int) -> None:
-    # Six requests for four places, different lengths: rows join a speculating batch and leave it mid-way.
-    requests: list[dict[str, object]] = [
-        {"prompt": p, "max_tokens": 20 + 9 * i, "temperature": 0} for i, p in enumerate(PROMPTS)]
-    classic, classic_steps = await _serve_all(partial, monkeypatch, "0", k, requests, 0.02)
-    speculative, steps = await _serve_all(partial, monkeypatch, "1", k, requests, 0.02)
-    assert [b["choices"][0]["text"] for b in speculative] == [b["choices"][0]["text"] for b in classic]  # type: ignore[index]
-    assert [b["usage"] for b in speculative] == [b["usage"] for b in classic]
-    assert set(classic_steps) <= {"0"}  # MTP pinned off: the batch never drafts
+        partial: Path, classic: dict[str, Any], monkeypatch: pytest.MonkeyPatch, k: int) -> None:
+    requests, stagger = _classic_sets()["joining"]  # six requests for four places, of different lengths
+    speculative, steps = await _serve_all(partial, monkeypatch, "1", k, requests, stagger)
+    expected: list[dict[str, Any]] = classic["joining"]
+    assert [b["choices"][0]["text"] for b in speculative] == [b["choices"][0]["text"] for b in expected]  # type: ignore[index]
+    assert [b["usage"] for b in speculative] == [b["usage"] for b in expected]
+    assert classic["batch"] == {"speculates": False, "reason": "MTP is pinned off (MLXCEL_ENABLE_MTP_B1)", "cells": []}
+    assert set(classic["steps"]) <= {"0"}  # MTP pinned off: the batch never drafts
     assert steps.get(str(k - 1), 0) > 0  # pinned on: the batch verified K - 1 drafts per row
     drafted = sum(b["timings"]["draft_n"] for b in speculative)  # type: ignore[index]
     accepted = sum(b["timings"]["draft_n_accepted"] for b in speculative)  # type: ignore[index]
@@ -86,29 +116,32 @@ async def test_temperature_zero_text_is_classic_decodes_with_rows_joining_and_le
     widths = [b["timings"]["draft_widths"] for b in speculative]  # type: ignore[index]
     assert all(w == sorted(set(w)) and all(1 <= n <= 4 for n in w) for w in widths)
     assert any(n >= 2 for w in widths for n in w)  # drafted beside others (which widths: arrival timing)
-    assert all(b["timings"]["draft_widths"] == [] for b in classic)  # type: ignore[index]
+    assert all(b["timings"]["draft_widths"] == [] for b in expected)
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
           "required": ["name", "n"]}
 
 
-async def test_rows_that_cannot_draft_share_a_speculating_batch(partial: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_rows_that_cannot_draft_share_a_speculating_batch(
+        partial: Path, classic: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     # A grammar row and a logprobs row ride along at K=0 in the speculative steps of the rows beside them
     # (their tokens by their own processors and sampler, from the verify's first position); sampled rows
     # speculate by speculative sampling with their own seeds.
-    requests: list[dict[str, object]] = [
-        {"prompt": PROMPTS[0], "max_tokens": 70, "temperature": 0},
-        {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0,
-         "response_format": {"type": "json_schema", "json_schema": {"name": "row", "schema": SCHEMA}}},
-        {"prompt": PROMPTS[2], "max_tokens": 10, "temperature": 0, "logprobs": 2},
-        {"prompt": PROMPTS[3], "max_tokens": 70, "temperature": 0},
-    ]
+    requests, _ = _classic_sets()["riding"]
     sampled: list[dict[str, object]] = [{"prompt": PROMPTS[4], "max_tokens": 50, "temperature": 0.8, "seed": 7},
                                         {"prompt": PROMPTS[5], "max_tokens": 50, "temperature": 0.8, "seed": 8}]
-    classic, _ = await _serve_all(partial, monkeypatch, "0", 3, requests, 0.0)
-    speculative, steps = await _serve_all(partial, monkeypatch, "1", 3, requests, 0.0)
-    for got, expected in zip(speculative, classic, strict=True):
+    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
+    monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
+    async with running_server(["--model", str(partial), "--mtp", "--parallel", "4", "--metrics"]) as url:
+        speculative = await _at_once(url, requests)
+        steps = await _steps(url)
+        # Then the sampled rows, on the same server: the steps counted from here are theirs.
+        bodies = await _at_once(url, sampled)
+        sampled_steps = await _steps(url)
+        batch = await _policy_batch(url)
+    assert batch["speculates"] is True and batch["reason"] is None
+    for got, expected in zip(speculative, classic["riding"], strict=True):
         g, e = got["choices"][0], expected["choices"][0]  # type: ignore[index]
         assert (g["text"], g["finish_reason"]) == (e["text"], e["finish_reason"])
         if e["logprobs"] is not None:
@@ -121,18 +154,16 @@ async def test_rows_that_cannot_draft_share_a_speculating_batch(partial: Path, m
     # The drafting rows speculated while all four shared the batch (before, its steps ran classic then).
     assert 4 in speculative[0]["timings"]["draft_widths"]  # type: ignore[index]
 
-    bodies, steps = await _serve_all(partial, monkeypatch, "1", 3, sampled, 0.0)
-    assert steps.get("2", 0) > 0
+    assert sampled_steps.get("2", 0) > steps.get("2", 0)
     for body in bodies:
         assert body["usage"]["completion_tokens"] == 50  # type: ignore[index]
         assert body["timings"]["draft_n_accepted"] > 0  # type: ignore[index]
 
 
 async def test_a_client_that_leaves_mid_generation_leaves_the_others_exact(
-        partial: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    requests: list[dict[str, object]] = [
-        {"prompt": p, "max_tokens": 60, "temperature": 0} for p in PROMPTS[:3]]
-    classic, _ = await _serve_all(partial, monkeypatch, "0", 3, requests, 0.0)
+        partial: Path, classic: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    requests, _ = _classic_sets()["staying"]
+    expected: list[dict[str, Any]] = classic["staying"]
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     monkeypatch.setenv("MLXCEL_DRAFT_BLOCK_SIZE", "3")
     monkeypatch.setenv("MLXCEL_CACHE_DIR", str(partial.parent / "cache-leaving"))
@@ -149,8 +180,8 @@ async def test_a_client_that_leaves_mid_generation_leaves_the_others_exact(
             bodies = await _at_once(url, requests)
         assert (await _steps(url)).get("2", 0) > 0
         after = await _at_once(url, requests[:1])  # and the server goes on
-    assert [b["choices"][0]["text"] for b in bodies] == [b["choices"][0]["text"] for b in classic]  # type: ignore[index]
-    assert after[0]["choices"][0]["text"] == classic[0]["choices"][0]["text"]  # type: ignore[index]
+    assert [b["choices"][0]["text"] for b in bodies] == [b["choices"][0]["text"] for b in expected]  # type: ignore[index]
+    assert after[0]["choices"][0]["text"] == expected[0]["choices"][0]["text"]  # type: ignore[index]
 
 
 async def test_the_rule_parks_a_head_that_never_agrees(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

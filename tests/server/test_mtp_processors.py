@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from mlxcel.engine.instrument import Hooks
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from tests.server.conftest import running_server
+from tests.server.conftest import running_server, server_on_a_thread
 from tests.server.test_structured import AS_PERSON, CHAT, PERSON
 
 PROMPT = "def wrap(text, width=70):"
@@ -59,6 +59,30 @@ def _requests(bias: dict[str, float]) -> dict[str, tuple[str, dict[str, Any]]]:
     return out
 
 
+def _bias(target: Path, plain: dict[str, Any]) -> dict[str, float]:
+    """A logit bias that bans the first token of *plain*'s text (classic decode's, no processors)."""
+    return {str(Tokenizer.from_file(str(target / "tokenizer.json")).encode(_text(plain)).ids[0]): -100.0}
+
+
+@pytest.fixture(scope="module")
+def classic(target: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Classic decode's answers (MTP pinned off), by name, to every request the tests compare the burst's with,
+    asked one after the other of one server: "plain" (no processors, LONG tokens), each of :func:`_requests`
+    with :func:`_bias` of it, and "person-slow" (the handoff test's stream)."""
+    async def ask(url: str) -> dict[str, dict[str, Any]]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+            answers = {"plain": await _post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG})}
+            requests = {**_requests(_bias(target, answers["plain"])), "person-slow": (
+                "/v1/chat/completions", {"messages": CHAT, "max_tokens": SLOW_STREAM, "response_format": AS_PERSON})}
+            for name, (route, body) in requests.items():
+                answers[name] = await _post(client, route, body)
+        return answers
+
+    env = {"MLXCEL_CACHE_DIR": str(tmp_path_factory.mktemp("mtp-processors-classic")), "MLXCEL_ENABLE_MTP_B1": "0"}
+    with server_on_a_thread(["--model", str(target), "--mtp"], env) as url:
+        return trio.run(ask, url)
+
+
 async def _serve(target: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: int,
                  requests: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", pin)
@@ -69,24 +93,18 @@ async def _serve(target: Path, monkeypatch: pytest.MonkeyPatch, pin: str, k: int
 
 
 async def test_processors_in_the_burst_give_classic_decodes_text_at_every_k(
-        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
-    monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "0")
-    async with running_server(["--model", str(target), "--mtp"]) as url, \
-            httpx.AsyncClient(base_url=url, timeout=120) as client:
-        plain = _text(await _post(client, "/v1/completions", {"prompt": PROMPT, "max_tokens": LONG}))
-        ids = tokenizer.encode(plain).ids
-        bias = {str(ids[0]): -100.0}  # the plain text's first token banned
-        requests = _requests(bias)
-        classic = {name: await _post(client, route, body) for name, (route, body) in requests.items()}
+        target: Path, classic: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
+    plain = _text(classic["plain"])
+    requests = _requests(_bias(target, classic["plain"]))  # the plain text's first token banned
+    expected = {name: classic[name] for name in requests}
     # The processors change the text (so matching it means applying them), and classic decode drafts nothing.
-    assert _text(classic[f"penalised-{LONG}"]) != plain and _text(classic[f"biased-{LONG}"]) != plain
-    jsonschema.validate(json.loads(_text(classic[f"person-{LONG}"])), PERSON)
-    assert all(body["timings"]["draft_n"] == 0 for body in classic.values())
+    assert _text(expected[f"penalised-{LONG}"]) != plain and _text(expected[f"biased-{LONG}"]) != plain
+    jsonschema.validate(json.loads(_text(expected[f"person-{LONG}"])), PERSON)
+    assert all(body["timings"]["draft_n"] == 0 for body in expected.values())
 
     for k in (2, 3, 4):
         speculative = await _serve(target, monkeypatch, "1", k, requests)
-        assert {n: _text(b) for n, b in speculative.items()} == {n: _text(b) for n, b in classic.items()}, k
+        assert {n: _text(b) for n, b in speculative.items()} == {n: _text(b) for n, b in expected.items()}, k
         for name, body in speculative.items():
             assert body["timings"]["draft_rounds"] > 0, (k, name)  # each one really ran the burst
         for kind in ("person", "penalised", "biased"):
@@ -108,7 +126,8 @@ async def test_sampled_constrained_requests_in_the_burst_follow_the_schema(
     assert len({_text(body) for body in sampled.values()}) > 1  # really sampled
 
 
-async def test_a_draft_the_grammar_forbids_is_never_emitted(target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_draft_the_grammar_forbids_is_never_emitted(target: Path, classic: dict[str, dict[str, Any]],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A head that always drafts a raw control character, which JSON never allows: every draft is
     rejected, and the text is classic decode's valid JSON."""
     import mlx.core as mx
@@ -119,7 +138,6 @@ async def test_a_draft_the_grammar_forbids_is_never_emitted(target: Path, monkey
     assert len(forbidden) == 1
     requests = {"person": ("/v1/chat/completions", {"messages": CHAT, "max_tokens": LONG,
                                                     "response_format": AS_PERSON})}
-    classic = await _serve(target, monkeypatch, "0", 3, requests)
     real = OwnCacheSequence.draft
 
     def draft(self: OwnCacheSequence, count: int) -> mx.array:
@@ -130,7 +148,7 @@ async def test_a_draft_the_grammar_forbids_is_never_emitted(target: Path, monkey
     speculative = await _serve(target, monkeypatch, "1", 3, requests)
     timings = speculative["person"]["timings"]
     assert timings["draft_n"] > 0 and timings["draft_n_accepted"] == 0
-    assert _text(speculative["person"]) == _text(classic["person"])
+    assert _text(speculative["person"]) == _text(classic[f"person-{LONG}"])
     jsonschema.validate(json.loads(_text(speculative["person"])), PERSON)
 
 
@@ -144,10 +162,9 @@ def _slow_rounds(point: str, request: Any) -> None:
 
 
 async def test_a_constrained_burst_joined_mid_way_moves_into_the_batch_with_its_grammar(
-        target: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        target: Path, classic: dict[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     """The matcher, rolled back after every round, is where the batch expects it: same text after the move."""
     body = {"messages": CHAT, "max_tokens": SLOW_STREAM, "response_format": AS_PERSON}
-    classic = await _serve(target, monkeypatch, "0", 3, {"person": ("/v1/chat/completions", body)})
     monkeypatch.setenv("MLXCEL_ENABLE_MTP_B1", "1")
     joined, last, during = "", None, []
     slow = Hooks(at=_slow_rounds)
@@ -166,6 +183,6 @@ async def test_a_constrained_burst_joined_mid_way_moves_into_the_batch_with_its_
                     if joined and not nursery.child_tasks and not during:
                         nursery.start_soon(second)
         metrics = (await client.get("/metrics")).text
-    assert joined == _text(classic["person"])
+    assert joined == _text(classic["person-slow"])
     assert last is not None and last["timings"]["draft_rounds"] > 0  # it ran the burst before it moved
     assert "mlxcel_solo_handoffs_total 1.0" in metrics and during

@@ -33,28 +33,41 @@ async def _ask(url: str, messages: list[dict[str, Any]]) -> dict[str, Any]:
     return answer
 
 
+@pytest.fixture(scope="module")
+def colds() -> dict[Path, dict[str, Any]]:
+    """Each model's answer to NEXT from a server without a prompt cache, by model, as :func:`_cold` asked it: the
+    same for every test (that server reads and writes no cache), so asked once a module."""
+    return {}
+
+
+async def _cold(model: Path, colds: dict[Path, dict[str, Any]]) -> dict[str, Any]:
+    if model not in colds:
+        async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
+            colds[model] = await _ask(url, NEXT)
+    return colds[model]
+
+
 def _files() -> list[Path]:
     return sorted((Path(os.environ["MLXCEL_CACHE_DIR"]) / "prompt-cache").glob("*/*.safetensors"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4", "inkling"])
 async def test_a_conversation_resumes_after_a_restart_as_it_would_have_without_one(
-        cache_models: dict[str, Path], family: str) -> None:
+        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]], family: str) -> None:
     model = cache_models[family]
     async with running_server(["--model", str(model)]) as url:
         await _ask(url, CONVERSATION)
     assert _files(), "the stopping server wrote its prompt caches"
     async with running_server(["--model", str(model)]) as url:
         resumed = await _ask(url, NEXT)
-    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
-        cold = await _ask(url, NEXT)
+    cold = await _cold(model, colds)
     assert resumed["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert resumed["timings"]["cached_n"] >= _length(model, CONVERSATION) - 1
     assert resumed["stats"]["disk"]["hits"] == 1 and cold["timings"]["cached_n"] == 0
 
 
 async def test_damaged_and_foreign_files_are_a_warning_and_a_miss(
-        cache_models: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
     async with running_server(["--model", str(model)]) as url:
         await _ask(url, CONVERSATION)
@@ -69,8 +82,7 @@ async def test_damaged_and_foreign_files_are_a_warning_and_a_miss(
     with caplog.at_level(logging.WARNING, logger="mlxcel.engine.prompt_disk"):
         async with running_server(["--model", str(model)]) as url:
             answer = await _ask(url, NEXT)
-    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
-        cold = await _ask(url, NEXT)
+    cold = await _cold(model, colds)
     assert answer["choices"][0]["message"]["content"] == cold["choices"][0]["message"]["content"]
     assert answer["timings"]["cached_n"] == 0 and answer["stats"]["disk"]["hits"] == 0
     assert sum("ignoring and removing" in r.getMessage() for r in caplog.records) == len(files) + 1
