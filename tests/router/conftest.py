@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -17,10 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.serving import child_env, free_port, wait_healthy
+from tests.server.conftest import loop_on_a_thread
 
 NODE_KEY = "node-secret"
 ROUTER_KEY = "router-secret"
@@ -70,39 +70,8 @@ def router_on_a_thread(argv: Sequence[str]) -> Iterator[Router]:
     from mlxcel.router.serve import run_router
 
     config = build_router_config(build_parser().parse_args(["serve", "--port", "0", *argv]), env={})
-    stop, started = threading.Event(), threading.Event()
-    state: dict[str, Any] = {}
-
-    async def serve() -> None:
-        shutdown = trio.Event()
-        async with trio.open_nursery() as nursery:
-            (state["url"],) = await nursery.start(lambda task_status: run_router(config, shutdown=shutdown,
-                                                                                   task_status=task_status))
-            started.set()
-            await trio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
-            shutdown.set()
-
-    def loop() -> None:
-        try:
-            trio.run(serve)
-        except BaseException as exc:
-            state["error"] = exc
-        finally:
-            started.set()
-
-    thread = threading.Thread(target=loop, name="test-router-loop")
-    thread.start()
-    try:
-        started.wait()
-        if "error" in state:
-            raise AssertionError("the router did not start") from state["error"]
-        yield Router(state["url"])
-    finally:
-        stop.set()
-        thread.join(timeout=60)
-    assert not thread.is_alive(), "the router did not stop within 60 s"
-    if "error" in state:
-        raise AssertionError("the router failed") from state["error"]
+    with loop_on_a_thread(functools.partial(run_router, config), "router") as url:
+        yield Router(url)
 
 
 @contextmanager

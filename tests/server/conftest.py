@@ -142,42 +142,52 @@ def server_on_a_thread(argv: Sequence[str], env: Mapping[str, str], ready: bool 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in env.items():
             patch.setenv(name, value)
-        config = serve_config(argv)
-        shutdown_requested = threading.Event()
-        started = threading.Event()
-        state: dict[str, Any] = {}
+        with loop_on_a_thread(functools.partial(run_server, serve_config(argv)), "server",
+                              wait_ready if ready else None) as url:
+            yield url
 
-        async def serve() -> None:
-            shutdown = trio.Event()
-            async with trio.open_nursery() as nursery:
-                (state["url"],) = await nursery.start(functools.partial(run_server, config, shutdown=shutdown))
-                if ready:
-                    await wait_ready(state["url"])
-                started.set()
-                await trio.to_thread.run_sync(shutdown_requested.wait, abandon_on_cancel=True)
-                shutdown.set()
 
-        def loop() -> None:
-            try:
-                trio.run(serve)
-            except BaseException as exc:
-                state["error"] = exc
-            finally:
-                started.set()
+@contextmanager
+def loop_on_a_thread(run: Callable[..., Awaitable[object]], what: str,
+                     ready: Callable[[str], Awaitable[None]] | None = None) -> Iterator[str]:
+    """``run(shutdown=..., task_status=...)`` (a server's trio entry, its config bound: ``run_server``,
+    ``run_router``) in a trio loop on a thread of its own; yields the URL it listens on, once *ready* (awaited with
+    it) returns. Leaving the block sets its shutdown event, as SIGTERM would, and waits for the loop to end; a
+    failure of the loop fails the test, naming *what* it ran."""
+    stop, started = threading.Event(), threading.Event()
+    state: dict[str, Any] = {}
 
-        thread = threading.Thread(target=loop, name="test-server-loop")
-        thread.start()
+    async def serve() -> None:
+        shutdown = trio.Event()
+        async with trio.open_nursery() as nursery:
+            (state["url"],) = await nursery.start(functools.partial(run, shutdown=shutdown))
+            if ready is not None:
+                await ready(state["url"])
+            started.set()
+            await trio.to_thread.run_sync(stop.wait, abandon_on_cancel=True)
+            shutdown.set()
+
+    def loop() -> None:
         try:
-            started.wait()
-            if "error" in state:
-                raise AssertionError("the server did not start") from state["error"]
-            yield state["url"]
+            trio.run(serve)
+        except BaseException as exc:
+            state["error"] = exc
         finally:
-            shutdown_requested.set()
-            thread.join(timeout=60)
-        assert not thread.is_alive(), "the server did not stop within 60 s"
+            started.set()
+
+    thread = threading.Thread(target=loop, name=f"test-{what}-loop")
+    thread.start()
+    try:
+        started.wait()
         if "error" in state:
-            raise AssertionError("the server failed") from state["error"]
+            raise AssertionError(f"the {what} did not start") from state["error"]
+        yield state["url"]
+    finally:
+        stop.set()
+        thread.join(timeout=60)
+    assert not thread.is_alive(), f"the {what} did not stop within 60 s"
+    if "error" in state:
+        raise AssertionError(f"the {what} failed") from state["error"]
 
 
 def hold_the_batch_probe(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
