@@ -42,14 +42,27 @@ class Process:
         wait_healthy(self.url, self.process, timeout, self.log)
 
     def stop(self) -> None:
+        stop_all([self])
+
+    def _signal_stop(self) -> None:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGCONT)  # a test may have stopped it
             self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def _wait_stopped(self) -> None:
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def stop_all(started: Sequence[Process]) -> None:
+    """Stop every one of *started* as SIGTERM does, all at once: each is signalled before any is waited for."""
+    for process in started:
+        process._signal_stop()
+    for process in started:
+        process._wait_stopped()
 
 
 @dataclass(frozen=True)
@@ -76,14 +89,13 @@ def router_on_a_thread(argv: Sequence[str]) -> Iterator[Router]:
 
 @contextmanager
 def processes(specs: Sequence[tuple[Sequence[str], dict[str, str] | None]], logs: Path) -> Iterator[list[Process]]:
-    """Start every process at once (their startups overlap), yield them once all are healthy."""
+    """Start every process at once (their startups overlap), yield them once all are healthy; stop them at once."""
     logs.mkdir(parents=True, exist_ok=True)
     with ExitStack() as stack:
-        started = []
+        started: list[Process] = []
+        stack.callback(stop_all, started)  # however many started
         for i, (args, env) in enumerate(specs):
-            process = Process(args, logs / f"process-{i}-{time.time_ns()}.log", env)
-            stack.callback(process.stop)
-            started.append(process)
+            started.append(Process(args, logs / f"process-{i}-{time.time_ns()}.log", env))
         for process in started:
             process.wait_healthy()
         yield started

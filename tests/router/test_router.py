@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.router.conftest import (
     Process,
     node_stats,
     router_args,
+    stop_all,
     texts,
     wait_for_every_node,
 )
@@ -52,7 +52,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
         # The three start at once (a node's port is known before it listens): the router's start overlaps the
         # nodes', and it probes them until they serve. They stop at once too.
         started: list[Process] = []
-        stack.callback(_stop_together, started)
+        stack.callback(stop_all, started)
         nodes = [Process(["--model", model, "--api-key", NODE_KEY, flag], logs / f"node-{i}.log")
                  for i, flag in enumerate(("--metrics", "--slots"))]
         started += nodes
@@ -63,14 +63,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process,
             process.wait_healthy()
         wait_for_every_node(router, len(nodes))
         yield router, nodes
-
-
-def _stop_together(started: list[Process]) -> None:
-    stopping = [threading.Thread(target=process.stop) for process in started]
-    for thread in stopping:
-        thread.start()
-    for thread in stopping:
-        thread.join()
 
 
 def test_the_router_mounts_its_routes_and_404s_everything_else(cluster: tuple[Process, list[Process]]) -> None:
