@@ -268,26 +268,35 @@ def refused(*argv: str, command: str = "serve") -> str:
     this process: a refusal is decided before anything process-wide (the BLAS, signals, the port), so a
     new interpreter would add only its imports. Serving instead of refusing fails the test at once.
     """
-    import io
-    from contextlib import redirect_stderr
-
     import mlxcel.router.serve
     import mlxcel.serve
-    from mlxcel.cli import main
 
     def serve(config: object) -> None:
         raise AssertionError(f"mlxcel serve {' '.join(argv)} started serving instead of refusing")
 
-    stderr = io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, redirect_stderr(stderr):
+    with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mlxcel.serve, "main", serve)
         patch.setattr(mlxcel.router.serve, "main", serve)  # the router role's
+        status, stderr = cli(command, *(["--port", "0"] if command == "serve" else []), *argv)  # argv's own wins
+    assert status == 2, stderr
+    return stderr
+
+
+def cli(*argv: str) -> tuple[object, str]:
+    """``mlxcel *argv*`` through the command line's own entry point (:func:`mlxcel.cli.main`, what the console
+    script calls) in this process: its exit status (argparse's own exits included) and what it wrote to stderr.
+    Where nothing process-wide is the subject, a new interpreter would add only its imports."""
+    import io
+    from contextlib import redirect_stderr
+
+    from mlxcel.cli import main
+
+    with redirect_stderr(io.StringIO()) as written:
         try:
-            status = main([command, *(["--port", "0"] if command == "serve" else []), *argv])  # argv's own wins
-        except SystemExit as exit:  # argparse's own refusals
+            status: object = main(list(argv))
+        except SystemExit as exit:
             status = exit.code
-    assert status == 2, stderr.getvalue()
-    return stderr.getvalue()
+    return status, written.getvalue()
 
 
 def mlxcel(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

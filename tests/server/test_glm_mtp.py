@@ -19,25 +19,17 @@ from safetensors.numpy import load_file, save_file
 from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.checkpoints import build_checkpoint
-from tests.server.conftest import b1_verdict, mlxcel, refused, running_server
+from tests.server.conftest import b1_verdict, cli, mlxcel, refused, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]
 
 
 def _split(raw: Path, out: Path, *extra: str) -> str:
-    """``mlxcel split-mtp`` through the command line's own entry point (:func:`mlxcel.cli.main`), in this
-    process: its stderr. Splitting touches nothing process-wide, so a new interpreter would add only its
-    imports; the first test below runs the command in a process of its own."""
-    import io
-    from contextlib import redirect_stderr
-
-    from mlxcel.cli import main
-
-    stderr = io.StringIO()
-    with redirect_stderr(stderr):
-        status = main(["split-mtp", "-m", str(raw), "-o", str(out), *extra])
-    assert status == 0, stderr.getvalue()
-    return stderr.getvalue()
+    """``mlxcel split-mtp`` in this process (:func:`~tests.server.conftest.cli`): its stderr. Splitting touches
+    nothing process-wide; the first test below runs the command in a process of its own."""
+    status, stderr = cli("split-mtp", "-m", str(raw), "-o", str(out), *extra)
+    assert status == 0, stderr
+    return stderr
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
 from mlxcel.testing.checkpoints import build_checkpoint
-from tests.server.conftest import mlxcel, refused, running_server
+from tests.server.conftest import cli, mlxcel, refused, running_server
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:"]
 
@@ -32,14 +32,7 @@ def _split(raw: Path, out: Path, *extra: str, tensors: int = 15, process: bool =
         result = mlxcel(*argv)
         status, stderr = result.returncode, result.stderr
     else:
-        import io
-        from contextlib import redirect_stderr
-
-        from mlxcel.cli import main
-
-        with redirect_stderr(io.StringIO()) as written:
-            status = main(argv)
-        stderr = written.getvalue()
+        status, stderr = cli(*argv)
     assert status == 0, stderr
     assert f"wrote {tensors} tensors" in stderr  # progress and the result, for a person
 
