@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
@@ -36,13 +36,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: Path) -> None:
-    """Until *url*'s ``/health`` answers 200; an AssertionError with *log* if *process* exits or *timeout* passes."""
+def wait_healthy(url: str, process: subprocess.Popen[Any], timeout: float, log: Path,
+                 each_poll: Callable[[], object] = lambda: None) -> None:
+    """Until *url*'s ``/health`` answers 200; an AssertionError with *log* if *process* exits or *timeout* passes.
+
+    *each_poll* runs before every poll."""
     import time
 
     deadline = time.monotonic() + timeout
     with httpx.Client() as client:  # one for every poll: each new client parses the whole CA store
         while True:
+            each_poll()
             try:
                 if client.get(f"{url}/health").status_code == 200:
                     return
@@ -79,6 +83,24 @@ LAUNCH = Path(sys.executable).parent / "mlx.launch"
 RING_PORT_TAKEN = "Couldn't bind socket"
 
 
+def _yield_the_cores(pid: int, ranks: int) -> None:
+    """Once process *pid* has forked its *ranks* children, every thread of it at the lowest priority (Linux;
+    elsewhere nothing).
+
+    mlx.launch forwards each rank's output in a thread whose ``select`` also waits for the rank's stdin pipe
+    to be writable, which it always is: the thread never blocks, and the launcher holds about a core while
+    its ranks run (mlx 0.32, ``_distributed_utils/launch.py``). Not before the ranks exist: a child starts
+    at the priority of the thread that forks it. Then the spinning takes only what the ranks and the rest
+    of the machine leave idle."""
+    with suppress(OSError):
+        threads = list(Path(f"/proc/{pid}/task").iterdir())
+        if sum(len((thread / "children").read_text().split()) for thread in threads) < ranks:
+            return
+        for thread in threads:
+            with suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(thread.name), 19)
+
+
 @contextmanager
 def launched(model: Path, mode: str, log: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Two ranks of ``mlxcel serve --distributed MODE`` under mlx.launch; yields rank 0's URL and the launcher.
@@ -98,7 +120,7 @@ def launched(model: Path, mode: str, log: Path, *extra: str) -> Iterator[tuple[s
             url = f"http://127.0.0.1:{port}"
             try:
                 try:
-                    wait_healthy(url, launcher, 120, log)
+                    wait_healthy(url, launcher, 120, log, each_poll=lambda: _yield_the_cores(launcher.pid, 2))
                 except AssertionError:
                     if attempt < 2 and RING_PORT_TAKEN in log.read_text(errors="replace"):
                         continue
