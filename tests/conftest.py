@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +44,30 @@ def validate_wire(body: dict[str, Any]) -> None:
     _WIRE_VALIDATOR.validate(body)
 
 
+def _torch_on_one_thread() -> None:
+    """torch (the parity references, and the reference classes that build the tiny checkpoints) on one thread.
+
+    Its default, a thread a core, waits at every op's end for a thread whose core the other xdist worker
+    holds, spinning meanwhile: one 32-token transformers ``generate`` of the Inkling reference took 7.6 s of
+    CPU on two threads and 0.49 s on one. Not ``OMP_NUM_THREADS``: the servers' processes would inherit it,
+    and OpenBLAS reads it. torch arrives with mlx-lm's import (transformers imports it where installed),
+    so at the first test it is there, and nothing here imports it."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which may build checkpoints with torch
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """``requires_openblas``: skip without the system OpenBLAS, unless CI requires it.
+    """torch on one thread (:func:`_torch_on_one_thread`); ``requires_openblas``: skip without the system
+    OpenBLAS, unless CI requires it.
 
     Some behaviour only exists with OpenBLAS (it multiplies 4+ rows with another
     kernel, which is what makes a genuinely inexact pairing). `.ci/run` installs
     it and sets ``MLXCEL_REQUIRE_OPENBLAS=1``, so there those tests fail rather
     than silently disappear.
     """
+    _torch_on_one_thread()
     if item.get_closest_marker("requires_mkl") is not None:
         from mlxcel.blas import mkl_library
 

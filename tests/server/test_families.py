@@ -4,9 +4,11 @@ For each family, a tiny checkpoint (tests/families.py) is served through
 real HTTP. The oracle is independent of mlxcel: the same directory loaded with
 ``mlx_lm.utils.load``, the prompt and the tokens so far run through
 ``model(x)`` in one call, greedy decoding by argmax, log-softmax of the last
-position. Families that post-process logits in ``Model.__call__`` (soft caps,
-logit scales) are exactly the ones a decode path that skips ``__call__`` gets
-wrong; families whose body is not ``model.model`` fail at startup there.
+position (with the served tokens ahead as a guess in the same call, each taken
+only where it is the argmax: :meth:`Oracle.greedy`). Families that
+post-process logits in ``Model.__call__`` (soft caps, logit scales) are exactly
+the ones a decode path that skips ``__call__`` gets wrong; families whose body
+is not ``model.model`` fail at startup there.
 
 :data:`FAMILIES` is the one list of families known to be served: the README
 names these. Every family of mlx-lm's is in it, in
@@ -17,9 +19,10 @@ with a reason.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -73,23 +76,42 @@ class Oracle:
     batchable: bool
     cache: dict[tuple[int, ...], tuple[list[int], list[float]]] = field(default_factory=dict)
 
-    def greedy(self, prompt: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
-        import mlx.core as mx
+    def greedy(self, prompt: list[int], max_tokens: int = MAX_TOKENS,
+               guess: list[int] | None = None) -> tuple[list[int], list[float]]:
+        """The greedy tokens after *prompt* and their log-probabilities.
 
+        *guess* (the tokens a server answered) only saves forwards, never decides a token: one call of
+        ``model(x)`` on the tokens so far and the guess's next ones gives, at each position, the last row of
+        ``model(x)`` on the sequence up to there (the models are causal), and every token taken is that row's
+        argmax. The guess is followed only while it equals those argmaxes; from its first wrong token on, the
+        decoding goes one token per call, as without one.
+        """
         key = (*prompt, max_tokens)
         if key not in self.cache:
-            tokens: list[int] = []
-            logprobs: list[float] = []
-            for _ in range(max_tokens):
-                logits = self.model(mx.array([prompt + tokens]))[0, -1].astype(mx.float32)
-                row = logits - mx.logsumexp(logits)
-                token = int(mx.argmax(row).item())
-                if token in self.eos:
-                    break
-                tokens.append(token)
-                logprobs.append(float(row[token].item()))
-            self.cache[key] = (tokens, logprobs)
+            self.cache[key] = self._decode(prompt, max_tokens, list(guess or ()))
         return self.cache[key]
+
+    def _decode(self, prompt: list[int], max_tokens: int, guess: list[int]) -> tuple[list[int], list[float]]:
+        import mlx.core as mx
+
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        while len(tokens) < max_tokens:
+            ahead = guess[len(tokens):max_tokens - 1]
+            logits = self.model(mx.array([prompt + tokens + ahead]))[0, len(prompt) + len(tokens) - 1:]
+            rows = logits.astype(mx.float32)
+            rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+            for i, token in enumerate(cast("list[int]", mx.argmax(rows, axis=-1).tolist())):
+                if token in self.eos:
+                    return tokens, logprobs
+                tokens.append(token)
+                logprobs.append(float(rows[i, token].item()))
+                if guess[len(tokens) - 1:len(tokens)] != [token]:
+                    guess = []  # wrong from here: the rows after this one are not of this sequence
+                if not guess or i == len(ahead):
+                    break
+        return tokens, logprobs
+
 
 @dataclass
 class Served:
@@ -134,10 +156,45 @@ def _oracle(directory: Path, family: str) -> Oracle:
     return _oracles[family]
 
 
-def _ids(directory: Path, text: str) -> list[int]:
+@functools.cache
+def _tokenizer(directory: Path) -> Any:
+    """The checkpoint's tokenizer.json, read once (each test and each request's prompt asks for it)."""
     from tokenizers import Tokenizer
 
-    return list(Tokenizer.from_file(str(directory / "tokenizer.json")).encode(text).ids)
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def _ids(directory: Path, text: str) -> list[int]:
+    return list(_tokenizer(directory).encode(text).ids)
+
+
+@functools.cache
+def _keys(directory: Path) -> dict[str, int]:
+    """Each token's key in a completion's ``top_logprobs`` (its text, or ``bytes:`` and its bytes escaped where
+    they are not whole UTF-8, as OpenAI writes them), to its id."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {char: byte for byte, char in bytes_to_unicode().items()}  # byte-level BPE's stand-in characters
+    tokenizer, keys = _tokenizer(directory), {}
+    for token in range(tokenizer.get_vocab_size()):
+        name = tokenizer.id_to_token(token)
+        raw = bytes(byte_of[c] for c in name) if all(c in byte_of for c in name) else name.encode()
+        try:
+            keys[raw.decode()] = token
+        except UnicodeDecodeError:
+            keys["bytes:" + "".join(f"\\x{b:02x}" for b in raw)] = token
+    return keys
+
+
+def _named(directory: Path, choice: dict[str, Any]) -> list[int]:
+    """The tokens *choice*'s logprobs name (the chosen one is each position's last ``top_logprobs`` key), up to
+    the first it does not: a guess for :meth:`Oracle.greedy` to check, never an expected answer."""
+    keys, named = _keys(directory), []
+    for top in choice["logprobs"].get("top_logprobs") or ():
+        if not top or (token := keys.get(list(top)[-1])) is None:
+            break
+        named.append(token)
+    return named
 
 
 def _body(prompt: list[int], max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
@@ -215,14 +272,12 @@ def _raise(family: str, what: str, error: BaseException | None) -> None:
 
 def _check(family: str, answers: list[dict[str, Any]], oracle: Oracle, prompts: list[list[int]],
            directory: Path) -> None:
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer = _tokenizer(directory)
     for prompt, answer in zip(prompts, answers, strict=True):
         assert "choices" in answer, f"{family}: {answer}"
-        tokens, expected = oracle.greedy(prompt)
         choice = answer["choices"][0]
         got = choice["logprobs"]["token_logprobs"]
+        tokens, expected = oracle.greedy(prompt, guess=_named(directory, choice))
         assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=False), family
         assert len(got) == len(expected), family
         worst = max((abs(a - b) for a, b in zip(got, expected, strict=True)), default=0.0)

@@ -10,7 +10,9 @@ rendering and tokenizing of the conversation, independently of mlxcel.
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,13 @@ from mlxcel.testing.checkpoints import build_checkpoint
 from tests.server.conftest import anthropic_client, running_server
 
 SYSTEM = {"role": "system", "content": "You are a coding agent working in a repository. " * 12}
+FIRST = "Fix the bug in main.py"
+
+Answers = dict[str, list[dict[str, Any]]]
+"""An agent's turns (:func:`_agent`'s answers) by the first message of its session."""
 
 
-async def _agent(url: str, turns: int, first: str = "Fix the bug in main.py", max_tokens: int = 8
+async def _agent(url: str, turns: int, first: str = FIRST, max_tokens: int = 8
                  ) -> list[dict[str, Any]]:
     """An agent loop: each turn appends the reply and a tool result, and resends everything."""
     messages: list[dict[str, Any]] = [SYSTEM, {"role": "user", "content": first}]
@@ -39,24 +45,48 @@ async def _agent(url: str, turns: int, first: str = "Fix the bug in main.py", ma
     return answers
 
 
-def _length(checkpoint: Path, messages: list[dict[str, Any]], generation: bool = True) -> int:
+@pytest.fixture(scope="module")
+def without_the_cache(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path, Sequence[str]], Awaitable[Answers]]:
+    """The turns (4) a server without a prefix cache answers an agent whose session starts with each of *firsts*:
+    what a cached run must answer. Each model's from a server of a cache root of its own, each session once a
+    module (two tests compare with the same one)."""
+    answers: dict[tuple[Path, str], list[dict[str, Any]]] = {}
+
+    async def without(model: Path, firsts: Sequence[str]) -> Answers:
+        if missing := [first for first in firsts if (model, first) not in answers]:
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("MLXCEL_CACHE_DIR", str(tmp_path_factory.mktemp("without-the-cache")))
+                async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
+                    for first in missing:
+                        answers[model, first] = await _agent(url, 4, first)
+        return {first: answers[model, first] for first in firsts}
+
+    return without
+
+
+@functools.cache
+def _tokenizer(checkpoint: Path) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def _length(checkpoint: Path, messages: list[dict[str, Any]], generation: bool = True) -> int:
+    tokenizer = _tokenizer(checkpoint)
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
     return len(tokenizer.encode(text, add_special_tokens=False))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4", "inkling"])
 async def test_each_turn_resumes_from_the_last_prompt_and_answers_as_without_the_cache(
-        cache_models: dict[str, Path], family: str) -> None:
+        cache_models: dict[str, Path], family: str,
+        without_the_cache: Callable[[Path, Sequence[str]], Awaitable[Answers]]) -> None:
     model = cache_models[family]
     async with running_server(["--model", str(model)]) as url:
         warm = await _agent(url, 4)
         async with httpx.AsyncClient(base_url=url) as client:
             stats = (await client.get("/v1/cache/stats")).json()
-    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
-        cold = await _agent(url, 4)
+    cold = (await without_the_cache(model, [FIRST]))[FIRST]
     assert [a["choices"][0]["message"]["content"] for a in warm] == \
         [a["choices"][0]["message"]["content"] for a in cold]
     for earlier, answer in itertools.pairwise(warm):
@@ -73,13 +103,14 @@ async def test_each_turn_resumes_from_the_last_prompt_and_answers_as_without_the
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
 async def test_agents_at_once_each_resume_from_their_own_last_prompt(
-        cache_models: dict[str, Path], family: str) -> None:
+        cache_models: dict[str, Path], family: str,
+        without_the_cache: Callable[[Path, Sequence[str]], Awaitable[Answers]]) -> None:
     """Three agents interleaved on one server: their prompts are prefilled together in the continuous batch,
     which keeps the snapshots a solo prefill keeps, so every session resumes from its own last prompt."""
     import trio
 
     model = cache_models[family]
-    firsts = ["Fix the bug in main.py", "Write the tests for util.py", "Explain the build"]
+    firsts = [FIRST, "Write the tests for util.py", "Explain the build"]
     together: dict[str, list[dict[str, Any]]] = {}
 
     async def session(url: str, first: str) -> None:
@@ -94,8 +125,7 @@ async def test_agents_at_once_each_resume_from_their_own_last_prompt(
                 nursery.start_soon(session, url, first)
         async with httpx.AsyncClient(base_url=url) as client:
             stats = (await client.get("/v1/cache/stats")).json()
-    async with running_server(["--model", str(model), "--prompt-cache-size", "0"]) as url:
-        alone = {first: await _agent(url, 4, first) for first in firsts}
+    alone = await without_the_cache(model, firsts)
     for first in firsts:
         assert [a["choices"][0]["message"]["content"] for a in together[first]] == \
             [a["choices"][0]["message"]["content"] for a in alone[first]]

@@ -68,8 +68,19 @@ def _reference(checkpoint: Path) -> tuple[Any, Any, Any]:
             Qwen2VLImageProcessorPil.from_pretrained(checkpoint))
 
 
+_EXPECTED: dict[tuple[Path, str, tuple[tuple[tuple[int, int], bytes], ...]], str] = {}
+
+
 def _expected(checkpoint: Path, messages: list[dict[str, Any]], images: list[Image.Image]) -> str:
-    """transformers' greedy continuation of *messages* (``{"type": "image"}`` parts take *images* in order)."""
+    """transformers' greedy continuation of *messages* (``{"type": "image"}`` parts take *images* in order); the
+    same conversation's once a module."""
+    key = (checkpoint, json.dumps(messages, sort_keys=True), tuple((image.size, image.tobytes()) for image in images))
+    if key not in _EXPECTED:
+        _EXPECTED[key] = _greedy(checkpoint, messages, images)
+    return _EXPECTED[key]
+
+
+def _greedy(checkpoint: Path, messages: list[dict[str, Any]], images: list[Image.Image]) -> str:
     import torch
 
     model, tokenizer, processor = _reference(checkpoint)

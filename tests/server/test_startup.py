@@ -1,8 +1,9 @@
 """Bad files and options at start, through the real command line: one line, exit status 2, before binding.
 
 A refusal is decided before anything process-wide, so most run the command line's entry point in this
-process; a process of its own runs the console script end to end, the cases a regression would block
-(a FIFO), and the starts that bind or serve.
+process, as do the starts whose log is the subject (:func:`_served`); a process of its own runs the console
+script end to end, the cases a regression would block (a FIFO), and the starts whose subject is the process
+(its open-file limit, its exit status after binding).
 
 Tests run as root, for whom no permission bit makes a file unreadable, so the
 unreadable files here are a directory, a dangling link or a FIFO where a file
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import resource
 import shutil
@@ -22,11 +24,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
+from mlxcel.cli import build_parser
 from mlxcel.testing.serving import child_env, free_port, wait_healthy
-from tests.server.conftest import mlxcel, refused
+from tests.server.conftest import cli, mlxcel, refused, stoppable_server
+
+if TYPE_CHECKING:
+    from mlxcel.fleet.serve import FleetConfig
+    from mlxcel.serve import ServeConfig
 
 
 def _one_error_line(status: int | str | None, stderr: str) -> str:
@@ -147,6 +155,29 @@ def _serve_until_ready(args: list[str], env: dict[str, str], log: Path, *, nofil
     return status, log.read_text()
 
 
+def _served(caplog: pytest.LogCaptureFixture, *argv: str) -> tuple[object, str]:
+    """`mlxcel serve *argv*` through the command line's entry point in this process (:func:`cli`), its server
+    run until ``/health`` answers 200 and then stopped as SIGTERM stops it. Returns (exit status, its log: what it
+    logged at the command line's default ``--log-level``, a line a record, and its stderr).
+
+    For the starts whose log is the subject: nothing process-wide (the BLAS, signals, the open-file limit) is,
+    so a new interpreter would add only its imports.
+    """
+    import mlxcel.serve
+
+    async def until_ready(config: ServeConfig | FleetConfig) -> None:  # serve.main, less signals and open-file limit
+        async with stoppable_server(config):
+            pass
+
+    level = getattr(logging, build_parser().parse_args(["serve"]).log_level.upper())
+    seen = len(caplog.records)
+    with pytest.MonkeyPatch.context() as patch, caplog.at_level(level):
+        patch.setattr(mlxcel.serve, "main", until_ready)
+        status, stderr = cli("serve", "--port", "0", *argv)
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records[seen:]]
+    return status, "\n".join([*lines, stderr])
+
+
 @pytest.mark.slow
 def test_a_fifo_at_the_hint_path_is_ignored_with_a_warning(tmp_path: Path) -> None:
     from mlxcel.hardware import detect_host
@@ -170,21 +201,19 @@ def test_a_fifo_at_the_hint_path_is_ignored_with_a_warning(tmp_path: Path) -> No
     (["--draft-block-size", "3"], "--draft-block-size 3 has no effect without a drafter"),
     (["--no-batch", "--mtp"], "--no-batch has no MTP path: --mtp is ignored"),
 ], ids=["block-size-without-drafter", "no-batch-mtp"])
-def test_ignored_option_combinations_warn_once(llama: Path, tmp_path: Path, args: list[str],
+def test_ignored_option_combinations_warn_once(llama: Path, caplog: pytest.LogCaptureFixture, args: list[str],
                                                warning: str) -> None:
     model = ["--model", str(llama)] if "--mtp" not in args else []  # the bundled model has an MTP head
-    status, log = _serve_until_ready([*model, *args], {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")},
-                                     tmp_path / "serve.log")
+    status, log = _served(caplog, *model, *args)
     assert status == 0, log
     assert len([line for line in log.splitlines() if warning in line]) == 1, log
     assert "MTP drafter:" not in log
 
 
 @pytest.mark.slow
-def test_access_log_is_off_by_default_and_on_with_the_flag(llama: Path, tmp_path: Path) -> None:
-    env = {"MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
-    _, quiet = _serve_until_ready(["--model", str(llama)], env, tmp_path / "quiet.log")
-    _, logged = _serve_until_ready(["--model", str(llama), "--access-log"], env, tmp_path / "logged.log")
+def test_access_log_is_off_by_default_and_on_with_the_flag(llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    _, quiet = _served(caplog, "--model", str(llama))
+    _, logged = _served(caplog, "--model", str(llama), "--access-log")
     assert "GET /health" not in quiet
     assert any("hypercorn.access" in line and '"GET /health 1.1" 200' in line for line in logged.splitlines()), logged
 
