@@ -1,5 +1,6 @@
 # mlxcel developer tasks. `just --list` shows them; CI and the README need no `just`
-# (.ci/run runs the same commands as `check`, in the same order).
+# (.ci/run runs the same commands as `check`: after the install, ruff and the statechart check, then the
+# tests with mypy beside them at the lowest priority).
 
 venv := ".venv/bin/"
 

@@ -136,24 +136,24 @@ async def test_a_model_dir_serves_every_checkpoint_by_its_layouts_name_and_unloa
     (root / "org" / "bye").symlink_to(scripted["bye"], target_is_directory=True)  # LM Studio's ORG/NAME
     (root / "third").symlink_to(scripted["third"], target_is_directory=True)
     async with running_server(["--model", str(scripted["hello"]), "--model-dir", str(root),
-                               "--idle-unload", "300ms"]) as url, \
+                               "--idle-unload", "100ms"]) as url, \
             httpx.AsyncClient(base_url=url, timeout=60) as client:
         assert list(await _states(client)) == ["hello", "org/bye", "third"]
         assert _text(await _say(client, "org/bye")) == "Bye for now."
         assert _text(await _say(client, "third")) == "A third one."
-        with trio.fail_after(30):  # idle for 300 ms, each is unloaded (the --model one too: nothing pins it)
+        with trio.fail_after(30):  # idle for 100 ms, each is unloaded (the --model one too: nothing pins it)
             while set((await _states(client)).values()) != {"unloaded"}:
-                await trio.sleep(0.1)
+                await trio.sleep(0.02)
         assert _text(await _say(client, "third")) == "A third one."  # and loads again when asked for
         # A stream for a model not loaded begins with keep-alives while it loads, then is the model's own stream.
         with trio.fail_after(30):
             while (await _states(client))["org/bye"] != "unloaded":
-                await trio.sleep(0.1)
+                await trio.sleep(0.02)
         openai = await client.post("/v1/chat/completions", json={
             "model": "org/bye", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
         with trio.fail_after(30):
             while (await _states(client))["org/bye"] != "unloaded":
-                await trio.sleep(0.1)
+                await trio.sleep(0.02)
         anthropic = await client.post("/v1/messages", json={
             "model": "org/bye", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
     assert openai.headers["content-type"].startswith("text/event-stream")

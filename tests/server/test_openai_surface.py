@@ -8,6 +8,7 @@ processors, and the model's forward pass.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -27,14 +28,22 @@ PROMPT = "def wrap(text, width=70):"
 CHAT = [{"role": "user", "content": "Say something about wrapping text."}]
 
 
+@functools.cache
+def _load(checkpoint: Path) -> tuple[Any, Any]:
+    """mlx-lm's own load of *checkpoint*: its model and tokenizer, loaded once for every reference of a module
+    (a reference only reads them: each generation makes its own cache)."""
+    from mlx_lm import load
+
+    return load(str(checkpoint))
+
+
 def _reference(checkpoint: Path, prompt: list[int], max_tokens: int, **processors: Any) -> list[int]:
     """mlx-lm's greedy generation with its own logits processors (mlx-lm's keyword names)."""
     import mlx.core as mx
-    from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_logits_processors
 
-    model, tokenizer = load(str(checkpoint))
+    model, tokenizer = _load(checkpoint)
     out: list[int] = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
                                   logits_processors=make_logits_processors(**processors)):
@@ -47,9 +56,8 @@ def _reference(checkpoint: Path, prompt: list[int], max_tokens: int, **processor
 def _first_position_top(checkpoint: Path, prompt: list[int], k: int) -> list[tuple[int, float]]:
     """The model's own k most likely next tokens after *prompt*, with their log-probabilities."""
     import mlx.core as mx
-    from mlx_lm import load
 
-    model, _ = load(str(checkpoint))
+    model, _ = _load(checkpoint)
     logits = model(mx.array([prompt]))[0, -1].astype(mx.float32)
     logprobs = (logits - mx.logsumexp(logits)).tolist()
     ranked = sorted(range(len(logprobs)), key=lambda t: -logprobs[t])[:k]
@@ -220,8 +228,8 @@ async def test_bias_and_penalties_decode_as_mlx_lm_with_its_processors(llama: Pa
         assert await text(logit_bias={str(favourite): 100}) == tokenizer.decode([favourite] * 24)
         banned = await text(logit_bias={str(t): -100 for t in set(plain)})
         assert banned and not set(tokenizer.encode(banned)) & set(plain)
-        for params, keywords in PROCESSED:
-            expected = _reference(llama, prompt, 24, **keywords)
+        references = [_reference(llama, prompt, 24, **keywords) for _, keywords in PROCESSED]
+        for (params, _), expected in zip(PROCESSED, references, strict=True):
             assert expected != plain, params  # the processor changes this output
             assert await text(**params) == tokenizer.decode(expected), params
         # In the batch too: two requests at once, one with a penalty.
@@ -233,7 +241,7 @@ async def test_bias_and_penalties_decode_as_mlx_lm_with_its_processors(llama: Pa
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: run("penalised", **PROCESSED[0][0]))
             nursery.start_soon(lambda: run("plain"))
-        assert results == {"penalised": tokenizer.decode(_reference(llama, prompt, 24, **PROCESSED[0][1])),
+        assert results == {"penalised": tokenizer.decode(references[0]),
                            "plain": tokenizer.decode(plain)}
 
 
@@ -245,9 +253,8 @@ def _openai_penalised(checkpoint: Path, prompt: list[int], max_tokens: int, pres
 
     import mlx.core as mx
     import numpy as np
-    from mlx_lm import load
 
-    model, tokenizer = load(str(checkpoint))
+    model, tokenizer = _load(checkpoint)
     out: list[int] = []
     for _ in range(max_tokens):
         logits = np.array(model(mx.array([prompt + out]))[0, -1].astype(mx.float32))

@@ -1,7 +1,9 @@
 """The prefix cache's disk tier: an agent's conversation resumes after a restart, and damaged files cost a miss.
 
 Each test has a cache directory of its own (``MLXCEL_CACHE_DIR``, tests/conftest.py); a server that stops
-writes what its prefix cache holds there, and the next server on the same model reads it back on a hit.
+writes what its prefix cache holds there, and the next server on the same model reads it back on a hit. The
+first server's root, the same for every test on a model, is made once a module and each test starts from a copy
+(:func:`written`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,16 +51,41 @@ async def _cold(model: Path, colds: dict[Path, dict[str, Any]]) -> dict[str, Any
     return colds[model]
 
 
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> Callable[[Path], Awaitable[Path]]:
+    """The cache root a server on a model leaves once it answered CONVERSATION and stopped (its prompt caches
+    written), by model: the same for every test, so made once a module, in a root of its own that no server reads
+    (each test resumes from a copy, :func:`_after_a_stop`)."""
+    roots: dict[Path, Path] = {}
+
+    async def root(model: Path) -> Path:
+        if model not in roots:
+            where = tmp_path_factory.mktemp("written")
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setenv("MLXCEL_CACHE_DIR", str(where))
+                async with running_server(["--model", str(model)]) as url:
+                    await _ask(url, CONVERSATION)
+            roots[model] = where
+        return roots[model]
+
+    return root
+
+
+async def _after_a_stop(model: Path, written: Callable[[Path], Awaitable[Path]]) -> None:
+    """This test's cache root as a server on *model* leaves it that answered CONVERSATION and stopped."""
+    shutil.copytree(await written(model), os.environ["MLXCEL_CACHE_DIR"], dirs_exist_ok=True)
+
+
 def _files() -> list[Path]:
     return sorted((Path(os.environ["MLXCEL_CACHE_DIR"]) / "prompt-cache").glob("*/*.safetensors"))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma4", "inkling"])
 async def test_a_conversation_resumes_after_a_restart_as_it_would_have_without_one(
-        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]], family: str) -> None:
+        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]],
+        written: Callable[[Path], Awaitable[Path]], family: str) -> None:
     model = cache_models[family]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
+    await _after_a_stop(model, written)
     assert _files(), "the stopping server wrote its prompt caches"
     async with running_server(["--model", str(model)]) as url:
         resumed = await _ask(url, NEXT)
@@ -67,10 +96,10 @@ async def test_a_conversation_resumes_after_a_restart_as_it_would_have_without_o
 
 
 async def test_damaged_and_foreign_files_are_a_warning_and_a_miss(
-        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]], caplog: pytest.LogCaptureFixture) -> None:
+        cache_models: dict[str, Path], colds: dict[Path, dict[str, Any]],
+        written: Callable[[Path], Awaitable[Path]], caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
+    await _after_a_stop(model, written)
     files = _files()
     directory = files[0].parent
     for path in files:  # every file of ours cut short, as a crash mid-copy would leave it
@@ -90,11 +119,10 @@ async def test_damaged_and_foreign_files_are_a_warning_and_a_miss(
 
 
 async def test_the_disk_tier_is_bounded_and_an_unwritable_directory_turns_it_off(
-        cache_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+        cache_models: dict[str, Path], written: Callable[[Path], Awaitable[Path]], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
+    await _after_a_stop(model, written)
     largest = max(path.stat().st_size for path in _files())
     for path in _files():
         path.unlink()
@@ -142,7 +170,8 @@ async def test_after_a_restart_the_drafter_resumes_where_it_was(tmp_path: Path, 
 
 
 async def test_a_stream_goes_on_while_another_prompts_entry_is_read_from_disk(
-        cache_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+        cache_models: dict[str, Path], written: Callable[[Path], Awaitable[Path]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """An entry on disk is read and checked off the worker's turn: here its read is held until a stream
     beside it has taken ten more tokens, and the arrival it serves waits meanwhile, then resumes from it."""
     from tokenizers import Tokenizer
@@ -150,8 +179,7 @@ async def test_a_stream_goes_on_while_another_prompts_entry_is_read_from_disk(
     import mlxcel.engine.prompt_disk as prompt_disk
 
     model = cache_models["qwen3_5"]
-    async with running_server(["--model", str(model)]) as url:
-        await _ask(url, CONVERSATION)
+    await _after_a_stop(model, written)
     reading, release = threading.Event(), threading.Event()
     real = prompt_disk.checked
 

@@ -9,6 +9,7 @@ here are subprocesses, so that a crash is a failed test, not a dead test run.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import subprocess
@@ -66,6 +67,7 @@ def accepted(schema: Any) -> bool:
     return True
 
 
+@functools.cache  # a pure function of the bounds: two tests ask it of every link
 def longest_accepted(link: Link) -> int:
     links = 0
     while accepted(chain(links + 1, link)):
