@@ -275,24 +275,23 @@ def test_under_mkl_the_row_split_verify_is_byte_identical(mtp_models: dict[str, 
     """MKL multiplies every shape of this pairing differently at 4 rows than at one, and its attention over
     several queries differs from one query's: no wide or half verify is exact at K = 4. The row-split verify
     (each such product a row at a time, the attention a query at a time) is. A BLAS is chosen per process:
-    the servers run in their own."""
+    the server runs in its own, MTP pinned on; a request asking for logprobs is never drafted for, so the
+    same process's classic decode gives the reference."""
     from mlxcel.testing.serving import serve_subprocess
 
-    env = {"MLXCEL_BLAS": "mkl", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"MLXCEL_BLAS": "mkl", "MLXCEL_DRAFT_BLOCK_SIZE": "4", "MLXCEL_CACHE_DIR": str(tmp_path / "cache"),
+           "MLXCEL_ENABLE_MTP_B1": "1"}
+    log = tmp_path / "serve.log"
+    with serve_subprocess(["--model", str(mtp_models["partial"]), "--mtp"], env, log) as url:
+        def texts(**extra: object) -> list[dict[str, object]]:
+            return [httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 30, "temperature": 0,
+                                                              **extra}, timeout=120).json() for prompt in PROMPTS]
 
-    def texts(pin: str) -> tuple[list[dict[str, object]], str]:
-        log = tmp_path / f"serve-{pin}.log"
-        with serve_subprocess(["--model", str(mtp_models["partial"]), "--mtp"], {**env, "MLXCEL_ENABLE_MTP_B1": pin},
-                              log) as url:
-            bodies = [httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 30,
-                                                                 "temperature": 0}, timeout=120).json()
-                      for prompt in PROMPTS]
-        return bodies, log.read_text()
-
-    (on, log), (off, _) = texts("1"), texts("0")
-    assert "at K=4 the burst is byte-identical to classic decode with row-split verify" in log
+        on, off = texts(), texts(logprobs=1)
+    assert "at K=4 the burst is byte-identical to classic decode with row-split verify" in log.read_text()
     assert [b["choices"][0]["text"] for b in on] == [b["choices"][0]["text"] for b in off]  # type: ignore[index]
     assert all(b["timings"]["draft_rounds"] > 0 for b in on)  # type: ignore[index]
+    assert all(b["timings"]["draft_n"] == 0 for b in off)  # type: ignore[index]  # classic decode
 
 
 class _DriftingTarget:
