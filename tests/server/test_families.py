@@ -76,19 +76,18 @@ class Oracle:
     batchable: bool
     cache: dict[tuple[int, ...], tuple[list[int], list[float]]] = field(default_factory=dict)
 
-    def greedy(self, prompt: list[int], max_tokens: int = MAX_TOKENS,
-               guess: list[int] | None = None) -> tuple[list[int], list[float]]:
-        """The greedy tokens after *prompt* and their log-probabilities.
+    def greedy(self, prompt: list[int], guess: list[int]) -> tuple[list[int], list[float]]:
+        """The greedy tokens after *prompt* (MAX_TOKENS at most) and their log-probabilities.
 
         *guess* (the tokens a server answered) only saves forwards, never decides a token: one call of
         ``model(x)`` on the tokens so far and the guess's next ones gives, at each position, the last row of
         ``model(x)`` on the sequence up to there (the models are causal), and every token taken is that row's
         argmax. The guess is followed only while it equals those argmaxes; from its first wrong token on, the
-        decoding goes one token per call, as without one.
+        decoding goes one token per call, as without one (an empty guess: every token so).
         """
-        key = (*prompt, max_tokens)
+        key = tuple(prompt)
         if key not in self.cache:
-            self.cache[key] = self._decode(prompt, max_tokens, list(guess or ()))
+            self.cache[key] = self._decode(prompt, MAX_TOKENS, list(guess))
         return self.cache[key]
 
     def _decode(self, prompt: list[int], max_tokens: int, guess: list[int]) -> tuple[list[int], list[float]]:
@@ -277,7 +276,7 @@ def _check(family: str, answers: list[dict[str, Any]], oracle: Oracle, prompts: 
         assert "choices" in answer, f"{family}: {answer}"
         choice = answer["choices"][0]
         got = choice["logprobs"]["token_logprobs"]
-        tokens, expected = oracle.greedy(prompt, guess=_named(directory, choice))
+        tokens, expected = oracle.greedy(prompt, _named(directory, choice))
         assert choice["text"] == tokenizer.decode(tokens, skip_special_tokens=False), family
         assert len(got) == len(expected), family
         worst = max((abs(a - b) for a, b in zip(got, expected, strict=True)), default=0.0)
