@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ os.environ.pop("SSL_CERT_FILE", None)
 os.environ["SSL_CERT_DIR"] = "/nonexistent/mlxcel-tests-make-no-tls-connections"
 
 from mlxcel.policy import HintStore, HostInfo, PairingKey  # noqa: E402
+from mlxcel.testing.serving import share_import_structures  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = json.loads((ROOT / "docs" / "mtp-policy-v1.schema.json").read_text())
@@ -45,12 +47,25 @@ def validate_wire(body: dict[str, Any]) -> None:
     _WIRE_VALIDATOR.validate(body)
 
 
+_CHILD_FILES = tempfile.TemporaryDirectory(prefix="mlxcel-tests-")
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """What collection made (every test item, every module the test modules import) lives to the session's end:
-    frozen out of the garbage collector's reach, so a full collection no longer walks it (~375k objects, ~0.25 s
-    each time; the fleet's unload runs one, ``mlxcel.fleet.slot.release_memory``). What a test makes later is
-    collected as before."""
+    """In a process that runs tests (xdist's controller collects none), once the tests are known:
+
+    - transformers' import structure is scanned here once and shared with every child a test starts (dozens of
+      ``mlxcel serve`` processes, each of which would scan ~3,400 files at start: ~1.2 s; see
+      :func:`mlxcel.testing.serving.share_import_structures`);
+    - what collection made (every test item, every module the test modules import) lives to the session's end:
+      frozen out of the garbage collector's reach, so a full collection no longer walks it (~375k objects,
+      ~0.25 s each time; the fleet's unload runs one, ``mlxcel.fleet.slot.release_memory``). What a test makes
+      later is collected as before."""
+    share_import_structures(Path(_CHILD_FILES.name))
     gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    _CHILD_FILES.cleanup()
 
 
 def _torch_on_one_thread() -> None:

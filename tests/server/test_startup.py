@@ -16,6 +16,7 @@ import http.client
 import json
 import logging
 import os
+import pickle
 import resource
 import shutil
 import signal
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from mlxcel.cli import build_parser
-from mlxcel.testing.serving import child_env, free_port, wait_healthy
+from mlxcel.testing.serving import IMPORT_STRUCTURES, child_env, free_port, wait_healthy
 from tests.server.conftest import cli, mlxcel, refused, stoppable_server
 
 if TYPE_CHECKING:
@@ -295,6 +296,20 @@ def test_test_servers_import_what_a_users_install_has_no_torch() -> None:
     hidden = subprocess.run([sys.executable, "-c", script], env=child_env(), capture_output=True, text=True,
                             timeout=120, check=True)
     assert hidden.stdout.split() == ["None", "None"], hidden.stderr
+
+
+def test_test_servers_read_transformers_import_structure_as_they_would_scan_it() -> None:
+    # Each child reads the test process's scan of transformers' files (child_site/sitecustomize.py) instead of
+    # scanning them at its start: the structure a child with torch hidden scans for itself, and no scan.
+    script = ("import pickle, sys, pathlib, transformers; from transformers import AutoTokenizer; "
+              "from transformers.utils import import_utils; scan = import_utils.create_import_structure_from_path; "
+              "models = pathlib.Path(transformers.__file__).parent / 'models'; "
+              "sys.stdout.buffer.write(pickle.dumps((hasattr(scan, 'cache_info'), scan(models))))")
+    shared, scanned = (pickle.loads(subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                                   timeout=120, check=True).stdout)
+                       for env in (child_env(), {**child_env(), IMPORT_STRUCTURES: ""}))
+    assert (shared[0], scanned[0]) == (False, True)  # lru_cache's wrapper: transformers' own scanner
+    assert shared[1] == scanned[1] and len(shared[1]) > 1
 
 
 def test_a_start_refused_before_binding_does_not_wait_for_mlx_lm(llama: Path, tmp_path: Path) -> None:
