@@ -13,9 +13,9 @@ goodput, with the classic step measured directly, never as "speculation with no 
 - a row yields E(K) tokens at K, from the chance of each draft position j that draft j is kept given drafts
   1..j-1 were, pooled over rows and Ks, over about the last twenty steps that drafted it (:mod:`.acceptance`);
 - a width not seen yet in a depth band starts from the costs of the nearest width measured in that band, each in use
-  until measured here: the classic step first, trusted at once; a verify by trials of its own (its first step at a
-  new width is a new shape and pays one-off costs); only costs measured at a width are persisted, and a restored
-  verify is measured anew alike;
+  until measured here: the classic step first, by its own trials, the later kept, as at a width measured from
+  nothing; a verify by trials of its own (its first step at a new width is a new shape and pays one-off costs);
+  only costs measured at a width are persisted, and a restored verify is measured anew alike;
 - the step picks the K that maximises width x E(K) / cost(K), against width / cost(0); a K not measured yet at this
   width and band is tried first (each for :data:`TRIALS` steps) once the classic step there is known, if it could
   pay at all: at the least it can cost (the dearest narrower step measured) and the acceptance known so far, it must
@@ -118,8 +118,8 @@ class _Cell:
     """The best K measured when the cell parked, and the share of rows drafting: the park's first classic step's."""
     restored: set[int] = field(default_factory=set)
     """The Ks whose cost an earlier run or another width measured, used as measured until measured here: a
-    verify's by :data:`TRIALS` trials, then averaged; the classic step's first measurement is trusted at once
-    (:meth:`DraftLength._borrowed`)."""
+    verify's by :data:`TRIALS` trials, then averaged; the classic step's by its measurement (a borrowed width
+    times it first, :meth:`DraftLength._borrowed`)."""
     stale: set[int] = field(default_factory=set)
     """The Ks measured again after a cooldown: their next measurement replaces what was known before the park."""
     borrowed: dict[int, float] = field(default_factory=dict)
@@ -352,17 +352,20 @@ class DraftLength:
 
     def _borrowed(self, width: int, band: int) -> _Cell:
         """A new cell, holding the costs of the nearest width measured in its band as if restored: rows join
-        and leave a batch all the time, and a width measured from nothing would run its classic step twice and
-        every K it tries before it pays. Its first step is a classic one (classic steps grow more slowly with the
-        width than verifies: a borrowed one would misjudge every K), then the K its neighbour runs, timed from its
-        second step (the first is a step up)."""
+        and leave a batch all the time, and a width measured from nothing would run every K it tries before it
+        pays. Its first steps are classic ones, :data:`TRIALS` of them as at a new width, the later kept (classic
+        steps grow more slowly with the width than verifies: a borrowed one would misjudge every K; and one step's
+        timing is one draw: 16 rows at 2k timed their first at 7% and 16% over the same process's later runs, and
+        every K there was judged by it, its costs persisted with it), then the K its neighbour runs, timed from
+        its second step (the first is a step up). The classic steps' cost is paid once per width and band on a
+        machine: a restart restores what was measured."""
         near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
         cell = _Cell()
         if near:
             source = self._cells[(min(near)[1], band)]
             for k, seconds in source.costs.items():
                 cell.costs[k], cell.samples[k] = seconds, TRIALS
-            cell.samples[0] = TRIALS - 1  # one classic step measured here first: what every K is judged against
+            cell.samples[0] = 0  # the classic step measured here first: what every K is judged against
             cell.restored, cell.borrowed = set(cell.costs), dict(cell.costs)
             cell.running = source.running
         return cell
