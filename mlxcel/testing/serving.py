@@ -18,7 +18,7 @@ import httpx
 #: A directory whose ``sitecustomize`` prepares a process with it on its PYTHONPATH: torch hidden, transformers'
 #: import structure shared (see that module).
 CHILD_SITE = Path(__file__).parent / "child_site"
-#: The environment variable that module reads the shared structures' file from.
+#: The environment variable that module reads the shared structures' file from (its ``STRUCTURES``).
 IMPORT_STRUCTURES = "MLXCEL_TEST_IMPORT_STRUCTURES"
 
 
@@ -37,7 +37,7 @@ def child_env(settings: Mapping[str, str] | None = None) -> dict[str, str]:
 def share_import_structures(directory: Path) -> None:
     """Scan transformers' import structure here, once, into a file in *directory*, and name it in this process's
     environment, which :func:`child_env` passes on: each child then reads it instead of scanning ~3,400 files at
-    its own start (~1.2 s; ``child_site/sitecustomize.py``). For the tests, whose children number in the dozens;
+    its own start (~0.75 s; ``child_site/sitecustomize.py``). For the tests, whose children number in the dozens;
     a benchmark's servers start as a user's do."""
     import pickle
 

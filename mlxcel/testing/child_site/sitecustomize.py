@@ -12,9 +12,10 @@
 - **transformers' import structure read, not scanned**, where the test process shared its own
   (:func:`mlxcel.testing.serving.share_import_structures`, named by :data:`STRUCTURES`). At every import,
   transformers reads each of its ~3,400 files for its ``__all__`` (``create_import_structure_from_path``, twice:
-  for ``transformers`` and for ``transformers.models``), ~1.2 s of a child's ~3 s start on the suite's machines.
-  The scan is a function of the installed files alone, and the test process runs the same install: its result
-  answers the same two calls here; any other call is scanned as before.
+  for ``transformers`` and for ``transformers.models``): a server child's imports took 2.05 s scanning, 1.29 s
+  reading the shared scan (docs/benchmarks.md, 2026-12-07, twentieth). The scan is a function of the installed
+  files alone, and the test process runs the same install: its result answers the same two calls here; any
+  other call is scanned as before.
 """
 
 import importlib.abc
@@ -25,7 +26,8 @@ import sys
 
 sys.modules.setdefault("torch", None)  # type: ignore[arg-type]  # None: "not importable", as documented
 
-#: The environment variable naming the file of shared structures (module path -> pickled structure).
+#: The environment variable naming the file of shared structures (module path -> pickled structure); the test
+#: process sets it (``mlxcel.testing.serving.IMPORT_STRUCTURES``: this module imports nothing of mlxcel's).
 STRUCTURES = "MLXCEL_TEST_IMPORT_STRUCTURES"
 _SCANNER = "transformers.utils.import_utils"
 
