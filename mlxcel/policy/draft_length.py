@@ -47,27 +47,22 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from .acceptance import Acceptance
 from .batch_view import BatchCell
 from .cost_table import band_bounds, depth_band, read_table
+from .draft_cell import FIRST_COOLDOWN, TRIALS, Cell
 
-#: Steps each K is measured for before the rule trusts its cost.
-TRIALS = 2
 LOOK_AROUND = 32
 """Every this many steps at a K (sooner in a cell's first steps), a step at a neighbouring K keeps its cost
 current; two at the larger, the first not timed (a step at more drafts than the step before it pays one-off costs:
 1.5-2.2 s against 1.2 s at 16 rows, three drafts; docs/benchmarks.md, 2026-12-05, seventh)."""
-#: Weight of the newest measurement in a cost's moving average.
-COST_WEIGHT = 0.25
 #: Switch from the K being run only when another promises this much more throughput.
 SWITCH_GAIN = 1.05
 #: A speculative step slower than the classic step by this factor counts as a loss...
 LOSS_MARGIN = 0.97
 #: ... and this many losses in a row park speculation at that width and band.
 PATIENCE = 4
-FIRST_COOLDOWN = 16
 #: A step that does not lose resets the cooldown when the drafts are expected to add this much more than when
 #: the cell last parked (their acceptance has moved: the next look comes soon).
 RISEN = 1.25
@@ -88,71 +83,6 @@ MIN_DRAFT_YIELD = 0.1
 what a classic step does, a head that never agrees could edge past the classic step on a noisy clock."""
 
 
-@dataclass(slots=True)
-class _Cell:
-    """What one (width, band) has measured."""
-
-    costs: dict[int, float] = field(default_factory=dict)
-    """K -> moving average of a step's seconds (0: the classic step)."""
-    samples: dict[int, int] = field(default_factory=dict)
-    running: int = 0
-    steps: int = 0
-    """Steps chosen here since the last look at a neighbour of the K being run."""
-    looked: int = 0
-    """Which neighbour was looked at last (1: the larger K)."""
-    looking: int = 0
-    """The K of the last step here if it was not timed (0: it was, or none ran)."""
-    looks: int = 0
-    prior_taken: bool = False
-    """:meth:`DraftLength.choose`'s *parked_from* parked it once already."""
-    retry: bool = False
-    """A cooldown just ended: K = 1 is measured again even where the acceptance known says it cannot pay."""
-    losses: int = 0
-    parked_for: int = 0
-    parked_yield: float = 0.0
-    """Tokens the drafts were expected to add to a row at the most drafts when the cell last parked."""
-    cooldown: int = FIRST_COOLDOWN
-    deficit: float = 0.0
-    """Tokens a row the speculative steps here made fewer of than classic steps would have (:data:`DEFICIT`)."""
-    resume: tuple[int, float] | None = None
-    """The best K measured when the cell parked, and the share of rows drafting: the park's first classic step's."""
-    restored: set[int] = field(default_factory=set)
-    """The Ks whose cost an earlier run or another width measured, used as measured until measured here: a
-    verify's by :data:`TRIALS` trials, then averaged; the classic step's by its measurement (a borrowed width
-    times it first, :meth:`DraftLength._borrowed`)."""
-    stale: set[int] = field(default_factory=set)
-    """The Ks measured again after a cooldown: their next measurement replaces what was known before the park."""
-    borrowed: dict[int, float] = field(default_factory=dict)
-    """K -> the cost another width measured (:meth:`DraftLength._borrowed`), until trusted here: then a
-    verify's cost here over its borrowed one rescales the verifies still only borrowed, so the verifies
-    compared stay one width's (the classic step rescales none: it grows with the width otherwise)."""
-
-    def add(self, k: int, seconds: float) -> None:
-        restored = k in self.restored
-        self.restored.discard(k)
-        if restored and k > 0:
-            self.samples[k] = 0
-        old, count = self.costs.get(k), self.samples.get(k, 0)
-        # A verify's trials keep the least: a new shape's first steps pay one-off costs (allocation, page faults) on
-        # and off, and noise only adds (a step runs 4% under its K's median at the 10th percentile, 7-19% over at
-        # the 90th). 8 rows' K = 3 took 0.69 and 0.91 s in its first two timed steps, 0.70-0.72 s run steadily.
-        # The classic step's replace each other: its later runs are few while speculation runs, and a low
-        # estimate of it parks speculation.
-        if old is None or restored or k in self.stale or (k == 0 and count < TRIALS):
-            self.costs[k] = seconds
-        elif count < TRIALS:
-            self.costs[k] = min(old, seconds)
-        else:
-            self.costs[k] = old + COST_WEIGHT * (seconds - old)
-        if k in self.borrowed and count + 1 >= TRIALS:
-            factor = self.costs[k] / self.borrowed.pop(k)
-            if k > 0:
-                for j in (self.restored & self.borrowed.keys()) - {0}:
-                    self.costs[j] *= factor
-        self.stale.discard(k)
-        self.samples[k] = count + 1
-
-
 class DraftLength:
     """The per-step choice of K for a batch of *width* rows at context *depth*.
 
@@ -167,7 +97,7 @@ class DraftLength:
         self.forced = forced
         self.inexact = dict(inexact or {})
         """Widths the exactness probe declined (width -> why): the classic step, pinned or not."""
-        self._cells: dict[tuple[int, int], _Cell] = {}
+        self._cells: dict[tuple[int, int], Cell] = {}
         self.acceptance = Acceptance(max_drafts)
         self._looked_deep = False  # whether a step drafted the most once the first draft was known to agree
 
@@ -308,7 +238,7 @@ class DraftLength:
         cell = min(settled, key=lambda entry: entry[:2])[2]
         return 0 if cell.parked_for else cell.running
 
-    def _may_pay(self, cell: _Cell, k: int, share: float = 1.0) -> bool:
+    def _may_pay(self, cell: Cell, k: int, share: float = 1.0) -> bool:
         """Whether K could beat every K measured here (the classic step included) even at the least it can
         cost (after a park, its cost before it over :data:`STALE_COST`). What is known of the drafts' acceptance
         bounds what it can yield (a head that never agrees is not tried at every K; a narrower K is not tried once a
@@ -323,7 +253,7 @@ class DraftLength:
         return self.expected_tokens(k, share) / least > SWITCH_GAIN * best
 
     @staticmethod
-    def _floor(cell: _Cell, k: int) -> float:
+    def _floor(cell: Cell, k: int) -> float:
         """The least a step at K can cost: a wider verify never costs less than a narrower one measured, nor
         than the classic step."""
         return max(cost for j, cost in cell.costs.items() if j < k)
@@ -332,7 +262,7 @@ class DraftLength:
         """Whether K's drafts are expected to add at least :data:`MIN_DRAFT_YIELD` tokens a row."""
         return self.expected_tokens(k, share) - 1 >= MIN_DRAFT_YIELD
 
-    def _park(self, cell: _Cell, share: float) -> None:
+    def _park(self, cell: Cell, share: float) -> None:
         measured = [k for k in range(1, self.max_drafts + 1) if cell.samples.get(k, 0) >= TRIALS]
         best = max(measured, key=lambda k: self._rate(cell, k, share)) if measured and 0 in cell.costs else 0
         cell.resume = (best, share) if best else None
@@ -340,27 +270,25 @@ class DraftLength:
         cell.parked_yield = self.expected_tokens(self.max_drafts) - 1
         cell.cooldown = min(MAX_COOLDOWN, cell.cooldown * 2)
 
-    def _rate(self, cell: _Cell, k: int, share: float = 1.0) -> float:
+    def _rate(self, cell: Cell, k: int, share: float = 1.0) -> float:
         return self.expected_tokens(k, share) / cell.costs[k]
 
-    def _cell(self, width: int, depth: int) -> _Cell:
+    def _cell(self, width: int, depth: int) -> Cell:
         key = (width, depth_band(depth))
         cell = self._cells.get(key)
         if cell is None:
             cell = self._cells[key] = self._borrowed(*key)
         return cell
 
-    def _borrowed(self, width: int, band: int) -> _Cell:
+    def _borrowed(self, width: int, band: int) -> Cell:
         """A new cell, holding the costs of the nearest width measured in its band as if restored: rows join
         and leave a batch all the time, and a width measured from nothing would run every K it tries before it
-        pays. Its first steps are classic ones, :data:`TRIALS` of them as at a new width, the later kept (classic
-        steps grow more slowly with the width than verifies: a borrowed one would misjudge every K; and one step's
-        timing is one draw: 16 rows at 2k timed their first at 7% and 16% over the same process's later runs, and
-        every K there was judged by it, its costs persisted with it), then the K its neighbour runs, timed from
-        its second step (the first is a step up). The classic steps' cost is paid once per width and band on a
-        machine: a restart restores what was measured."""
+        pays. Its first steps are classic, :data:`TRIALS` of them as at a new width, the later kept (classic steps
+        grow more slowly with the width than verifies: a borrowed one would misjudge every K; one step's timing is
+        one draw: 16 rows at 2k timed a first 7-16% over the later ones), then the K its neighbour runs, timed from
+        its second step (the first is a step up). Paid once per width and band on a machine: costs persist."""
         near = [(abs(w - width), w) for (w, b), cell in self._cells.items() if b == band and 0 in cell.costs]
-        cell = _Cell()
+        cell = Cell()
         if near:
             source = self._cells[(min(near)[1], band)]
             for k, seconds in source.costs.items():
@@ -395,7 +323,7 @@ class DraftLength:
         if isinstance(cells, str):
             return cells
         for key, costs in cells.items():
-            cell = self._cells[key] = _Cell()
+            cell = self._cells[key] = Cell()
             for k, seconds in costs.items():
                 cell.costs[k], cell.samples[k] = seconds, TRIALS
                 cell.restored.add(k)
