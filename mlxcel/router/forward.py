@@ -28,8 +28,10 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
+from typing import cast
 
 import httpx
 import trio
@@ -171,22 +173,25 @@ class Forwarder:
             head = Head(response.status_code, passed, node.id)
             if not response.headers.get("content-type", "").startswith("text/event-stream"):
                 return await self._whole(send, node, response, head)
-            chunks = response.aiter_raw()
-            try:
-                first = await anext(chunks, b"")
-            except httpx.TransportError as exc:
-                await self._lost(send, node, exc)
-                return ANSWERED
-            await send.send(head)
-            try:
-                if first:
-                    await send.send(first)
-                async for chunk in chunks:
-                    await send.send(chunk)
-            except httpx.TransportError as exc:
-                node.lose_request(f"mid-stream: {_describe(exc)}", timed_out=isinstance(exc, httpx.ReadTimeout))
-                await send.send(MID_STREAM_FAILURE)
-                return ANSWERED
+            # Closed here, not by the garbage collector whenever it finds it: a relay cut short (the client gone,
+            # the request cancelled) leaves the generator suspended, and its finalizer would run outside trio.
+            # (httpx annotates it as an AsyncIterator; it is an async generator.)
+            async with aclosing(cast(AsyncGenerator[bytes, None], response.aiter_raw())) as chunks:
+                try:
+                    first = await anext(chunks, b"")
+                except httpx.TransportError as exc:
+                    await self._lost(send, node, exc)
+                    return ANSWERED
+                await send.send(head)
+                try:
+                    if first:
+                        await send.send(first)
+                    async for chunk in chunks:
+                        await send.send(chunk)
+                except httpx.TransportError as exc:
+                    node.lose_request(f"mid-stream: {_describe(exc)}", timed_out=isinstance(exc, httpx.ReadTimeout))
+                    await send.send(MID_STREAM_FAILURE)
+                    return ANSWERED
             node.mark_served()
             return ANSWERED
         finally:
