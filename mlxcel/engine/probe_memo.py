@@ -82,13 +82,14 @@ class ProbeMemo:
             return None
         return RowSplit({(o, i): n for o, i, n in kept["chunks"]}, kept["share"], max_rows, max_batch,
                         kept["steps"], frozenset((o, i) for o, i in kept["batch_shapes"]),
-                        {(o, i): n for o, i, n in kept["pads"]})
+                        {(o, i): n for o, i, n in kept["pads"]}, {(o, i): (t, n) for o, i, t, n in kept["tiles"]})
 
     def save_split(self, split: RowSplit) -> None:
         """Keep *split*, measured at this start (the probes' outcomes, measured after it, are dropped)."""
         self._burst = self._batch = None
         self._split = {"chunks": sorted([*shape, n] for shape, n in split.chunks.items()),
                        "pads": sorted([*shape, n] for shape, n in split.pads.items()),
+                       "tiles": sorted([*shape, *layout] for shape, layout in split.tiles.items()),
                        "batch_shapes": sorted(list(shape) for shape in split.batch_shapes), "share": split.share,
                        "max_rows": split.max_rows, "max_batch": split.max_batch, "steps": split.steps}
         self._save()
@@ -150,9 +151,10 @@ def _split_problem(split: Any) -> str | None:
         return isinstance(value, list) and all(
             isinstance(v, list) and len(v) == width and all(type(n) is int and n > 0 for n in v) for v in value)
 
-    if not (isinstance(split, dict) and set(split) == {"chunks", "pads", "batch_shapes", "share", "max_rows",
-                                                        "max_batch", "steps"}
-            and shapes(split["chunks"], 3) and shapes(split["pads"], 3) and shapes(split["batch_shapes"], 2)
+    if not (isinstance(split, dict) and set(split) == {"chunks", "pads", "tiles", "batch_shapes", "share",
+                                                        "max_rows", "max_batch", "steps"}
+            and shapes(split["chunks"], 3) and shapes(split["pads"], 3) and shapes(split["tiles"], 4)
+            and shapes(split["batch_shapes"], 2)
             and type(split["share"]) in (int, float) and type(split["max_rows"]) is int
             and type(split["max_batch"]) is int and type(split["steps"]) is bool):
         return "its row split is not one"

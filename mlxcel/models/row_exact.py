@@ -13,23 +13,30 @@ decode computes (OpenBLAS here: 512 x 1024 from 2 rows, 128 x 1024 from 8,
   (rows finish earlier, the batch narrows at other steps) two runs of the same
   arrivals can part at a near-tie.
 
-So, once per model, :func:`measure` finds for each float weight shape the most
-rows a product may take at once and still give each row its 1-row bytes, for
-every count up to the widest block the server runs (``max_rows`` positions a
-row, ``max_batch`` rows), with the model's own layers and random rows: a
-kernel's summation order does not depend on the values, so a product that
-differs once differs for almost any input. The row counts 1..N fall into runs
-that share a kernel: this OpenBLAS switches once (a small weight's product
-crosses a size threshold), MKL twice (at 2 rows and at 16), and within a run
-every product gives a row the same bytes wherever it lies (docs/benchmarks.md).
-So on the CPU backend each shape keeps to one run, the first that reaches
-:data:`WHOLE` rows (a lone step's own, unless it holds one count only): on the
-MLX thread a product of fewer rows is *padded* (topped up with zero rows to the
-run's first count), and a product of more rows than the run holds is *chunked*
-into pieces within it. Every product of
-every step, verify and width then gives a row the same bytes, at the cost of
-the few padded rows. A shape whose runs do not behave so (a kernel coming back)
-is chunked instead to the most rows that give each row its one-row bytes.
+So, once per model, :func:`measure` finds for each float weight shape how its
+products may be made to give each row the same bytes at every count up to the
+widest block the server runs (``max_rows`` positions a row, ``max_batch``
+rows), with the model's own layers and random rows: a kernel's summation order
+does not depend on the values, so a product that differs once differs for
+almost any input. Two regularities (:mod:`.row_kernels`, which measures them):
+the row counts 1..N fall into *runs* that share a kernel (this project's first
+machines' OpenBLAS switched once, for small weights; MKL twice, at 2 rows and
+at 16), or a GEMM multiplies whole *tiles* of T rows alike and only the rows
+left over otherwise (OpenBLAS on a Zen 3: T = 12, every shape; there the run
+a lone row is in ends at 3 rows). On the CPU backend, on the MLX thread:
+
+- a shape whose run reaches every count needs nothing, or only a product of
+  fewer rows than its run's first count *padded* (topped up with zero rows);
+- else, where a tile of at most :data:`~.row_kernels.MOST_TILE` rows is found,
+  every step's and verify's product is *tiled*: topped up to a multiple of T
+  rows, one product however wide (a lone step pays up to T - 1 zero rows);
+- else each product keeps to the first run that reaches
+  :data:`~.row_kernels.WHOLE` rows (a lone step's own, unless it holds one
+  count only), padded to its first count and *chunked* into pieces within it;
+  a shape whose runs do not behave so (a kernel coming back) is chunked to the
+  most rows that give each row its one-row bytes.
+
+Every product of every step, verify and width then gives a row the same bytes.
 Chunks apply in two places:
 
 - every step that feeds one position a row (a batch's classic step; a lone
@@ -71,12 +78,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .attention import on_mlx_thread, one_query_at_a_time
-
-#: Of the runs of row counts that share a kernel, the padded and chunked products use the first that reaches
-#: this many rows (or the widest measured): the run a lone step is in, unless that run is the lone step alone.
-#: A lone step then stays as mlx multiplies it wherever it can (padding a small model's every product cost its
-#: lone step a third; docs/benchmarks.md), and a wider product is cut into the fewest pieces that run allows.
-WHOLE = 2
+from .row_kernels import MOST_TILE, kernel_class, positions_differ, tile, tiled, whole
 
 
 class RowSplit:
@@ -86,11 +88,15 @@ class RowSplit:
     def __init__(self, chunks: Mapping[tuple[int, int], int], share: float, max_rows: int = 0,
                  max_batch: int = 1, steps: bool = True,
                  batch_shapes: frozenset[tuple[int, int]] = frozenset(),
-                 pads: Mapping[tuple[int, int], int] | None = None) -> None:
+                 pads: Mapping[tuple[int, int], int] | None = None,
+                 tiles: Mapping[tuple[int, int], tuple[int, int]] | None = None) -> None:
         self.chunks = dict(chunks)
         """(out, in) weight shape -> the most rows a step's or a verify's product takes at once (1..N-1, N =
         *max_rows* x *max_batch*): the end of the shape's run of counts that share a kernel (with :attr:`pads`),
         or the most that give each row its 1-row bytes. A shape in neither is exact at every count measured."""
+        self.tiles = dict(tiles or {})
+        """(out, in) weight shape -> (T, S): on the MLX thread a step's or a verify's product lays its rows S to a
+        tile of T rows (:func:`~.row_kernels.tiled`). A shape here is in neither :attr:`chunks` nor :attr:`pads`."""
         self.pads = dict(pads or {})
         """(out, in) weight shape -> the first count of the shape's run: on the MLX thread a product (or a
         chunk) of fewer rows is topped up to this many."""
@@ -124,6 +130,14 @@ class RowSplit:
                 or not on_mlx_thread():
             return None
         return most
+
+    def tile(self, shape: tuple[int, int], positions: int) -> tuple[int, int] | None:
+        """The tile (T, S) a product by *shape* (*positions* a sequence) lays its rows in, or None: a step or a
+        verify's block on the MLX thread, as :meth:`chunk`."""
+        size = self.tiles.get(shape)
+        if size is None or not (self.active or (positions == 1 and self.steps)) or not on_mlx_thread():
+            return None
+        return size
 
     @contextmanager
     def apart(self, batch: bool = False) -> Iterator[None]:
@@ -163,27 +177,35 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
                 samples.setdefault(shape, module)  # the model's own: no copy of a large head
     most = max_rows * max_batch
     steps = mx.default_device() == mx.cpu
-    chunks, pads, batched = {}, {}, set()
+    chunks, pads, tiles, batched = {}, {}, {}, set()
     for shape, layer in samples.items():
         multiply = layer.as_linear if isinstance(layer, nn.Embedding) else layer
         block = mx.random.normal((most, shape[1]), key=mx.random.key(0)).astype(layer.weight.dtype)
-        kept = _kernel_class(multiply, block) if steps else None
-        if kept is not None:  # padded up to low rows, cut to high rows at most
+        kept = kernel_class(multiply, block) if steps else None
+        # One product topped up to whole tiles, where a run would cut the widest product into pieces: on the
+        # Zen 3 machine 16 rows whole took a fifth of the time of 16 in pieces of 3 (docs/benchmarks.md).
+        layout = None
+        if steps and (kept is None or kept[1] < most):
+            rows = max(most, 2 * MOST_TILE)  # tiles of every size up to MOST_TILE, twice over
+            layout = tile(multiply, mx.random.normal((rows, shape[1]), key=mx.random.key(0)).astype(block.dtype))
+        if layout is not None:
+            tiles[shape] = layout
+        elif kept is not None:  # padded up to low rows, cut to high rows at most
             low, high = kept
             if low > 1:
                 pads[shape] = low
             if high < most:
                 chunks[shape] = high
         else:  # each row its one-row bytes: chunks of the most rows that give them
-            alone = mx.concatenate([_whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
+            alone = mx.concatenate([whole(multiply, block[i:i + 1]) for i in range(most if steps else max_rows)])
             fits = next((n - 1 for n in range(2, len(alone) + 1)
-                         if not mx.array_equal(_whole(multiply, block[:n]), alone[:n]).item()), most)
+                         if not mx.array_equal(whole(multiply, block[:n]), alone[:n]).item()), most)
             if fits < len(alone):
                 chunks[shape] = fits
-        if not steps and any(_positions_differ(multiply, block, rows, max_rows) for rows in range(2, max_batch + 1)):
+        if not steps and any(positions_differ(multiply, block, rows, max_rows) for rows in range(2, max_batch + 1)):
             batched.add(shape)
     total = sum(sizes.values())
-    split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched), pads)
+    split = RowSplit(chunks, 0.0, max_rows, max_batch, steps, frozenset(batched), pads, tiles)
     split.share = sum(sizes[s] for s in split.shapes) / total if total else 0.0
     return adopt(model, split)
 
@@ -198,8 +220,9 @@ def adopt(model: Any, split: RowSplit) -> RowSplit:
     layers = [module for _, module in model.named_modules()
               if isinstance(module, nn.Linear | nn.Embedding) and mx.issubdtype(module.weight.dtype, mx.floating)
               and _plain(module)]
+    shapes = split.chunks.keys() | split.pads.keys() | split.tiles.keys() | split.batch_shapes
     for layer in layers:
-        if tuple(layer.weight.shape) in split.chunks.keys() | split.pads.keys() | split.batch_shapes:
+        if tuple(layer.weight.shape) in shapes:
             if not hasattr(layer, "row_split"):
                 layer.__class__ = _by_rows(type(layer))  # type: ignore[arg-type]  # classes hash
             layer.row_split = split  # a plain attribute: not a parameter, never saved
@@ -258,51 +281,6 @@ def _plain(layer: Any) -> bool:
     return bool(cls.__call__ is nn.Linear.__call__)
 
 
-def _whole(multiply: Any, x: Any) -> Any:
-    """*multiply*(x) with no chunking (a layer measured before is chunked otherwise)."""
-    split = getattr(getattr(multiply, "__self__", multiply), "row_split", None)
-    if split is None:
-        return multiply(x)
-    saved, split.chunks, split.pads, split.batch_shapes = (split.chunks, split.pads, split.batch_shapes), {}, {}, \
-        frozenset()
-    try:
-        return multiply(x)
-    finally:
-        split.chunks, split.pads, split.batch_shapes = saved
-
-
-def _kernel_class(multiply: Any, block: Any) -> tuple[int, int] | None:
-    """The counts (low, high) of *block*'s rows whose products all give each row the same bytes, wherever it
-    lies: of the runs of counts 1..N that share a kernel, the first that reaches :data:`WHOLE` rows (or N);
-    None where a run's kernel comes back later, or a row's bytes move with its place."""
-    import mlx.core as mx
-
-    runs: list[tuple[int, int, Any]] = []  # (low, high, the product of high rows): counts in order
-    for n in range(1, len(block) + 1):
-        product = _whole(multiply, block[:n])
-        if runs and mx.array_equal(product[:n - 1], runs[-1][2]).item():
-            runs[-1] = (runs[-1][0], n, product)
-            continue
-        if any(mx.array_equal(product[:min(n, high)], last[:min(n, high)]).item() for _, high, last in runs[:-1]):
-            return None
-        runs.append((n, n, product))
-    low, high, last = next((run for run in runs if run[1] >= min(len(block), WHOLE)), runs[-1])
-    if high < min(len(block), WHOLE):
-        return None
-    return (low, high) if mx.array_equal(_whole(multiply, block[:high][::-1]), last[::-1]).item() else None
-
-
-def _positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> bool:
-    """Whether a (rows, positions) block's product differs from its products a position at a time (all rows
-    together), for some block of 2..*positions* positions."""
-    import mlx.core as mx
-
-    shaped = block[:rows * positions].reshape(rows, positions, -1)
-    apart = mx.concatenate([_whole(multiply, shaped[:, i:i + 1]) for i in range(positions)], axis=1)
-    return any(not mx.array_equal(_whole(multiply, shaped[:, :m]), apart[:, :m]).item()
-               for m in range(2, positions + 1))
-
-
 def _topped_up(multiply: Any, layer: Any, rows: Any, low: int) -> Any:
     """*multiply*(*layer*, *rows*), the rows topped up with zero rows to *low* (the product's kernel switch)."""
     import mlx.core as mx
@@ -331,6 +309,10 @@ def _by_rows(cls: Any) -> type:
             if x.ndim >= 2:
                 positions = x.shape[-2] if x.ndim >= 3 else x.shape[0]  # flat rows: a block, not a batch's step
                 if split.steps or rows == positions:
+                    layout = split.tile(shape, positions)
+                    if layout is not None:
+                        out = tiled(functools.partial(original, self), x.reshape(rows, x.shape[-1]), layout)
+                        return out.reshape(*x.shape[:-1], out.shape[-1])
                     most = split.chunk(shape, rows, positions)
                 elif split.active and positions > 1 and shape in split.batch_shapes:
                     return mx.concatenate([original(self, x[..., i:i + 1, :]) for i in range(positions)], axis=-2)

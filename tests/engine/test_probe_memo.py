@@ -210,8 +210,8 @@ def test_the_batch_outcome_is_kept_for_its_widths_and_a_new_burst_outcome_drops_
     assert vetoed.batch(range(2, 6)) is None  # measured after the burst's outcome it followed
 
 
-SPLIT = {"chunks": [[64, 32, 3]], "pads": [[64, 32, 2]], "batch_shapes": [], "share": 0.25, "max_rows": 4,
-         "max_batch": 5, "steps": True}
+SPLIT = {"chunks": [[64, 32, 3]], "pads": [[64, 32, 2]], "tiles": [[32, 64, 12, 6]], "batch_shapes": [], "share": 0.25,
+         "max_rows": 4, "max_batch": 5, "steps": True}
 
 
 @pytest.mark.parametrize("record", [
@@ -226,8 +226,10 @@ SPLIT = {"chunks": [[64, 32, 3]], "pads": [[64, 32, 2]], "batch_shapes": [], "sh
     {"fingerprint": PRINT, "split": {**SPLIT, "chunks": [[64, 32]]}, "burst": None, "batch": None},
     {"fingerprint": PRINT, "split": {**SPLIT, "steps": 1}, "burst": None, "batch": None},
     {"fingerprint": PRINT, "split": {**SPLIT, "pads": [[64, 32, 0]]}, "burst": None, "batch": None},
+    {"fingerprint": PRINT, "split": {k: v for k, v in SPLIT.items() if k != "tiles"}, "burst": None, "batch": None},
 ], ids=["unknown-split", "split-and-veto", "one-width", "named-width", "no-batch-field", "split-a-list",
-        "a-digit-not-ascii", "no-row-split-field", "a-chunk-without-its-rows", "steps-not-a-bool", "no-rows"])
+        "a-digit-not-ascii", "no-row-split-field", "a-chunk-without-its-rows", "steps-not-a-bool", "no-rows",
+        "no-tiles-field"])
 def test_a_malformed_record_is_ignored_with_a_warning(tmp_path: Path, record: dict[str, Any],
                                                       caplog: pytest.LogCaptureFixture) -> None:
     hints = HintStore(tmp_path, {})

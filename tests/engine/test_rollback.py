@@ -14,7 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlxcel.engine.exactness import probe_exactness
 from mlxcel.families.qwen3_5.target import Qwen35Target, _gated_delta_block
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models.row_exact import measure
+from mlxcel.models.row_exact import measure, rows_apart
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")  # the probe's rows verify runs on it
 
@@ -207,7 +207,8 @@ def test_both_recurrence_paths_give_the_chain_bytes(hybrid: tuple[Qwen35Target, 
     chain = [np.array(mixer.inner(x[:, t:t + 1], None, chain_cache)) for t in range(len(BLOCK))]
     for per_token in (False, True):
         cache = copy.deepcopy(prompt[index])
-        out, states = _gated_delta_block(mixer.inner, x, cache, per_token=per_token)
+        with rows_apart(model):  # the block's projections as a rows verify multiplies them: each row as its step
+            out, states = _gated_delta_block(mixer.inner, x, cache, per_token=per_token)
         assert np.array(out).tobytes() == np.concatenate(chain, axis=1).tobytes()
         assert [np.array(a).tobytes() for a in cache.cache] == [np.array(a).tobytes() for a in chain_cache.cache]
         assert len(states) == len(BLOCK)

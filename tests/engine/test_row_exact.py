@@ -11,7 +11,7 @@ import mlx.nn as nn
 import pytest
 
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models import attention, row_exact
+from mlxcel.models import attention, row_exact, row_kernels
 
 
 def _off_the_mlx_thread(call: Callable[[mx.array], mx.array], x: mx.array) -> mx.array:
@@ -30,7 +30,7 @@ def test_measured_shapes_give_each_row_the_same_bytes_at_every_width(tmp_path: P
 
     model, _ = load(str(build_mtp_checkpoint(tmp_path / "qwen35", drafter="aligned", context_scale=0.05)))
     split = row_exact.measure(model, 8)
-    measured = split.pads.keys() | split.chunks.keys()
+    measured = split.pads.keys() | split.chunks.keys() | split.tiles.keys()
     assert measured  # this machine's OpenBLAS switches kernel for some small weights
     assert row_exact.measure(model, 4) is split  # measured once per model
     layers = {tuple(m.weight.shape): m for _, m in model.named_modules() if isinstance(m, nn.Linear)}
@@ -80,7 +80,8 @@ def test_a_kept_split_adopted_by_a_fresh_model_is_the_one_measured(tmp_path: Pat
         return [(name, type(module).__name__) for name, module in model.named_modules()]
 
     def fields(split: row_exact.RowSplit) -> tuple[object, ...]:
-        return split.chunks, split.pads, split.batch_shapes, split.share, split.max_rows, split.max_batch, split.steps
+        return (split.chunks, split.pads, split.tiles, split.batch_shapes, split.share, split.max_rows,
+                split.max_batch, split.steps)
 
     assert classes(fresh) == classes(measured) and any(name.startswith("RowSplit") for _, name in classes(fresh))
     assert fields(fresh.row_split) == fields(measured.row_split)
@@ -170,7 +171,7 @@ def test_a_shape_padded_and_cut_gives_each_row_the_bytes_of_its_kernel(on_an_mlx
     # otherwise). The oracle: each row in a product of the run's fewest rows, those after it filling the rest.
     layer = nn.Linear(64, 512)
     x = mx.random.normal((1, 8, 64), key=mx.random.key(1))
-    kernel = row_exact._kernel_class(layer, x[0])
+    kernel = row_kernels.kernel_class(layer, x[0])
     if kernel is None:  # measure() multiplies such a shape in chunks of one-row bytes instead
         pytest.skip("this BLAS's runs of row counts at 512 x 64 come back or move a row's bytes: no run to keep")
     low, high = kernel
@@ -233,3 +234,30 @@ def test_an_moes_quantized_experts_round_alike_on_both_paths(on_an_mlx_thread: N
     for row, position in ((0, 0), (5, 3), (15, 1)):
         alone = experts(x[row:row + 1, position:position + 1], chosen[row:row + 1, position:position + 1])
         assert mx.array_equal(alone, whole[row:row + 1, position:position + 1]).item(), (row, position)
+
+
+@pytest.mark.requires_openblas
+def test_a_tiled_shape_gives_each_row_the_bytes_of_a_tiles_first_place_at_any_width_and_order(
+        on_an_mlx_thread: None) -> None:
+    # Where a GEMM's kernel rounds a row by its place in a tile of rows (OpenBLAS on a Zen 3: tiles of 12, the
+    # second six places otherwise), rows laid in the tiles' first places keep their bytes whatever the width.
+    # The oracle: each row alone in the first place of a tile of zero rows, one plain product of mlx.
+    layer = nn.Linear(64, 512)
+    block = mx.random.normal((40, 64), key=mx.random.key(3))
+    layout = row_kernels.tile(layer, block)
+    if layout is None:
+        pytest.skip("this BLAS rounds no row of 512 x 64 alike at every width in tiles of up to 16 rows")
+    size, slots = layout
+    own = mx.stack([layer(mx.concatenate([block[i:i + 1], mx.zeros((size - 1, 64))]))[0] for i in range(40)])
+    assert not mx.array_equal(_off_the_mlx_thread(layer, block), own).item()  # mlx's product rounds by width
+    model = nn.Sequential(layer)
+    split = row_exact.RowSplit({}, 0.0, max_rows=1, max_batch=40, tiles={(512, 64): layout})
+    layer.__class__ = row_exact._by_rows(nn.Linear)
+    layer.row_split = split
+    model.row_split = split
+    steps = block.reshape(40, 1, 64)  # a batch's step: one position a row
+    for width in (1, slots - 1, slots, slots + 1, size, 17, 40):
+        assert mx.array_equal(layer(steps[:width])[:, 0], own[:width]).item(), width
+    order = mx.array([(7 * i) % 40 for i in range(40)])  # every row elsewhere in the batch
+    assert mx.array_equal(layer(steps[order])[:, 0], own[order]).item()
+    assert not mx.array_equal(_off_the_mlx_thread(layer, block), own).item()  # another thread's: mlx's own
