@@ -6,10 +6,11 @@
 docstring): products kept within the run of row counts that share a kernel, cut into pieces of it (``run``),
 or rows laid a few to a tile of rows that one kernel multiplies alike (``tiles``). On OpenBLAS on a Zen 3
 the run a lone row is in ends at 3 rows and the tiles hold 6 rows of 12. Here the ``--released`` pairing's
-target layers (``benchmarks/batch_mtp.py``: Qwen3.5-0.8B's shapes, 12 layers, ~1 GB fp32) multiply a block of
-*width* rows x *positions* positions (a batch's step at 1, a verify's block at K + 1) through every float linear
-layer of the model, both ways, on the MLX thread; prints the best of *repeats* milliseconds and the ratio.
-Where this BLAS has no tiles (or no run to cut), it says so and times what it has.
+target layers (``benchmarks/batch_mtp.py``: Qwen3.5-0.8B's shapes, 12 layers, ~1 GB fp32) multiply a block
+of *width* rows x *positions* positions (a batch's step at 1, a verify's block at K + 1) through every float
+linear layer, both ways, on the MLX thread (the shapes measure() leaves out of tiles, weights under a million
+elements, as it measured them on both sides); prints the best of *repeats* milliseconds and the ratio. Where
+this BLAS has no tiles, its first line says so, and both sides are the same.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def main() -> None:
             if shape in split.tiles and shape not in runs:
                 block = mx.random.normal((widest, shape[1]), key=mx.random.key(0))
                 runs[shape] = kernel_class(layer, block)
-        tiles = dict(split.tiles)
-        run_chunks = {shape: run[1] for shape, run in runs.items() if run is not None}
-        run_pads = {shape: run[0] for shape, run in runs.items() if run is not None and run[0] > 1}
+        tiles, chunks, pads = dict(split.tiles), dict(split.chunks), dict(split.pads)  # as measured
+        run_chunks = {**chunks, **{shape: run[1] for shape, run in runs.items() if run is not None}}
+        run_pads = {**pads, **{shape: run[0] for shape, run in runs.items() if run is not None and run[0] > 1}}
         print(f"the runs those shapes keep to otherwise: {sorted(set(runs.values()), key=str)}")
 
         def through(block: Any) -> Any:
@@ -85,7 +86,7 @@ def main() -> None:
                     split.active = True  # a rows verify's block: cut or tiled as a step is
                 split.tiles, split.chunks, split.pads = {}, run_chunks, run_pads
                 run = best(width, positions)
-                split.tiles, split.chunks, split.pads = tiles, {}, {}
+                split.tiles, split.chunks, split.pads = tiles, chunks, pads
                 tiled = best(width, positions)
                 split.active = False
                 print(f"{width:>10} x {positions:<4} {run:9.2f} {tiled:10.2f} {run / tiled:11.2f}")

@@ -27,9 +27,11 @@ a lone row is in ends at 3 rows). On the CPU backend, on the MLX thread:
 
 - a shape whose run reaches every count needs nothing, or only a product of
   fewer rows than its run's first count *padded* (topped up with zero rows);
-- else, where a tile of at most :data:`~.row_kernels.MOST_TILE` rows is found,
-  every step's and verify's product is *tiled*: topped up to a multiple of T
-  rows, one product however wide (a lone step pays up to T - 1 zero rows);
+- else, for a weight of :data:`~.row_kernels.TILE_ELEMENTS` or more where a
+  tile of at most :data:`~.row_kernels.MOST_TILE` rows is found, every step's
+  and verify's product is *tiled*: its rows laid S to a tile of T rows (the
+  other places zero rows), one product however wide (a lone step pays a
+  whole tile);
 - else each product keeps to the first run that reaches
   :data:`~.row_kernels.WHOLE` rows (a lone step's own, unless it holds one
   count only), padded to its first count and *chunked* into pieces within it;
@@ -78,7 +80,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from .attention import on_mlx_thread, one_query_at_a_time
-from .row_kernels import MOST_TILE, kernel_class, positions_differ, tile, tiled, whole
+from .row_kernels import MOST_TILE, TILE_ELEMENTS, kernel_class, positions_differ, tile, tiled, whole
 
 
 class RowSplit:
@@ -185,7 +187,7 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
         # One product topped up to whole tiles, where a run would cut the widest product into pieces: on the
         # Zen 3 machine 16 rows whole took a fifth of the time of 16 in pieces of 3 (docs/benchmarks.md).
         layout = None
-        if steps and (kept is None or kept[1] < most):
+        if steps and (kept is None or kept[1] < most) and shape[0] * shape[1] >= TILE_ELEMENTS:
             rows = max(most, 2 * MOST_TILE)  # tiles of every size up to MOST_TILE, twice over
             layout = tile(multiply, mx.random.normal((rows, shape[1]), key=mx.random.key(0)).astype(block.dtype))
         if layout is not None:
