@@ -184,8 +184,8 @@ def measure(model: Any, max_rows: int, max_batch: int = 1) -> RowSplit:
         multiply = layer.as_linear if isinstance(layer, nn.Embedding) else layer
         block = mx.random.normal((most, shape[1]), key=mx.random.key(0)).astype(layer.weight.dtype)
         kept = kernel_class(multiply, block) if steps else None
-        # One product topped up to whole tiles, where a run would cut the widest product into pieces: on the
-        # Zen 3 machine 16 rows whole took a fifth of the time of 16 in pieces of 3 (docs/benchmarks.md).
+        # Rows laid in tiles, one product, where a run would cut the widest product into pieces: on the Zen 3
+        # machine 16 rows in one product took a fifth of the time of 16 in pieces of 3 (docs/blas.md).
         layout = None
         if steps and (kept is None or kept[1] < most) and shape[0] * shape[1] >= TILE_ELEMENTS:
             rows = max(most, 2 * MOST_TILE)  # tiles of every size up to MOST_TILE, twice over
