@@ -26,8 +26,8 @@ from typing import Any
 #: A lone step then stays as mlx multiplies it wherever it can (padding a small model's every product cost its
 #: lone step a third; docs/benchmarks.md), and a wider product is cut into the fewest pieces that run allows.
 WHOLE = 2
-#: The widest tile looked for. A lone step pays a tile's rows (12 rows cost a 1-row product's time and a tenth on
-#: the Zen 3 machine); a wider tile would make every lone step a small batch.
+#: The widest tile looked for. A lone step pays a tile's rows (12 rows cost a 1-row product's time and a tenth to a
+#: fifth on the Zen 3 machine); a wider tile would make every lone step a small batch.
 MOST_TILE = 16
 #: The fewest weight elements a shape's rows are laid in tiles for. Below, a product's time is its operations'
 #: more than its arithmetic: a tiny model's lone step took 1.8-2.2x as long tiled (a tile's pads and slices),
@@ -108,11 +108,11 @@ def tile(multiply: Any, block: Any) -> tuple[int, int] | None:
         every = tiled(alone, block, layout)
         if all(mx.array_equal(tiled(alone, block[:n], layout), every[:n]).item() for n in range(1, len(block))) \
                 and mx.array_equal(tiled(alone, block[::-1], layout), every[::-1]).item():
-            found.append((slots / size, -size, slots))
+            found.append((slots / size, -size, slots))  # the largest share first, then the smallest tile
     if not found:
         return None
-    _, size, slots = max(found)
-    return -size, slots
+    _, smaller, slots = max(found)
+    return -smaller, slots
 
 
 def positions_differ(multiply: Any, block: Any, rows: int, positions: int) -> bool:
