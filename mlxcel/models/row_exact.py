@@ -39,11 +39,11 @@ a lone row is in ends at 3 rows). On the CPU backend, on the MLX thread:
   most rows that give each row its one-row bytes.
 
 Every product of every step, verify and width then gives a row the same bytes.
-Chunks apply in two places:
+Chunks and tiles apply in two places:
 
 - every step that feeds one position a row (a batch's classic step; a lone
-  request's, one row, is already whole), so a row's step is the same bytes at
-  any batch width;
+  request's, one row, is already whole for a chunked shape, and laid in a
+  tile for a tiled one), so a row's step is the same bytes at any batch width;
 - every block of positions inside :func:`rows_apart` (the ``rows`` verify).
 
 Chunked, a (B, K) verify of a 2 MB weight costs B x K one-row products where
