@@ -4,13 +4,19 @@ After a speculative step every row of the batch has fed the same K + 1 tokens
 and kept its own prefix of them. mlx-lm's ``BatchKVCache`` holds the rows
 right-justified at one shared index, with each row's unused front masked as
 left padding, so a row that keeps fewer tokens than another cannot simply be
-shortened. What every row rejected alike is trimmed off the end; each row's
-remaining rejected positions are rotated round to its front, where they join
-its left padding (what mlx-lm's right-padding ``prepare``/``finalize`` does, the
-path its batched prompts take, byte for byte, but only the rows that move are
-copied): no key of a rejected token stays visible to its row and no position
-is left as a hole, and every row's RoPE offset goes back by what it rejected.
-Worker thread only.
+shortened. Some number of rejected positions is trimmed off the end of every
+row; a row that rejected more has the rest rotated round to its front, where
+they join its left padding (what mlx-lm's right-padding ``prepare``/``finalize``
+does, the path its batched prompts take, byte for byte, but only the rows that
+move are copied), and a row that rejected fewer is rotated the other way, its
+kept keys moved forward over padding it had. No key of a rejected token stays
+visible to its row and no position is left as a hole, and every row's RoPE
+offset goes back by what it rejected.
+
+How much is trimmed is chosen to move the fewest rows: a row's move copies its
+whole buffer (a few ms a layer over 2k keys), so when fifteen rows of sixteen
+rejected a draft the sixteenth kept, trimming the fifteen's draft and moving
+the sixteenth forward copies one row, not fifteen. Worker thread only.
 """
 
 from __future__ import annotations
@@ -25,28 +31,44 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 def rollback_kv_rows(layers: Sequence[Any], rejected: Sequence[int]) -> None:
     """Take the last *rejected[i]* positions of row i out of every ``BatchKVCache`` of *layers*."""
     common = min(rejected)
-    rest = [r - common for r in rejected]
-    rotated = []
+    by_shifts: dict[tuple[int, ...], list[Any]] = {}
     for layer in layers:
-        if common:
-            layer.trim(common)  # every row: a shorter shared index, nothing moved
-        if not any(rest) or layer.keys is None:
+        plain = type(layer).finalize is BatchKVCache.finalize  # else a finalize of its own: mlx-lm's path
+        trimmed = fewest_moves(rejected, layer.left_padding.tolist()) if plain and layer.keys is not None else common
+        if trimmed:
+            layer.trim(trimmed)  # every row: a shorter shared index, nothing moved
+        shifts = tuple(r - trimmed for r in rejected)
+        if not any(shifts) or layer.keys is None:
             continue
-        if type(layer).finalize is BatchKVCache.finalize:
-            rotated.append(layer)
-        else:  # a finalize of its own: mlx-lm's path, whatever it does there
-            layer.prepare(right_padding=rest)
+        if plain:
+            by_shifts.setdefault(shifts, []).append(layer)
+        else:  # whatever it does there (rotations to the right only)
+            layer.prepare(right_padding=list(shifts))
             layer.finalize()
-    if rotated:
-        rotate_rows(rotated, rest)
+    for shifts, rotated in by_shifts.items():
+        rotate_rows(rotated, shifts)
+
+
+def fewest_moves(rejected: Sequence[int], padding: Sequence[int]) -> int:
+    """How many positions to trim off every row so that the fewest rows move: a row that rejected more than
+    that is rotated right by the difference, one that rejected fewer left, which it can only be over as much
+    left padding as it holds. Among equal counts, the least trimmed."""
+    def moves(trim: int) -> int | None:
+        if any(r < trim and trim - r > pad for r, pad in zip(rejected, padding, strict=True)):
+            return None
+        return sum(r != trim for r in rejected)
+
+    counted = [(count, trim) for trim in sorted(set(rejected)) if (count := moves(trim)) is not None]
+    return min(counted)[1]  # the least rejected always counts: no row moves left
 
 
 def rotate_rows(layers: Sequence[Any], shifts: Sequence[int]) -> None:
-    """What mlx-lm's ``prepare(right_padding=shifts)`` then ``finalize`` do to each ``BatchKVCache`` of *layers*
-    (every row rotated right by its shift over the whole buffer, the shift then counted as left padding), the
-    same bytes, copying only the rows that move: its ``dynamic_roll`` gathers every element of every row, 1.5 s
-    for three layers of 16 rows over 2k keys on the 2-core CPU, where this takes about 11 ms with one row
-    moving (``benchmarks/batch_rollback.py``). Evaluates the layers' arrays (and what they wait on)."""
+    """Every row of each ``BatchKVCache`` of *layers* rotated right by its shift over the whole buffer (left by a
+    negative one), the shift then counted as left padding and taken off its RoPE offset: for positive shifts what
+    mlx-lm's ``prepare(right_padding=shifts)`` then ``finalize`` do, the same bytes, copying only the rows that
+    move: its ``dynamic_roll`` gathers every element of every row, 1.5 s for three layers of 16 rows over 2k keys
+    on the 2-core CPU, where this takes about 11 ms with one row moving (``benchmarks/batch_rollback.py``).
+    Evaluates the layers' arrays (and what they wait on)."""
     moving = [(i, s) for i, s in enumerate(shifts) if s]
     rows = [[_rotated(array[i:i + 1], s) for i, s in moving]
             for layer in layers for array in (layer.keys, layer.values)]
@@ -65,9 +87,9 @@ def rotate_rows(layers: Sequence[Any], shifts: Sequence[int]) -> None:
 
 
 def _rotated(row: Any, shift: int) -> Any:
-    """*row* (1, H, L, D) rotated right by *shift* positions."""
-    length = row.shape[2]
-    return mx.concatenate([row[:, :, length - shift:], row[:, :, :length - shift]], axis=2)
+    """*row* (1, H, L, D) rotated right by *shift* positions (left by a negative *shift*)."""
+    cut = row.shape[2] - shift % row.shape[2]
+    return mx.concatenate([row[:, :, cut:], row[:, :, :cut]], axis=2)
 
 
 def batch_rollback_supported(cache: list[Any]) -> str | None:

@@ -31,8 +31,8 @@ from .native import run_native
 
 FIRST_MASK_SECONDS = 0.010
 """The most a grammar's first mask may cost, in the compiling thread's CPU time (not wall time: a loaded machine
-does not refuse a cheap grammar). Masks for schemas within the bounds cost tenths of a millisecond to about two
-(``benchmarks/grammar_mask.py``)."""
+does not refuse a cheap grammar), in the better of two compiles when the first is over it. Masks for schemas
+within the bounds cost tenths of a millisecond to about two (``benchmarks/grammar_mask.py``)."""
 
 
 class GrammarProblem(ValueError):
@@ -58,13 +58,22 @@ async def compile_matchers(grammar: str, copies: int, engine: EngineApi) -> list
     if isinstance(ll, str):  # why there is none
         raise GrammarProblem(ll)
 
-    def build() -> list[Any]:
+    def first_masked() -> tuple[Any, float]:
         matcher = llguidance.LLMatcher(ll, grammar, log_level=0, limits=parser_limits())
         started = time.thread_time()
         matcher.compute_bitmask()  # what the first step will ask for; a pure computation
-        spent = time.thread_time() - started
+        return matcher, time.thread_time() - started
+
+    def build() -> list[Any]:
+        matcher, spent = first_masked()
         if matcher.is_error():
             raise GrammarProblem(matcher.get_error().splitlines()[0])
+        if spent > FIRST_MASK_SECONDS:
+            # On a virtual machine a thread's CPU time also counts what the host took from it (``^a{1000}$``'s
+            # first mask, about 1 ms, read 15 ms in a loaded test run): a grammar is refused only if a fresh
+            # compile's first mask is as slow again.
+            matcher, again = first_masked()
+            spent = min(spent, again)
         if spent > FIRST_MASK_SECONDS:
             raise GrammarProblem(f"the grammar's first mask took {spent * 1e3:.0f} ms, more than "
                                  f"{FIRST_MASK_SECONDS * 1e3:.0f}: it would slow every stream decoding beside it")

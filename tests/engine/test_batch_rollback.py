@@ -15,7 +15,7 @@ from mlxcel.families.glm4_moe_lite.target import Glm4MoeLiteTarget
 from mlxcel.families.glm4_moe_lite.tiny import build_glm_checkpoint
 from mlxcel.families.qwen3_5.target import Qwen35Target
 from mlxcel.families.qwen3_5.tiny import build_mtp_checkpoint
-from mlxcel.models.batch_rollback import batch_rollback_supported, rollback_kv_rows
+from mlxcel.models.batch_rollback import batch_rollback_supported, fewest_moves, rollback_kv_rows
 from tests.engine.test_rollback import _arrays as _chain_arrays
 
 pytestmark = pytest.mark.usefixtures("on_an_mlx_thread")
@@ -65,7 +65,9 @@ def _row_arrays(cache: list[Any], row: int) -> list[np.ndarray]:
     return arrays
 
 
-@pytest.mark.parametrize("kept", [[1, 4, 2], [4, 4, 4], [2, 2, 2], [3, 1, 4]])
+# [4, 1, 1] and [2, 1, 1]: the first row (3 of padding) moves forward, the others stay; [1, 1, 4]: the last row
+# has no padding to move over, so the first two move back.
+@pytest.mark.parametrize("kept", [[1, 4, 2], [4, 4, 4], [2, 2, 2], [3, 1, 4], [4, 1, 1], [2, 1, 1], [1, 1, 4]])
 def test_each_row_lands_on_its_own_chain_state(hybrid: tuple[Any, Any], kept: list[int]) -> None:
     target, model = hybrid
     rows = _row_caches(model, PROMPTS)
@@ -101,6 +103,44 @@ def test_a_kv_layer_rolls_only_what_a_row_rejected_beyond_the_others() -> None:
     k, _ = layer.keys_and_values()
     assert k[0, 0, :, 0].tolist() == [0, 1, 2, 3, 4]
     assert k[1, 0, 2:, 0].tolist() == [6, 7, 8]  # its kept keys, right-justified; the front is padding
+
+
+def test_the_fewest_rows_move_and_a_row_moves_forward_only_over_its_padding() -> None:
+    assert fewest_moves([1, 3, 1, 2], [2, 0, 1, 0]) == 1  # two rows move back, as mlx-lm's right padding moves them
+    assert fewest_moves([0, 1, 1, 1], [1, 0, 0, 0]) == 1  # the first row moves forward, alone
+    assert fewest_moves([0, 1, 1, 1], [0, 0, 0, 0]) == 0  # ...but it has no padding to move over
+    assert fewest_moves([0, 2, 2, 0], [2, 0, 0, 2]) == 0  # as many rows either way: the least trimmed
+    layer = BatchKVCache([1, 0, 0])
+    keys = mx.arange(3 * 5, dtype=mx.float32).reshape(3, 1, 5, 1)
+    layer.update_and_fetch(keys, keys)
+    rollback_kv_rows([layer], [0, 1, 1])  # the first row keeps the position the others reject
+    assert layer.size() == 4 and layer.left_padding.tolist() == [0, 0, 0] and layer.offset.tolist() == [4, 4, 4]
+    k, _ = layer.keys_and_values()
+    assert k[:, 0, :, 0].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [10, 11, 12, 13]]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_every_row_keeps_the_keys_and_offset_mlx_lms_right_padding_leaves_it(seed: int) -> None:
+    """Whichever rows move, and which way: each row's unpadded keys and values, and its RoPE offset, are what
+    mlx-lm's ``prepare(right_padding)``/``finalize`` leaves after trimming what every row rejected."""
+    rng = np.random.default_rng(seed)
+    rows = 5
+    padding = [int(p) for p in rng.integers(0, 4, rows)]
+    ours = BatchKVCache(padding)
+    keys = mx.array(rng.standard_normal((rows, 2, int(rng.integers(6, 300)), 3)).astype(np.float32))
+    ours.update_and_fetch(keys, keys + 1)
+    theirs = BatchKVCache([0] * rows)
+    theirs.keys, theirs.values = mx.array(ours.keys), mx.array(ours.values)
+    theirs.offset, theirs.left_padding, theirs._idx = ours.offset, ours.left_padding, ours._idx
+    rejected = [int(r) for r in rng.integers(0, 4, rows)]
+    rollback_kv_rows([ours], rejected)
+    theirs.trim(min(rejected))
+    theirs.prepare(right_padding=[r - min(rejected) for r in rejected])
+    theirs.finalize()
+    assert ours.offset.tolist() == theirs.offset.tolist()
+    for row in range(rows):
+        mine, other = ours.extract(row), theirs.extract(row)
+        assert mx.array_equal(mine.keys, other.keys).item() and mx.array_equal(mine.values, other.values).item()
 
 
 def test_the_rows_rolled_back_are_the_bytes_mlx_lms_own_right_padding_gives() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..batch_rollback import rotate_rows
+from ..batch_rollback import rollback_kv_rows
 
 #: A batch's drafter reads at most this many queued positions a row in one head forward; a row still
 #: prefilling reads its prompt in pieces of this many as they arrive, alone, so what it queues stays below it.
@@ -216,9 +216,9 @@ class OwnCacheBatch:
                 tokens.append(mx.pad(t, [(0, 0), (0, pad)]) if pad else t)
             padding = [longest - piece for piece in pieces]
             out = forward(d.embed(mx.concatenate(tokens, axis=0)), mx.concatenate(hiddens, axis=0))
-            if any(padding):  # as mlx-lm's right-padded prompts: the padding ends up as each row's left padding
-                mx.eval(out)  # the forward done first, so that the rotation writes its rows in place
-                rotate_rows(self._cache, padding)
+            if any(padding):  # taken out as a verify's rejected drafts are: trimmed, or made left padding
+                mx.eval(out)  # the forward done first, so that the rotations write their rows in place
+                rollback_kv_rows(self._cache, padding)
             fed.append((out, pieces))
         return fed
 
