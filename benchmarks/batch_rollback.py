@@ -9,7 +9,10 @@ three full-attention layers of 2 KV heads of 256 (fp32) and nine gated-delta lay
 
 - attention: mlx-lm's ``prepare(right_padding)``/``finalize`` (a ``dynamic_roll`` of every row) against
   ``mlxcel.models.batch_rollback.rollback_kv_rows`` (the rows that move, rotated, written in place);
-- gated-delta: every token's state stacked, then one taken per row, against each row's own state.
+- gated-delta: every token's state stacked, then one taken per row, against each row's own state;
+- attention again, every row holding a position of left padding (an earlier rollback's): trimmed at what the
+  fewest rows rejected, the others rotated back (as before 2026-12-07), against trimmed so that the fewest rows
+  move (with ``--moving 15``, one row moves forward instead of fifteen back).
 
 Prints the best of *repeats* seconds of each and the ratio.
 """
@@ -27,7 +30,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import BatchKVCache  # noqa: E402
 
 from benchmarks._common import best_of  # noqa: E402
-from mlxcel.models.batch_rollback import rollback_kv_rows  # noqa: E402
+from mlxcel.models.batch_rollback import rollback_kv_rows, rotate_rows  # noqa: E402
 
 ATTENTION_LAYERS, MIXER_LAYERS, WIDTH = 3, 9, 4
 
@@ -42,10 +45,10 @@ def main() -> None:
     rows = args.rows
     rejected = [1] * args.moving + [0] * (rows - args.moving)
 
-    def layers() -> list[BatchKVCache]:
+    def layers(padding: int = 0) -> list[BatchKVCache]:
         out = []
         for _ in range(ATTENTION_LAYERS):
-            layer = BatchKVCache([0] * rows)
+            layer = BatchKVCache([padding] * rows)
             keys = mx.random.normal((rows, 2, args.keys, 256))
             layer.update_and_fetch(keys, mx.random.normal(keys.shape))
             mx.eval(layer.keys, layer.values)
@@ -60,6 +63,13 @@ def main() -> None:
 
     def ours(cache: list[BatchKVCache]) -> list[Any]:
         rollback_kv_rows(cache, rejected)
+        return [layer.state[:4] for layer in cache]
+
+    def least_trimmed(cache: list[BatchKVCache]) -> list[Any]:
+        common = min(rejected)
+        for layer in cache:
+            layer.trim(common)
+        rotate_rows(cache, [r - common for r in rejected])
         return [layer.state[:4] for layer in cache]
 
     def states() -> list[list[mx.array]]:
@@ -81,6 +91,9 @@ def main() -> None:
                                       ("gated-delta (9 layers)", states, stacked, by_row)):
         a, b = best_of(setup, theirs, args.repeats), best_of(setup, mine, args.repeats)
         print(f"{name:>24}: mlx-lm's way {a:.4f} s, ours {b:.4f} s, ratio {a / b:.1f}x")
+    a, b = (best_of(lambda: layers(padding=1), way, args.repeats) for way in (least_trimmed, ours))
+    print(f"{'attention, padded rows':>24}: the least trimmed {a:.4f} s, the fewest moving {b:.4f} s, "
+          f"ratio {a / b:.1f}x")
 
 
 if __name__ == "__main__":
