@@ -13,10 +13,11 @@ kept keys moved forward over padding it had. No key of a rejected token stays
 visible to its row and no position is left as a hole, and every row's RoPE
 offset goes back by what it rejected.
 
-How much is trimmed is chosen to move the fewest rows: a row's move copies its
-whole buffer (a few ms a layer over 2k keys), so when fifteen rows of sixteen
-rejected a draft the sixteenth kept, trimming the fifteen's draft and moving
-the sixteenth forward copies one row, not fifteen. Worker thread only.
+How much is trimmed is chosen to move the fewest rows: a moving row's keys and
+values are copied over the buffer's whole length (a few ms a layer over 2k
+keys), so when fifteen rows of sixteen rejected a draft the sixteenth kept,
+trimming the fifteen's draft and moving the sixteenth forward copies one row,
+not fifteen. Worker thread only.
 """
 
 from __future__ import annotations
