@@ -25,6 +25,7 @@ Worker thread only (the fingerprint reads mlx's device).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -165,16 +166,12 @@ def fingerprint(target: Path, drafter: Path, settings: Mapping[str, object]) -> 
     """What the probes' bytes (and the row split's) depend on besides the pairing key and the kernels' versions
     (module docstring): *target* and *drafter* the served files, *settings* those that reach the probed
     forward."""
-    import mlx
     import mlx.core as mx
-    import mlx_lm
 
     from .. import blas
 
     return {
-        "mlxcel": _files_digest(Path(__file__).resolve().parent.parent, "**/*.py"),
-        "mlx": _files_digest(Path(next(iter(mlx.__path__))), "**/*"),  # a development build keeps its version
-        "mlx-lm": _files_digest(Path(next(iter(mlx_lm.__path__))), "**/*.py"),
+        **_builds(),
         "blas": blas.load_fast_blas(),
         "machine": f"{platform.platform()} {platform.machine()} {_cpu()}",
         "device": f"{mx.default_device()} {_device_info()}",
@@ -184,6 +181,21 @@ def fingerprint(target: Path, drafter: Path, settings: Mapping[str, object]) -> 
         "target": _files_digest(target, "**/*"),
         "drafter": _files_digest(drafter, "**/*"),
         "settings": repr(sorted(settings.items())),
+    }
+
+
+@functools.cache
+def _builds() -> dict[str, str]:
+    """The mlxcel, mlx and mlx-lm builds, by their files: walked once a process (a few thousand files: ~0.1 s
+    a start, and a fleet's process starts a model each time it loads one). The code a process runs is what it
+    imported, so a file edited since is not in it; the next process takes the edit."""
+    import mlx
+    import mlx_lm
+
+    return {
+        "mlxcel": _files_digest(Path(__file__).resolve().parent.parent, "**/*.py"),
+        "mlx": _files_digest(Path(next(iter(mlx.__path__))), "**/*"),  # a development build keeps its version
+        "mlx-lm": _files_digest(Path(next(iter(mlx_lm.__path__))), "**/*.py"),
     }
 
 
