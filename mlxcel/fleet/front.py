@@ -149,8 +149,9 @@ class Fleet:
             if slot.state != "failed":
                 slot.state = "unloading"
             slot.engine = slot.app = slot.observability = None
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(release_memory)
+            if not self._stopping.closing:  # a stopping server's memory goes back with its process
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(release_memory)
             if self.ledger is not None:
                 self.ledger.uncharge(slot.entry.id)
             if slot.state != "failed":
