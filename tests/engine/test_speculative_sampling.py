@@ -34,6 +34,7 @@ def speculative(temperature: float, top_p: float, top_k: int,
 
     def draw(logits: mx.array, drafts: list[int]) -> tuple[int, int]:
         accepted, token = sampler(logits, mx.array(drafts, dtype=mx.int32))
+        mx.eval(accepted, token)  # one evaluation a round, as the engine reads a round back
         return int(accepted.item()), int(token.item())  # type: ignore[arg-type]
 
     return draw
@@ -191,7 +192,8 @@ def test_every_emitted_token_follows_classic_decoding(temperature: float, top_p:
     probs = classic_distribution(logits, temperature, top_p, top_k)
     drafts = _drafts(probs, kind)
     sampler = speculative(temperature, top_p, top_k, seed=11)
-    rounds = [sampler(mx.array(logits), drafts) for _ in range(ROUNDS[kind])]
+    verified = mx.array(logits)
+    rounds = [sampler(verified, drafts) for _ in range(ROUNDS[kind])]
 
     for accepted, token in rounds:
         assert 0 <= accepted <= len(drafts)
