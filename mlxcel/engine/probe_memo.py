@@ -186,7 +186,7 @@ def fingerprint(target: Path, drafter: Path, settings: Mapping[str, object]) -> 
 
 @functools.cache
 def _builds() -> dict[str, str]:
-    """The mlxcel, mlx and mlx-lm builds, by their files: walked once a process (a few thousand files: ~0.1 s
+    """The mlxcel, mlx and mlx-lm builds, by their files: walked once a process (a few thousand files: ~0.05 s
     a start, and a fleet's process starts a model each time it loads one). The code a process runs is what it
     imported, so a file edited since is not in it; the next process takes the edit."""
     import mlx
