@@ -69,6 +69,17 @@ class Cell:
             self.costs[k] = min(old, seconds)
         else:
             self.costs[k] = old + COST_WEIGHT * (seconds - old)
+            if k > 0 and k == self.running:
+                # The verifies not run are timed only by a look now and then, so a spell of a slower (or faster)
+                # machine would show in the K run alone: its cost moved, theirs kept what they were timed at, and
+                # the comparison moved with the machine, not the Ks. The verifies move with it (as a width's own
+                # verify rescales its borrowed ones, below); a look times a K's own difference. The classic step
+                # does not: it is re-timed when a park starts, and judged as timed then. (2 rows at 2k: K = 3 ran
+                # 0.50-0.81 s for a spell against 0.41-0.45 s steady, and the rule ran K = 1 for the rest of the
+                # round, docs/benchmarks.md, 2026-12-07.)
+                factor = self.costs[k] / old
+                for j in self.costs.keys() - {0, k}:
+                    self.costs[j] *= factor
         if k in self.borrowed and count + 1 >= TRIALS:
             factor = self.costs[k] / self.borrowed.pop(k)
             if k > 0:

@@ -24,7 +24,9 @@ goodput, with the classic step measured directly, never as "speculation with no 
   has been measured the narrower ones, which can no longer win, are never run;
 - it switches away from the K it runs only for a clear gain (:data:`SWITCH_GAIN`), and every :data:`LOOK_AROUND`
   steps measures a neighbouring K, so the costs it compares stay current (a step at more drafts than the step
-  before it is not timed: it pays one-off costs);
+  before it is not timed: it pays one-off costs), the look's timing replacing that K's cost; between looks the
+  verifies not run move with the moving average of the K run (:meth:`.Cell.add`: a slower spell of the machine
+  shows in the K run alone);
 - when the classic step wins, or a K keeps losing to it as measured, and the steps run there have made
   :data:`DEFICIT` fewer tokens a row than classic steps would have in their time, speculation parks at that width
   and band for a cooldown that doubles with every park (up to :data:`MAX_COOLDOWN` steps) and resets once
@@ -224,6 +226,7 @@ class DraftLength:
             cell.looked = 1 - cell.looked
             neighbour = cell.running + (1 if cell.looked else -1)
             if 1 <= neighbour <= self.max_drafts and (neighbour in measured or self._may_pay(cell, neighbour, share)):
+                cell.stale.add(neighbour)  # its cost is what the look times, not a blend with what it cost before
                 return neighbour
         return cell.running
 
