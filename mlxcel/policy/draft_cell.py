@@ -46,7 +46,8 @@ class Cell:
     verify's by :data:`TRIALS` trials, then averaged; the classic step's by its measurement (a borrowed width
     times it first, :meth:`~.draft_length.DraftLength._borrowed`)."""
     stale: set[int] = field(default_factory=set)
-    """The Ks measured again after a cooldown: their next measurement replaces what was known before the park."""
+    """The Ks measured again after a cooldown, or by a look: their next measurement replaces what was known (after
+    a cooldown, until then, each is judged by its cost before the park: :meth:`~.draft_length.DraftLength._may_pay`)."""
     borrowed: dict[int, float] = field(default_factory=dict)
     """K -> the cost another width measured (:meth:`~.draft_length.DraftLength._borrowed`), until trusted here: then a
     verify's cost here over its borrowed one rescales the verifies still only borrowed, so the verifies
