@@ -13,6 +13,7 @@ import io
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import suppress
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -56,10 +57,8 @@ class _Images(BaseHTTPRequestHandler):
         for key, value in {"Content-Length": str(len(body)), **headers}.items():
             self.send_header(key, value)
         self.end_headers()
-        try:
+        with suppress(OSError):  # a fetcher hangs up on a Content-Length over its bound ("/big") before the body
             self.wfile.write(body)
-        except OSError:  # a fetcher hangs up on a Content-Length over its bound ("/big") before the body
-            pass
 
     def log_message(self, *args: object) -> None:
         pass
