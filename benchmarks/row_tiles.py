@@ -1,6 +1,6 @@
 """A step's products laid in tiles against cut into one kernel's run, side by side: what each costs a step.
 
-    python -m benchmarks.row_tiles [--widths 1 2 4 8 16] [--positions 1 4] [--repeats 7]
+    python -m benchmarks.row_tiles [--widths 1 2 4 8 16] [--positions 1 4] [--repeats 7] [--turned]
 
 ``mlxcel.models.row_exact.measure`` gives every row its own bytes at any width one of two ways (see its
 docstring): products kept within the run of row counts that share a kernel, cut into pieces of it (``run``),
@@ -11,6 +11,12 @@ of *width* rows x *positions* positions (a batch's step at 1, a verify's block a
 linear layer, both ways, on the MLX thread (the shapes measure() leaves out of tiles, weights under a million
 elements, as it measured them on both sides); prints the best of *repeats* milliseconds and the ratio. Where
 this BLAS has no tiles, its first line says so, and both sides are the same.
+
+``--turned`` adds a third layout, measured and not adopted (docs/blas.md): each product turned over,
+``(W @ x.T).T``, with its rows topped up to whole blocks of 8 and 8 rows more. On the Zen 3's OpenBLAS a row's
+bytes in that form are the same at every count (checked here for 1..*widest* rows of every tiled shape, the
+pads random), for 8 * ceil(n / 8) + 8 rows where the tiles pay 12 * ceil(n / 6); and, for reference, the rows
+multiplied as they are (``plain``: what mlx-lm does, no row's bytes its own).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--positions", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--turned", action="store_true", help="also the turned-over layout, and plain rows")
     args = parser.parse_args()
 
     from mlx_lm import load
@@ -65,21 +72,26 @@ def main() -> None:
         run_pads = {**pads, **{shape: run[0] for shape, run in runs.items() if run is not None and run[0] > 1}}
         print(f"the runs those shapes keep to otherwise: {sorted(set(runs.values()), key=str)}")
 
-        def through(block: Any) -> Any:
-            return [layer(block[..., :layer.weight.shape[1]]) for layer in layers]
+        def through(block: Any, multiplies: list[Any] | None = None) -> Any:
+            return [multiply(block[..., :layer.weight.shape[1]])
+                    for layer, multiply in zip(layers, multiplies or layers, strict=True)]
 
-        def best(width: int, positions: int) -> float:
+        def best(width: int, positions: int, multiplies: list[Any] | None = None) -> float:
             block = mx.random.normal((width, positions, max(m.weight.shape[1] for m in layers)),
                                      key=mx.random.key(1))
             mx.eval(block)
             times = []
             for _ in range(args.repeats):
                 started = time.perf_counter()
-                mx.eval(through(block))
+                mx.eval(through(block, multiplies))
                 times.append(time.perf_counter() - started)
             return min(times) * 1000
 
-        print(f"{'rows x positions':>17} {'run (ms)':>9} {'tiles (ms)':>10} {'run / tiles':>11}")
+        if args.turned:
+            print(f"the turned layout gives a row the same bytes at every count 1..{widest}: "
+                  f"{all(turned_holds(layer, widest) for layer in layers if tuple(layer.weight.shape) in tiles)}")
+        print(f"{'rows x positions':>17} {'run (ms)':>9} {'tiles (ms)':>10} {'run / tiles':>11}"
+              + (f" {'turned (ms)':>11} {'tiles / turned':>14} {'plain (ms)':>10}" if args.turned else ""))
         for positions in args.positions:
             for width in args.widths:
                 if positions > 1:
@@ -88,8 +100,41 @@ def main() -> None:
                 run = best(width, positions)
                 split.tiles, split.chunks, split.pads = tiles, chunks, pads
                 tiled = best(width, positions)
+                line = f"{width:>10} x {positions:<4} {run:9.2f} {tiled:10.2f} {run / tiled:11.2f}"
+                if args.turned:
+                    split.tiles = {}
+                    plain = best(width, positions)  # the tiled shapes as they are: not exact
+                    turned = best(width, positions, [_turned(layer) if tuple(layer.weight.shape) in tiles else layer
+                                                     for layer in layers])
+                    split.tiles = tiles
+                    line += f" {turned:11.2f} {tiled / turned:14.2f} {plain:10.2f}"
                 split.active = False
-                print(f"{width:>10} x {positions:<4} {run:9.2f} {tiled:10.2f} {run / tiled:11.2f}")
+                print(line)
+
+
+def _turned(layer: Any) -> Any:
+    """*layer*'s product turned over, rows topped up to 8 * ceil(n / 8) + 8 (zero rows), bias added after."""
+    def multiply(x: Any) -> Any:
+        rows = x.reshape(-1, x.shape[-1])
+        count = rows.shape[0]
+        out = mx.matmul(layer.weight, mx.pad(rows, [(0, 8 * -(-count // 8) + 8 - count), (0, 0)]).T).T[:count]
+        if "bias" in layer:
+            out = out + layer.bias
+        return out.reshape(*x.shape[:-1], -1)
+    return multiply
+
+
+def turned_holds(layer: Any, widest: int) -> bool:
+    """Whether every product of 1..*widest* rows, turned over and topped up with random rows, gives each row
+    the bytes it has in the turned product of all of them."""
+    rows = mx.random.normal((widest, layer.weight.shape[1]), key=mx.random.key(2))
+    every = mx.matmul(layer.weight, mx.pad(rows, [(0, 8 * -(-widest // 8) + 8 - widest), (0, 0)]).T).T[:widest]
+    for count in range(1, widest + 1):
+        pads = mx.random.normal((8 * -(-count // 8) + 8 - count, rows.shape[1]), key=mx.random.key(count))
+        out = mx.matmul(layer.weight, mx.concatenate([rows[:count], pads]).T).T[:count]
+        if not mx.array_equal(out, every[:count]).item():
+            return False
+    return True
 
 
 if __name__ == "__main__":

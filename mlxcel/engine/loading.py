@@ -110,11 +110,22 @@ def _measure_products(model: Any, name: str, positions: int, widest: int) -> Non
                     widest, positions, time.perf_counter() - started)
 
 
+def _turn_weights(model: Any, name: str) -> None:
+    """The model's large float weights stored (in, out) for the BLAS (:mod:`~mlxcel.models.turned_weights`),
+    before anything measures its products."""
+    from ..models.turned_weights import turn
+
+    turned = turn(model)
+    if turned:
+        logger.info("%s: %d float weight(s) stored (in, out) for the BLAS", name, turned)
+
+
 def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, tokenizer: Any,
             release: Callable[[], None], check: Callable[[], None], hints: HintStore | None) -> Loaded:
     import mlx.core as mx
 
     _warn_if_slow_here(model, checkpoint.name)
+    _turn_weights(model, checkpoint.name)
     host = detect_host()
     sharding = settings.sharding
     if sharding is not None:
