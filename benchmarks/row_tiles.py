@@ -1,6 +1,6 @@
 """A step's products laid in tiles against cut into one kernel's run, side by side: what each costs a step.
 
-    python -m benchmarks.row_tiles [--widths 1 2 4 8 16] [--positions 1 4] [--repeats 7] [--turned]
+    python -m benchmarks.row_tiles [--widths 1 2 4 8 16] [--positions 1 4] [--repeats 7] [--swapped]
 
 ``mlxcel.models.row_exact.measure`` gives every row its own bytes at any width one of two ways (see its
 docstring): products kept within the run of row counts that share a kernel, cut into pieces of it (``run``),
@@ -12,7 +12,7 @@ linear layer, both ways, on the MLX thread (the shapes measure() leaves out of t
 elements, as it measured them on both sides); prints the best of *repeats* milliseconds and the ratio. Where
 this BLAS has no tiles, its first line says so, and both sides are the same.
 
-``--turned`` adds a third layout, measured and not adopted (docs/blas.md): each product turned over,
+``--swapped`` adds a third layout, measured and not adopted (docs/blas.md): each product's operands swapped,
 ``(W @ x.T).T``, with its rows topped up to whole blocks of 8 and 8 rows more. On the Zen 3's OpenBLAS a row's
 bytes in that form are the same at every count (checked here for 1..*widest* rows of every tiled shape, the
 pads random), for 8 * ceil(n / 8) + 8 rows where the tiles pay 12 * ceil(n / 6); and, for reference, the rows
@@ -40,7 +40,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--positions", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--turned", action="store_true", help="also the turned-over layout, and plain rows")
+    parser.add_argument("--swapped", action="store_true", help="also the products' operands swapped, and plain rows")
     args = parser.parse_args()
 
     from mlx_lm import load
@@ -87,11 +87,11 @@ def main() -> None:
                 times.append(time.perf_counter() - started)
             return min(times) * 1000
 
-        if args.turned:
-            print(f"the turned layout gives a row the same bytes at every count 1..{widest}: "
-                  f"{all(turned_holds(layer, widest) for layer in layers if tuple(layer.weight.shape) in tiles)}")
+        if args.swapped:
+            print(f"the swapped layout gives a row the same bytes at every count 1..{widest}: "
+                  f"{all(swapped_holds(layer, widest) for layer in layers if tuple(layer.weight.shape) in tiles)}")
         print(f"{'rows x positions':>17} {'run (ms)':>9} {'tiles (ms)':>10} {'run / tiles':>11}"
-              + (f" {'turned (ms)':>11} {'tiles / turned':>14} {'plain (ms)':>10}" if args.turned else ""))
+              + (f" {'swapped (ms)':>11} {'tiles / swapped':>14} {'plain (ms)':>10}" if args.swapped else ""))
         for positions in args.positions:
             for width in args.widths:
                 if positions > 1:
@@ -101,19 +101,19 @@ def main() -> None:
                 split.tiles, split.chunks, split.pads = tiles, chunks, pads
                 tiled = best(width, positions)
                 line = f"{width:>10} x {positions:<4} {run:9.2f} {tiled:10.2f} {run / tiled:11.2f}"
-                if args.turned:
+                if args.swapped:
                     split.tiles = {}
                     plain = best(width, positions)  # the tiled shapes as they are: not exact
-                    turned = best(width, positions, [_turned(layer) if tuple(layer.weight.shape) in tiles else layer
+                    swapped = best(width, positions, [_swapped(layer) if tuple(layer.weight.shape) in tiles else layer
                                                      for layer in layers])
                     split.tiles = tiles
-                    line += f" {turned:11.2f} {tiled / turned:14.2f} {plain:10.2f}"
+                    line += f" {swapped:11.2f} {tiled / swapped:14.2f} {plain:10.2f}"
                 split.active = False
                 print(line)
 
 
-def _turned(layer: Any) -> Any:
-    """*layer*'s product turned over, rows topped up to 8 * ceil(n / 8) + 8 (zero rows), bias added after."""
+def _swapped(layer: Any) -> Any:
+    """*layer*'s product, operands swapped, rows topped up to 8 * ceil(n / 8) + 8 (zero rows), bias added after."""
     def multiply(x: Any) -> Any:
         rows = x.reshape(-1, x.shape[-1])
         count = rows.shape[0]
@@ -124,9 +124,9 @@ def _turned(layer: Any) -> Any:
     return multiply
 
 
-def turned_holds(layer: Any, widest: int) -> bool:
-    """Whether every product of 1..*widest* rows, turned over and topped up with random rows, gives each row
-    the bytes it has in the turned product of all of them."""
+def swapped_holds(layer: Any, widest: int) -> bool:
+    """Whether every product of 1..*widest* rows, operands swapped and topped up with random rows, gives each row
+    the bytes it has in the swapped product of all of them."""
     rows = mx.random.normal((widest, layer.weight.shape[1]), key=mx.random.key(2))
     every = mx.matmul(layer.weight, mx.pad(rows, [(0, 8 * -(-widest // 8) + 8 - widest), (0, 0)]).T).T[:widest]
     for count in range(1, widest + 1):
