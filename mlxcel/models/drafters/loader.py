@@ -192,9 +192,12 @@ def finish_drafter(head: Any, drafter: Callable[[Any], DraftHead], quantize: int
     are kept as they are)."""
     import mlx.core as mx
 
+    from ..turned_weights import turn
+
     if quantize is not None:
         _quantize(head, quantize)
     mx.eval(head.parameters())
+    turn(head)  # its float layers, as the target's (a weight it shares with the target is not copied again)
     return drafter(head)
 
 
