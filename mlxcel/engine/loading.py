@@ -125,9 +125,10 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     import mlx.core as mx
 
     _warn_if_slow_here(model, checkpoint.name)
-    _turn_weights(model, checkpoint.name)
     host = detect_host()
     sharding = settings.sharding
+    if sharding is None:  # a shard's ranks load their own layers: all of them keep mlx's layout alike
+        _turn_weights(model, checkpoint.name)
     if sharding is not None:
         host = replace(host, label=sharding.hardware_label(host.label))
     stream = mx.new_stream(mx.default_device())
