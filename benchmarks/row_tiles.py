@@ -48,10 +48,12 @@ def main() -> None:
     from mlxcel.models.attention import mlx_thread
     from mlxcel.models.row_exact import measure
     from mlxcel.models.row_kernels import kernel_class
+    from mlxcel.models.turned_weights import turn
 
     path = mtp_model("aligned", 0.001, 12, 1024, 4096, True)
     with mlx_thread():
         model, _ = load(str(path))
+        turn(model)  # as the server stores them (mlxcel.models.turned_weights)
         widest = max(args.widths) * max(args.positions)
         started = time.perf_counter()
         split = measure(model, max(args.positions), max_batch=max(args.widths))
