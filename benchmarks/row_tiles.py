@@ -114,12 +114,17 @@ def main() -> None:
                 print(line)
 
 
+def _swapped_rows(count: int) -> int:
+    """The rows a swapped product of *count* rows is topped up to: whole blocks of 8, then 8 more."""
+    return 8 * -(-count // 8) + 8
+
+
 def _swapped(layer: Any) -> Any:
     """*layer*'s product, operands swapped, rows topped up to 8 * ceil(n / 8) + 8 (zero rows), bias added after."""
     def multiply(x: Any) -> Any:
         rows = x.reshape(-1, x.shape[-1])
         count = rows.shape[0]
-        out = mx.matmul(layer.weight, mx.pad(rows, [(0, 8 * -(-count // 8) + 8 - count), (0, 0)]).T).T[:count]
+        out = mx.matmul(layer.weight, mx.pad(rows, [(0, _swapped_rows(count) - count), (0, 0)]).T).T[:count]
         if "bias" in layer:
             out = out + layer.bias
         return out.reshape(*x.shape[:-1], -1)
@@ -130,9 +135,9 @@ def swapped_holds(layer: Any, widest: int) -> bool:
     """Whether every product of 1..*widest* rows, operands swapped and topped up with random rows, gives each row
     the bytes it has in the swapped product of all of them."""
     rows = mx.random.normal((widest, layer.weight.shape[1]), key=mx.random.key(2))
-    every = mx.matmul(layer.weight, mx.pad(rows, [(0, 8 * -(-widest // 8) + 8 - widest), (0, 0)]).T).T[:widest]
+    every = mx.matmul(layer.weight, mx.pad(rows, [(0, _swapped_rows(widest) - widest), (0, 0)]).T).T[:widest]
     for count in range(1, widest + 1):
-        pads = mx.random.normal((8 * -(-count // 8) + 8 - count, rows.shape[1]), key=mx.random.key(count))
+        pads = mx.random.normal((_swapped_rows(count) - count, rows.shape[1]), key=mx.random.key(count))
         out = mx.matmul(layer.weight, mx.concatenate([rows[:count], pads]).T).T[:count]
         if not mx.array_equal(out, every[:count]).item():
             return False

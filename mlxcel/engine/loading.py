@@ -127,9 +127,9 @@ def _set_up(settings: WorkerSettings, checkpoint: CheckpointInfo, model: Any, to
     _warn_if_slow_here(model, checkpoint.name)
     host = detect_host()
     sharding = settings.sharding
-    if sharding is None:  # a shard's ranks load their own layers: all of them keep mlx's layout alike
+    if sharding is None:
         _turn_weights(model, checkpoint.name)
-    if sharding is not None:
+    else:  # a shard's ranks load their own layers: all of them keep mlx's layout alike
         host = replace(host, label=sharding.hardware_label(host.label))
     stream = mx.new_stream(mx.default_device())
     with mx.stream(stream):  # one token through the model: the width of its logits
