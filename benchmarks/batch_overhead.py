@@ -105,7 +105,9 @@ def main() -> None:
         # A batch per pass and side, made when its pass starts: both sides' passes start from the same
         # short context, and no batch holds memory while the other is timed.
         times: dict[str, list[float]] = {"plain": [], "parked": []}
-        for _ in range(args.passes):
+        print(f"model: {path.name}, {args.width} rows at {args.depth} tokens, {args.steps} steps x {args.passes} "
+              "passes", flush=True)
+        for number in range(1, args.passes + 1):
             for side in times:
                 made = batch(side == "parked")
                 spent, steps = 0.0, 0
@@ -117,8 +119,9 @@ def main() -> None:
                         spent, steps = spent + time.perf_counter() - start, steps + 1
                 times[side].append(spent / steps * 1000)
                 made.close()
+                # A pass of the released shapes at 8 rows takes minutes: say where the run is.
+                print(f"pass {number} of {args.passes}: {side} {times[side][-1]:.2f} ms a step", flush=True)
     plain, parked = (statistics.median(times[side]) for side in ("plain", "parked"))
-    print(f"model: {path.name}, {args.width} rows at {args.depth} tokens, {args.steps} steps x {args.passes} passes")
     print(f"plain  {plain:7.2f} ms a step  {[round(t, 2) for t in times['plain']]}")
     print(f"parked {parked:7.2f} ms a step  {[round(t, 2) for t in times['parked']]}")
     print(f"parked / plain: {parked / plain:.3f}")

@@ -60,8 +60,10 @@ def main() -> None:
         print(f"model: {path.name}; measured in {time.perf_counter() - started:.1f} s: "
               f"{len(split.tiles)} shape(s) in tiles {sorted(set(split.tiles.values()))}, "
               f"{len(split.chunks)} chunked, {len(split.pads)} padded")
-        layers = [m for _, m in model.named_modules()
-                  if isinstance(m, nn.Linear) and hasattr(m, "row_split") and m.weight.dtype == mx.float32]
+        if not split.tiles:
+            print("this BLAS lays no shape in tiles: the run and tiles columns are the same products")
+        # Every float layer, split or not (a shape measure() left alone is multiplied as mlx does on every side).
+        layers = [m for _, m in model.named_modules() if isinstance(m, nn.Linear) and m.weight.dtype == mx.float32]
         # The run each tiled shape would keep to otherwise: the first that reaches two rows, cut at its end.
         runs: dict[tuple[int, int], tuple[int, int] | None] = {}
         for layer in layers:
