@@ -143,6 +143,10 @@ def compact_memory() -> str:
     return "page cache dropped, free memory compacted"
 
 
+#: Each ``mlxcel serve`` that :func:`server` started in this process: its URL's log (``benchmarks/_step_log.py``).
+SERVER_LOGS: dict[str, Path] = {}
+
+
 @contextmanager
 def server(model: Path, *args: str, env: dict[str, str] | None = None, tree: Path | None = None) -> Iterator[str]:
     """`mlxcel serve` in a subprocess (the tests' helper); yields its URL once healthy, then SIGTERM.
@@ -156,6 +160,7 @@ def server(model: Path, *args: str, env: dict[str, str] | None = None, tree: Pat
     # Benchmark models are big: loading and the exactness probe at boot take minutes on a slow BLAS.
     with serve_subprocess(["--model", str(model), *args], {**where, **(env or {})}, log, start_timeout=900,
                           cwd=tree.resolve() if tree is not None else None) as url:
+        SERVER_LOGS[url] = log
         yield url
 
 

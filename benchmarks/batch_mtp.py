@@ -22,7 +22,9 @@ commit), and ``on/before``;
 ``off/before``, a change to the classic batch);
 ``--before-env``: settings only that server gets (``--before . --before-env GLIBC_TUNABLES=glibc.malloc.hugetlb=1``:
 this tree on huge pages). ``--step-log``: every server logs each batch step (rows, depth, drafts, seconds, drafts
-kept) to its log in ``.bench/``. ``--processes N``: N servers for each side, a round on each in turn (round r on the
+kept) to its log in ``.bench/``, and each width's line is followed by the speculating sides' tokens/s inside their
+steps of that width, and on/always there: the rule's choices against always-on's, the rounds' admissions left out
+(``benchmarks/_step_log.py``). ``--processes N``: N servers for each side, a round on each in turn (round r on the
 r-th mod N), so that a side's figure is not one process's: two processes of one build can differ by 3-8% for their
 whole lives (docs/benchmarks.md, 2026-12-05, seventh); each process's own median is printed too (a server of
 ``--layers 12 --released`` holds 2.3-2.7 GB: three sides of three left 1 GB of 23 free; at ``--depth 2048`` and 16
@@ -73,6 +75,7 @@ print(f"BLAS: {load_fast_blas()}")
 import httpx  # noqa: E402
 
 from benchmarks._common import compact_memory, complete, context_window, median, mlx_lm_server, mtp_model, server, words  # noqa: E402
+from benchmarks._step_log import StepLog  # noqa: E402
 
 PROMPTS = ["def wrap(text, width=70):", "class Template:", "import os\nimport sys\n", "for line in lines:",
            "def dedent(text):", "if __name__ == '__main__':", "x = {}", "    return", "while True:",
@@ -320,6 +323,9 @@ def one_generation(args: argparse.Namespace, client: httpx.Client, urls: dict[st
         print(f"a stream's prompt: {body['usage']['prompt_tokens_details']['cached_tokens']} of {len(last)} "
               "tokens from the prefix cache")
     print(header(list(urls), args) + "  steps by K (on)")
+    # With --step-log, the speculating sides' rates inside their steps too (benchmarks/_step_log.py).
+    logs = {(side, url): StepLog(url) for side, url in each(urls)
+            if args.step_log and side in ("on", "always", "before")}
     result: dict[int, dict[str, list[float]]] = {}
     for streams in args.streams:
         if args.warm:
@@ -327,6 +333,8 @@ def one_generation(args: argparse.Namespace, client: httpx.Client, urls: dict[st
             for side, url in each(urls):
                 aggregate(client, url, batch, args.tokens, named(side))
         before = steps_by_k(client, urls["on"])
+        for log in logs.values():
+            log.mark()
         rates: dict[str, list[float]] = {side: [] for side in urls}
         by_process: dict[str, list[float]] = {url: [] for _, url in each(urls)}
         for turn in range(args.rounds):
@@ -340,12 +348,28 @@ def one_generation(args: argparse.Namespace, client: httpx.Client, urls: dict[st
         steps = {k: after.get(k, 0) - before.get(k, 0) for k in sorted(after)}
         mid = {side: median(values) for side, values in rates.items()}
         print(line(streams, mid, args) + "  " + " ".join(f"K{k}:{n}" for k, n in steps.items() if n), flush=True)
+        if streams > 1 and logs:
+            print(inside_the_steps(streams, logs), flush=True)
         if args.processes > 1:
             print("        each process: " + "; ".join(
                 f"{side} " + " ".join(f"{median(by_process[url]):.1f}" for url in processes)
                 for side, processes in urls.items()), flush=True)
         result[streams] = rates
     return result
+
+
+def inside_the_steps(streams: int, logs: dict[tuple[str, str], StepLog]) -> str:
+    """Each speculating side's tokens/s inside its steps of *streams* rows since the logs' marks (its processes
+    together), and on / always: the rule's choices of K against always-on's, without the rounds' admissions."""
+    made: dict[str, tuple[int, float]] = {}
+    for (side, _), log in logs.items():
+        tokens, seconds = log.inside(streams)
+        had = made.get(side, (0, 0.0))
+        made[side] = (had[0] + tokens, had[1] + seconds)
+    rate = {side: tokens / seconds for side, (tokens, seconds) in made.items() if seconds}
+    text = f"{'':>7}   inside the {streams}-row steps: " + ", ".join(f"{side} {r:.1f}" for side, r in rate.items())
+    return text + (f"; on/always {rate['on'] / rate['always']:.2f}" if {"on", "always"} <= rate.keys() else "")
+
 
 if __name__ == "__main__":
     main()

@@ -13,6 +13,8 @@ at every count, each found by measurement here, shape by shape:
   rows in the other places) keep their bytes at any count and order (:func:`tile`). OpenBLAS on an AMD EPYC
   (Zen 3, 2026-12-07): T = 12 and S = 6 for every float shape measured, where the run a lone row is in
   ends at 3 rows; cut into pieces of 3, a 16-row product took 5.5 times as long as 16 rows whole (docs/blas.md).
+  The same OpenBLAS on a Zen 4 (its Cooperlake kernels) rounds no row of a large weight by its count: there
+  only small shapes are padded or cut, and nothing is tiled.
 
 The functions here multiply on the calling thread and evaluate: measurement only.
 """
