@@ -367,7 +367,8 @@ def inside_the_steps(streams: int, logs: dict[tuple[str, str], StepLog]) -> str:
         had = made.get(side, (0, 0.0))
         made[side] = (had[0] + tokens, had[1] + seconds)
     rate = {side: tokens / seconds for side, (tokens, seconds) in made.items() if seconds}
-    text = f"{'':>7}   inside the {streams}-row steps: " + ", ".join(f"{side} {r:.1f}" for side, r in rate.items())
+    text = f"{'':>7}   inside the {streams}-row steps: " + (", ".join(f"{side} {r:.1f}" for side, r in rate.items())
+                                                         or "none logged (the rows never ran all together)")
     return text + (f"; on/always {rate['on'] / rate['always']:.2f}" if {"on", "always"} <= rate.keys() else "")
 
 
