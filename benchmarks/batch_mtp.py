@@ -61,6 +61,7 @@ import argparse
 import re
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -275,12 +276,13 @@ def main() -> None:
         print(header(list(pooled[args.streams[0]]), args))
         for streams, rates in pooled.items():
             print(line(streams, {side: median(values) for side, values in rates.items()}, args))
-            for name, best in (("on/off", lambda g: g["off"]), ("on/best", lambda g: max(g["off"], g["always"]))):
-                if name == "on/best" and not args.always:
-                    continue
-                ratios = [g["on"] / best(g) for g in each_generation[streams]]
-                print(f"{'':>7}   {name} by generation: " + " ".join(f"{r:.2f}" for r in ratios)
-                      + f"; median {median(ratios):.2f}", flush=True)
+            generations = each_generation[streams]
+            ratios = {"on/off": [g["on"] / g["off"] for g in generations]}
+            if args.always:
+                ratios["on/best"] = [g["on"] / max(g["off"], g["always"]) for g in generations]
+            for name, values in ratios.items():
+                print(f"{'':>7}   {name} by generation: " + " ".join(f"{r:.2f}" for r in values)
+                      + f"; median {median(values):.2f}", flush=True)
 
 
 def header(sides: list[str], args: argparse.Namespace) -> str:
@@ -361,12 +363,13 @@ def one_generation(args: argparse.Namespace, client: httpx.Client, urls: dict[st
 def inside_the_steps(streams: int, logs: dict[tuple[str, str], StepLog]) -> str:
     """Each speculating side's tokens/s inside its steps of *streams* rows since the logs' marks (its processes
     together), and on / always: the rule's choices of K against always-on's, without the rounds' admissions."""
-    made: dict[str, tuple[int, float]] = {}
+    tokens: Counter[str] = Counter()
+    seconds: Counter[str] = Counter()
     for (side, _), log in logs.items():
-        tokens, seconds = log.inside(streams)
-        had = made.get(side, (0, 0.0))
-        made[side] = (had[0] + tokens, had[1] + seconds)
-    rate = {side: tokens / seconds for side, (tokens, seconds) in made.items() if seconds}
+        made, spent = log.inside(streams)
+        tokens[side] += made
+        seconds[side] += spent
+    rate = {side: tokens[side] / spent for side, spent in seconds.items() if spent}
     text = f"{'':>7}   inside the {streams}-row steps: " + (", ".join(f"{side} {r:.1f}" for side, r in rate.items())
                                                          or "none logged (the rows never ran all together)")
     return text + (f"; on/always {rate['on'] / rate['always']:.2f}" if {"on", "always"} <= rate.keys() else "")
